@@ -1,0 +1,279 @@
+"""policy_loss against an independent float64 implementation of the paper's F table."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dgpo import losses
+from megatron_dgpo.losses import METHODS, policy_loss
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28  # unequal on purpose: a swapped bound would show
+BETA1, BETA2, ASPO_LOW, ASPO_HIGH = 0.75, 1.1, 0.33, 3.0
+
+
+def reference_F(method, w, a, n, m):
+    """The issue's F table, written independently, one scalar at a time, in Python floats."""
+    lo, hi = 1 - EPS_LOW, 1 + EPS_HIGH
+    ln, hp = w < lo and a < 0, w > hi and a > 0
+    if method == "grpo":
+        return 0.0 if (ln or hp) else w
+    if method == "cispo":
+        return min(max(w, lo), hi)
+    if method == "gppo":
+        return lo if ln else hi if hp else w
+    if method == "ce_gppo":
+        return BETA1 * lo if ln else BETA2 * hi if hp else w
+    if method == "aspo":
+        if ln or hp:
+            return 0.0
+        if a > 0:
+            return 1 - ASPO_LOW if w < 1 - ASPO_LOW else 1 / w
+        if a < 0:
+            return 1 + ASPO_HIGH if w > 1 + ASPO_HIGH else w
+        return w
+    if method == "dgpo":
+        # Paper Eq. 8-9: F = W * pi with W = C_left sg(pi)^n, C_left = (1-eps)^-n pi_old^-(n+1)
+        # in LN and W = C_right sg(pi)^(-1/m), C_right = (1+eps)^(1/m) pi_old^(1/m-1) in HP.
+        pi_old = 0.37  # any value: F must not depend on it
+        pi = w * pi_old
+        if ln:
+            return (1 - EPS_LOW) ** -n * pi_old ** -(n + 1) * pi ** n * pi
+        if hp:
+            return (1 + EPS_HIGH) ** (1 / m) * pi_old ** (1 / m - 1) * pi ** (-1 / m) * pi
+        return pi / pi_old
+    raise AssertionError(method)
+
+
+def kwargs(n=1, m=2):
+    return dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, n=n, m=m, beta1=BETA1, beta2=BETA2,
+                aspo_eps_low=ASPO_LOW, aspo_eps_high=ASPO_HIGH)
+
+
+def random_batch(shape=(6, 50), seed=0, dtype=torch.float64):
+    """Ratios spanning every region (log-ratios in [-2.5, 2.5], ASPO's dual clips included)."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(shape, generator=gen, dtype=torch.float64) * 5
+    log_w = (torch.rand(shape, generator=gen, dtype=torch.float64) - 0.5) * 5
+    adv = torch.randn(shape, generator=gen, dtype=torch.float64)
+    adv.view(-1)[:5] = 0.0  # A = 0 tokens (region M whatever w)
+    mask = torch.rand(shape, generator=gen) > 0.2
+    return (old + log_w).to(dtype), old.to(dtype), adv.to(dtype), mask
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n,m", [(n, m) for n in (1, 2, 3) for m in (1, 2, 3)])
+def test_gradient_matches_closed_form(method, n, m):
+    logp, old, adv, mask = random_batch(seed=n * 10 + m)
+    logp.requires_grad_(True)
+    loss, _ = policy_loss(method, logp, old, adv, mask, **kwargs(n, m))
+    loss.backward()
+    num_tokens = mask.sum().item()
+    w = (logp.detach() - old).exp()
+    want = np.zeros(logp.shape)
+    for idx in np.ndindex(*logp.shape):
+        if mask[idx]:
+            f = reference_F(method, w[idx].item(), adv[idx].item(), n, m)
+            want[idx] = -f * adv[idx].item() / num_tokens
+    got = logp.grad.numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-10 * scale
+    nonzero = np.abs(want) > 1e-6 * scale
+    assert np.all(np.abs(got - want)[nonzero] <= 1e-10 * np.abs(want)[nonzero])
+
+
+def test_batch_covers_every_region():
+    logp, old, adv, mask = random_batch()
+    _, metrics = policy_loss("dgpo", logp, old, adv, mask, **kwargs())
+    for region in losses.REGIONS:
+        assert metrics[f"region_{region}_count"] >= 5, region
+    w = (logp - old).exp()
+    assert ((w < 1 - ASPO_LOW) & (adv > 0) & mask).sum() > 3  # ASPO's positive dual clip
+    assert ((w > 1 + ASPO_HIGH) & (adv < 0) & mask).sum() > 3  # ASPO's negative dual clip
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_dgpo_continuous_at_both_boundaries(n, m):
+    def F(w, a):
+        logp = torch.tensor([math.log(w)], dtype=torch.float64, requires_grad=True)
+        loss, _ = policy_loss("dgpo", logp, torch.zeros(1, dtype=torch.float64),
+                              torch.tensor([a], dtype=torch.float64), torch.ones(1),
+                              **kwargs(n, m))
+        loss.backward()
+        return -logp.grad.item() / a
+
+    left, right = 1 - EPS_LOW, 1 + EPS_HIGH
+    for w0, a in ((left, -1.0), (right, 1.0)):
+        assert F(w0, a) == pytest.approx(w0, rel=1e-12)
+        assert F(w0 * (1 - 1e-9), a) == pytest.approx(w0, rel=1e-7)
+        assert F(w0 * (1 + 1e-9), a) == pytest.approx(w0, rel=1e-7)
+
+
+def test_limits_as_ratio_vanishes_in_LN():
+    w = torch.tensor([1e-1, 1e-2, 1e-3, 1e-4], dtype=torch.float64)
+    old = torch.zeros_like(w)
+    adv = -torch.ones_like(w)
+    grads = {}
+    for method in ("dgpo", "gppo"):
+        logp = w.log().requires_grad_(True)
+        policy_loss(method, logp, old, adv, torch.ones_like(w), **kwargs(n=1))[0].backward()
+        grads[method] = logp.grad * len(w)  # = F (A = -1)
+    assert torch.all(grads["dgpo"][1:] < grads["dgpo"][:-1])  # decreasing towards 0
+    assert grads["dgpo"][-1] < 1e-7
+    torch.testing.assert_close(grads["gppo"], torch.full_like(w, 1 - EPS_LOW))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("method", METHODS)
+def test_no_nan_or_inf_on_extreme_inputs(method, dtype):
+    log_w = torch.tensor([80.0, -80.0, 80.0, -80.0, 0.0, 40.0, -40.0, 88.0, -100.0, 700.0])
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 5.0, -5.0, -1.0, 1.0, -2.0])
+    old = torch.full_like(log_w, -3.0)
+    mask = torch.ones_like(log_w, dtype=torch.bool)
+    # masked-out garbage: huge finite values in every input
+    log_w = torch.cat([log_w, torch.tensor([1e30, -1e30])])
+    old = torch.cat([old, torch.tensor([-1e30, 3e38])])
+    adv = torch.cat([adv, torch.tensor([1e30, -3e38])])
+    mask = torch.cat([mask, torch.tensor([False, False])])
+    logp = (old + log_w).to(dtype).requires_grad_(True)
+    for n, m in ((1, 1), (3, 3)):
+        loss, metrics = policy_loss(method, logp, old.to(dtype), adv.to(dtype), mask,
+                                    **kwargs(n, m))
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss), (method, dtype)
+        assert torch.isfinite(grad).all(), (method, dtype, grad)
+        assert torch.all(grad[-2:] == 0)
+        for key, value in metrics.items():
+            if not key.endswith(("_max", "_min")):
+                assert torch.isfinite(value), key
+
+
+def test_masked_tokens_do_not_matter():
+    logp, old, adv, mask = random_batch(seed=3)
+    garbage = torch.where(mask, logp, torch.full_like(logp, -7e3))
+    results = []
+    for lp in (logp, garbage):
+        lp = lp.clone().requires_grad_(True)
+        loss, metrics = policy_loss("dgpo", lp, old, adv, mask, **kwargs())
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    for key in results[0][2]:
+        torch.testing.assert_close(results[0][2][key], results[1][2][key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_num_tokens_normalises_across_micro_batches(method):
+    """Splitting a mini-batch and normalising each part by the global count sums exactly."""
+    logp, old, adv, mask = random_batch(shape=(8, 40), seed=5)
+    logp.requires_grad_(True)
+    whole, whole_metrics = policy_loss(method, logp, old, adv, mask, **kwargs())
+    (whole_grad,) = torch.autograd.grad(whole, logp)
+
+    total = mask.sum()
+    parts, part_metrics = [], []
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 8)):
+        loss, metrics = policy_loss(method, logp[rows], old[rows], adv[rows], mask[rows],
+                                    **kwargs(), num_tokens=total)
+        parts.append(loss)
+        part_metrics.append(metrics)
+    (split_grad,) = torch.autograd.grad(sum(parts), logp)
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-16)
+
+    merged = losses.merge_metrics(part_metrics)
+    assert merged.keys() == whole_metrics.keys()
+    for key in merged:
+        torch.testing.assert_close(merged[key], whole_metrics[key], rtol=1e-12, atol=0)
+
+    # a per-part mean (the classic bias) would differ: the check above can fail
+    biased = sum(policy_loss(method, logp[r], old[r], adv[r], mask[r], **kwargs())[0] / 3
+                 for r in (slice(0, 1), slice(1, 4), slice(4, 8)))
+    assert not torch.allclose(biased, whole)
+
+
+def test_one_dimensional_input_and_default_normaliser():
+    logp, old, adv, mask = random_batch(shape=(30,), seed=7)
+    logp.requires_grad_(True)
+    loss, _ = policy_loss("gppo", logp, old, adv, mask, **kwargs())
+    loss2, _ = policy_loss("gppo", logp, old, adv, mask, **kwargs(), num_tokens=mask.sum() * 2)
+    torch.testing.assert_close(loss2 * 2, loss)
+
+
+def test_forward_values_are_the_documented_objectives():
+    logp, old, adv, mask = random_batch(shape=(4, 25), seed=11)
+    w = (logp - old).exp()
+    count = mask.sum()
+    clipped = w.clamp(1 - EPS_LOW, 1 + EPS_HIGH)
+    ppo = torch.minimum(w * adv, clipped * adv)
+    want_grpo = -(ppo * mask).sum() / count
+    want_cispo = -(clipped * adv * logp * mask).sum() / count
+    got_grpo, _ = policy_loss("grpo", logp, old, adv, mask, **kwargs())
+    got_cispo, _ = policy_loss("cispo", logp, old, adv, mask, **kwargs())
+    torch.testing.assert_close(got_grpo, want_grpo)
+    torch.testing.assert_close(got_cispo, want_cispo)
+    # GPPO's value is PPO's (its clipped terms have value (1 +- eps) A)
+    got_gppo, _ = policy_loss("gppo", logp, old, adv, mask, **kwargs())
+    torch.testing.assert_close(got_gppo, want_grpo)
+
+
+def test_metrics_against_direct_counts():
+    logp, old, adv, mask = random_batch(seed=13)
+    _, metrics = policy_loss("ce_gppo", logp, old, adv, mask, **kwargs())
+    summary = losses.summarize_metrics(metrics)
+    w = (logp - old).exp()[mask]
+    a = adv[mask]
+    ln = (w < 1 - EPS_LOW) & (a < 0)
+    hp = (w > 1 + EPS_HIGH) & (a > 0)
+    assert summary["tokens"] == mask.sum().item()
+    assert summary["region/LN_frac"] == pytest.approx(ln.double().mean().item())
+    assert summary["region/HP_frac"] == pytest.approx(hp.double().mean().item())
+    assert summary["clip_frac"] == pytest.approx((ln | hp).double().mean().item())
+    assert summary["F/LN_mean"] == pytest.approx(BETA1 * (1 - EPS_LOW))
+    assert summary["F/HP_max"] == pytest.approx(BETA2 * (1 + EPS_HIGH))
+    assert summary["ratio/mean"] == pytest.approx(w.mean().item())
+    assert summary["ratio/min"] == pytest.approx(w.min().item())
+    assert summary["ratio/max"] == pytest.approx(w.max().item())
+    fracs = sum(summary[f"region/{r}_frac"] for r in losses.REGIONS)
+    assert fracs == pytest.approx(1.0)
+
+
+def test_empty_mask_gives_zero_loss_and_nan_free_summary():
+    logp, old, adv, _ = random_batch(shape=(5,))
+    mask = torch.zeros(5, dtype=torch.bool)
+    loss, metrics = policy_loss("dgpo", logp.requires_grad_(True), old, adv, mask)
+    assert loss.item() == 0.0
+    summary = losses.summarize_metrics(metrics)
+    assert summary["tokens"] == 0 and math.isnan(summary["ratio/mean"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(method="ppo"), "unknown method 'ppo'"),
+    (dict(n=0), "n must be a positive integer"),
+    (dict(m=1.5), "m must be a positive integer"),
+    (dict(n=True), "n must be a positive integer"),
+    (dict(eps_low=1.0), "eps_low must lie in"),
+    (dict(eps_high=-0.1), "eps_high must be positive"),
+    (dict(aspo_eps_low=0.0), "aspo_eps_low must lie in"),
+    (dict(beta1=-1.0), "beta1 must be finite"),
+    (dict(num_tokens=0), "num_tokens must be a positive scalar"),
+    (dict(shape_mismatch=True), "advantages has shape"),
+])
+def test_bad_arguments_raise(bad, match):
+    logp, old, adv, mask = random_batch(shape=(2, 5))
+    args = dict(method="dgpo")
+    args.update(bad)
+    if args.pop("shape_mismatch", False):
+        adv = adv[:, :3]
+    method = args.pop("method")
+    with pytest.raises(ValueError, match=match):
+        policy_loss(method, logp, old, adv, mask, **args)
+
+
+def test_cli_self_check_and_plot(tmp_path):
+    out = tmp_path / "f.png"
+    assert losses.main(["--n", "2", "--m", "3", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 20_000
