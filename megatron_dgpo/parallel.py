@@ -1,0 +1,90 @@
+"""Set up and tear down Megatron-Core's model-parallel state (TP x PP (x VPP) x DP).
+
+The backend follows the hardware: nccl with a GPU, gloo without one (then the CPU
+compatibility patches of ``megatron_dgpo.cpu`` are applied). DP is what is left of the world:
+``world_size / (tp * pp)``. Megatron's rank order is ``tp-cp-ep-dp-pp``: TP ranks are adjacent,
+PP is outermost.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo.cpu import apply_cpu_compat, cpu_only, seed_model_parallel_rng
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel sizes. DP is derived from the world size."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline_parallel: int | None = None
+    """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no VPP."""
+
+    def __post_init__(self):
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+        vpp = self.virtual_pipeline_parallel
+        if vpp is not None and not (isinstance(vpp, int) and vpp >= 1):
+            raise ValueError(f"ParallelConfig.virtual_pipeline_parallel must be None or a "
+                             f"positive int, got {vpp!r}")
+        if vpp is not None and vpp > 1 and self.pipeline_parallel == 1:
+            raise ValueError("ParallelConfig.virtual_pipeline_parallel > 1 needs "
+                             "pipeline_parallel > 1")
+
+    @property
+    def vpp(self) -> int | None:
+        """VPP size as Megatron wants it: None when there is no interleaving."""
+        vpp = self.virtual_pipeline_parallel
+        return vpp if vpp is not None and vpp > 1 else None
+
+
+def default_backend() -> str:
+    return "gloo" if cpu_only() else "nccl"
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet."""
+    if dist.is_initialized():
+        return
+    if not cpu_only():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend or default_backend())
+
+
+def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
+    """Initialise Megatron's parallel state for ``config`` and seed the model-parallel RNG.
+
+    Needs ``torch.distributed`` initialised (see ``init_distributed``); the world size must be
+    a multiple of TP * PP. Call ``destroy_parallel`` before initialising again.
+    """
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
+    world = dist.get_world_size()
+    model_parallel = config.tensor_parallel * config.pipeline_parallel
+    if world % model_parallel:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel * "
+                         f"pipeline_parallel = {model_parallel}")
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_parallel,
+        pipeline_model_parallel_size=config.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=config.vpp,
+    )
+    seed_model_parallel_rng(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's parallel state (not the torch.distributed process group)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
