@@ -115,6 +115,8 @@ def to_dict(obj) -> Any:
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
     return obj
 
 
