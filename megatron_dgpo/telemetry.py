@@ -1,0 +1,116 @@
+"""Per-step metrics: one JSON line per step, TensorBoard scalars, and wandb when configured.
+
+The JSONL file is the source of truth (``tools/plot_run.py`` reads it); TensorBoard and wandb
+are views of the same numbers. Only rank 0 of a job writes; other ranks get a logger that
+drops everything, so callers never branch on the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class LoggingConfig:
+    """Where and how the trainer reports metrics."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard event files under ``<run_dir>/tensorboard``."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project too (requires `wandb` and a login); None: off."""
+    wandb_run_name: str | None = None
+    """Name of the wandb run; defaults to the run directory's name."""
+    progress_bar: bool = True
+    """Show a progress bar over training steps on rank 0."""
+
+
+class MetricsLogger:
+    """Writes ``{"step": s, "time": t, **metrics}`` per step to ``<run_dir>/metrics.jsonl``.
+
+    Appends, so a resumed run continues the same file; ``truncate_after(step)`` drops lines a
+    crashed run wrote past the checkpoint it resumes from, so the file never shows a step twice.
+    Non-finite numbers are written as JSON ``null`` (the line stays valid JSON).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, config: LoggingConfig | None = None,
+                 enabled: bool = True):
+        self.config = config or LoggingConfig()
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if self.config.wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(project=self.config.wandb_project,
+                                     name=self.config.wandb_run_name or Path(run_dir).name,
+                                     dir=str(run_dir), resume="allow")
+
+    def truncate_after(self, step: int) -> None:
+        """Remove lines of steps > ``step`` (written after the checkpoint being resumed)."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), "time": time.time()}
+        record.update({key: _finite_or_none(value) for key, value in metrics.items()})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        numeric = {k: v for k, v in record.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float))}
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file (or of ``<dir>/metrics.jsonl``), by step."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _finite_or_none(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

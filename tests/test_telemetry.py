@@ -1,0 +1,74 @@
+"""MetricsLogger (JSONL + TensorBoard) and tools/plot_run.py."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_dgpo.telemetry import LoggingConfig, MetricsLogger, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_plot_run():
+    spec = importlib.util.spec_from_file_location("plot_run", ROOT / "tools" / "plot_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=True))
+    for step in range(1, 5):
+        logger.log(step, {"rollout/reward_mean": step / 10, "train/entropy": 1.0 / step,
+                          "train/grad_norm": math.inf if step == 2 else 0.5})
+    logger.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["train/grad_norm"] is None  # inf is not JSON: written as null
+    assert records[2]["rollout/reward_mean"] == pytest.approx(0.3)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("rollout/reward_mean")
+    assert [(s.step, round(s.value, 6)) for s in scalars] == [(1, 0.1), (2, 0.2), (3, 0.3),
+                                                              (4, 0.4)]
+
+    # a run resumed from the step-2 checkpoint drops what the crashed run logged after it
+    resumed = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False))
+    resumed.truncate_after(2)
+    resumed.log(3, {"rollout/reward_mean": 0.33})
+    assert [(r["step"], r["rollout/reward_mean"]) for r in read_metrics(tmp_path)] == [
+        (1, 0.1), (2, 0.2), (3, 0.33)]
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    logger = MetricsLogger(tmp_path / "run", enabled=False)
+    logger.log(1, {"x": 1.0})
+    logger.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_metrics_file_names_the_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        read_metrics(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no metrics file"):
+        read_metrics(tmp_path / "nothing")
+
+
+def test_plot_run_draws_present_panels(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False))
+    for step in range(1, 6):
+        logger.log(step, {"rollout/reward_mean": -1 + step / 5, "train/entropy": 2 - step / 5,
+                          "train/region/LN_frac": 0.01 * step, "train/region/HP_frac": 0.02})
+    plot_run = load_plot_run()
+    out = tmp_path / "dyn.png"
+    titles = plot_run.plot_runs([tmp_path], out)
+    assert titles == ["Reward", "Entropy", "Clip regions"]
+    assert out.stat().st_size > 10_000
+    assert plot_run.main([str(tmp_path / "missing")]) == 2
