@@ -1,0 +1,156 @@
+"""Tiny test/demo artifacts built locally, with no download: a tokenizer and a random Qwen2.
+
+    from megatron_dgpo.tiny import make_tiny_model
+    model_dir = make_tiny_model("/tmp/tiny")            # tokenizer + Qwen2 weights, fp32
+    model_dir = make_tiny_model("/tmp/tiny2", seed=1)   # same shapes and tokenizer, new weights
+
+``train_tokenizer(texts, out_dir, vocab_size=512)``: byte-level BPE trained with ``tokenizers``
+on ``texts``, saved as a transformers tokenizer (``AutoTokenizer.from_pretrained(out_dir)``
+works, and so does vLLM). Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``,
+``<|im_end|>`` (eos, ends an assistant turn). Added (non-special) tokens: ``\\boxed{`` and
+``\\boxed{0}`` ... ``\\boxed{9}``, so a one-digit boxed answer is one token (see
+``megatron_dgpo.data``: this is what makes the easy families learnable by a random tiny model).
+The chat template is Qwen's ChatML:
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``.
+
+``make_tiny_model(out_dir, *, seed=0, tie_word_embeddings=False, **config_overrides)``: a
+randomly initialised ``Qwen2ForCausalLM`` (default: hidden 128, 4 heads of size 32, 2 KV heads,
+2 layers, MLP 256, ~0.3M parameters) saved with ``save_pretrained`` in fp32 safetensors, with a
+``generation_config.json`` (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer of
+``tiny_tokenizer_texts()`` in the same folder. Head size 32 is the smallest vLLM's CPU attention
+accepts. The result depends only on ``seed`` and the overrides (deterministic). Any
+``Qwen2Config`` field can be overridden (e.g. ``num_hidden_layers=4``,
+``initializer_range=0.2`` for peakier output distributions); ``vocab_size`` follows the tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOXED_TOKENS = ("\\boxed{",) + tuple(f"\\boxed{{{d}}}" for d in range(10))
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+TINY_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    use_sliding_window=False,
+)
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE tokenizer on ``texts`` and save it (transformers layout) in ``out_dir``.
+
+    vocab_size counts everything (256 byte symbols, merges, special and added tokens); it must
+    leave room for the byte alphabet. Returns ``out_dir``.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS) + len(BOXED_TOKENS):
+        raise ValueError(f"vocab_size={vocab_size} leaves no room for the 256 byte symbols and added tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(BOXED_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in BOXED_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return out
+
+
+def tiny_tokenizer_texts() -> list[str]:
+    """The training corpus of the tiny tokenizer: the built-in prompts in chat form, their boxed
+    answers, and a few sentences of generic math prose."""
+    from megatron_dgpo.data import builtin_prompts
+
+    texts = []
+    for r in builtin_prompts():
+        for m in r.messages:
+            texts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+        texts.append(f"<|im_start|>assistant\nThe answer is \\boxed{{{r.ground_truth}}}.<|im_end|>\n")
+    texts += [
+        "Let us reason step by step. First compute the sum, then simplify the fraction.",
+        "Therefore the final answer is $x = 2$, so the probability equals one half.",
+        "We have 12 + 30 = 42 and 7 * 6 = 42; hence both sides are equal.",
+    ] * 4
+    return texts
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    vocab_size: int = 512,
+    **config_overrides,
+) -> Path:
+    """Build and save a random tiny Qwen2 (fp32 safetensors) plus its tokenizer in ``out_dir``.
+
+    seed fixes the weights (the tokenizer does not depend on it); config_overrides are
+    ``Qwen2Config`` fields. Returns ``out_dir`` (loadable by transformers and vLLM).
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    unknown = set(config_overrides) - set(Qwen2Config().to_dict()) - set(TINY_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown Qwen2Config fields: {sorted(unknown)}")
+    if "vocab_size" in config_overrides:
+        raise ValueError("vocab_size follows the tokenizer: pass it as make_tiny_model(vocab_size=...)")
+    out = Path(out_dir)
+    train_tokenizer(tiny_tokenizer_texts(), out, vocab_size=vocab_size)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    fields = {**TINY_CONFIG, **config_overrides}
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        torch_dtype="float32",
+        **fields,
+    )
+    head_dim = config.hidden_size // config.num_attention_heads
+    if head_dim < 32:
+        raise ValueError(f"head size {head_dim} < 32: vLLM's CPU attention needs 32, 64, 80, ... (hidden/heads)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[eos, pad], pad_token_id=pad, do_sample=True, temperature=1.0, top_p=1.0
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    return out
