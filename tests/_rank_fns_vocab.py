@@ -1,0 +1,68 @@
+"""Rank functions for tests/test_vocab_parallel.py (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+
+VOCAB = 96  # divisible by 1, 2, 4
+REAL_VOCAB = 90  # the last 6 columns play TP padding
+
+
+def reference(logits64: torch.Tensor, targets, temperature, vocab, g, h):
+    """Float64 full-vocabulary log-probs, entropy and d(sum g logp + sum h H)/d logits."""
+    x = logits64.clone().requires_grad_(True)
+    logsm = torch.log_softmax(x[..., :vocab] / temperature, dim=-1)
+    logp = logsm.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    loss = (g.double() * logp).sum() + (0.0 if h is None else (h.double() * entropy).sum())
+    loss.backward()
+    return logp.detach(), entropy.detach(), x.grad
+
+
+def _rel(got, want):
+    return float((got.detach().double() - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+
+def tp_cases_fn(rank, world_size):
+    """Every (TP, dtype, temperature, entropy_grad, vocab, chunk) case; worst relative errors."""
+    groups = {1: None, world_size: dist.group.WORLD}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank joins both
+    groups[2] = pairs[rank // 2]
+    gen = torch.Generator().manual_seed(7)
+    full32 = torch.randn(3, 11, VOCAB, generator=gen) * 4.0
+    targets = torch.randint(0, REAL_VOCAB, (3, 11), generator=gen)
+    g = torch.randn(3, 11, generator=gen)
+    h = torch.randn(3, 11, generator=gen)
+    out = []
+    for tp, group in sorted(groups.items()):
+        r = 0 if group is None else dist.get_rank(group)
+        width = VOCAB // tp
+        for dtype in (torch.float32, torch.bfloat16):
+            full = full32.to(dtype)
+            for temperature, entropy_grad, vocab, chunk in ((1.0, False, VOCAB, None),
+                                                            (0.7, True, REAL_VOCAB, 4),
+                                                            (1.3, True, VOCAB, 1)):
+                shard = full[..., r * width:(r + 1) * width].clone().requires_grad_(True)
+                before = shard.detach().clone()
+                logp, ent = logprobs_and_entropy(
+                    shard, targets, group=group, temperature=temperature, chunk_size=chunk,
+                    entropy_grad=entropy_grad, vocab_size=vocab)
+                loss = (g * logp).sum() + ((h * ent).sum() if entropy_grad else 0.0)
+                loss.backward()
+                want_lp, want_h, want_grad = reference(
+                    full.double(), targets, temperature, vocab, g,
+                    h if entropy_grad else None)
+                want_grad = torch.cat([want_grad, torch.zeros(3, 11, VOCAB - vocab,
+                                                              dtype=torch.float64)], -1)
+                out.append(dict(
+                    tp=tp, dtype=str(dtype), temperature=temperature, entropy_grad=entropy_grad,
+                    vocab=vocab, logp=_rel(logp, want_lp), entropy=_rel(ent, want_h),
+                    grad=_rel(shard.grad, want_grad[..., r * width:(r + 1) * width]),
+                    out_dtypes=(str(logp.dtype), str(ent.dtype)),
+                    ent_requires_grad=ent.requires_grad,
+                    unmodified=bool(torch.equal(shard.detach(), before)),
+                    grad_dtype=str(shard.grad.dtype)))
+    return out
