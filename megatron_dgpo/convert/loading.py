@@ -1,0 +1,498 @@
+"""HF <-> Megatron-Core conversion on top of the model builder, and ``load_model``.
+
+On disk the Megatron side is a Megatron-Core distributed checkpoint (``torch_dist``) of
+``model.sharded_state_dict()``, loadable at any TP/PP (dist_checkpointing reshards), plus
+``dgpo_convert.json`` (format version, source HF config, true and padded vocab, dtype) and the
+source's tokenizer / generation-config files under ``hf_assets/``.
+
+Streaming:
+    HF -> Megatron: the model is built on the ``meta`` device (no weights in memory), and a
+        save planner computes each checkpoint chunk when the writer asks for it, from the few HF
+        rows it needs (``transforms.megatron_box``). Peak memory: about one chunk.
+    Megatron -> HF: ``export_from_checkpoint`` loads one (layer, tensor) at a time through
+        dist_checkpointing; ``export_hf_weights`` does the same from a live model (TP gather,
+        PP transfer), collective over the model-parallel group. Both feed the sharded
+        safetensors writer (or the vLLM refit) pair by pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo.convert.families import Family, ParamMap, family_for, megatron_param_key
+from megatron_dgpo.convert.safetensors_io import (LazyHFReader, copy_side_files, read_hf_config,
+                                                  write_hf_checkpoint)
+from megatron_dgpo.convert.transforms import (Dims, hf_from_megatron, hf_shapes, megatron_box,
+                                              megatron_shape, tp_shard_boxes, tp_unshard)
+
+METADATA_FILE = "dgpo_convert.json"
+ASSETS_DIR = "hf_assets"
+FORMAT = "megatron-dgpo/torch_dist"
+FORMAT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- HF source
+
+class HFSource:
+    """An HF checkpoint folder seen as global Megatron tensors (validated against its config)."""
+
+    def __init__(self, hf_dir: str, padded_vocab: int | None = None, tp: int = 1):
+        from megatron_dgpo.model import padded_vocab_size
+
+        self.hf_dir = hf_dir
+        self.config = read_hf_config(hf_dir)
+        self.family = family_for(self.config)
+        self.reader = LazyHFReader(hf_dir)
+        vocab = int(self.config["vocab_size"])
+        self.dims = Dims.from_hf_config(self.config, padded_vocab or padded_vocab_size(vocab, tp))
+        self.params = self.family.active(self.config)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Refuse missing tensors and shape mismatches before anything is written."""
+        for pm, layer in iter_params(self.params, self.dims.num_layers):
+            for name, expected in zip(pm.hf_names(layer), hf_shapes(pm, self.dims)):
+                if name not in self.reader:
+                    raise KeyError(f"tensor {name!r} is missing from the HF checkpoint "
+                                   f"{self.hf_dir}")
+                shape, _ = self.reader.shape_dtype(name)
+                if tuple(shape) != tuple(expected):
+                    raise ValueError(f"shape mismatch for tensor {name!r}: the checkpoint has "
+                                     f"{tuple(shape)}, config.json implies {tuple(expected)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reader.shape_dtype(self.params[0].hf_names(None)[0])[1]
+
+    def box(self, pm: ParamMap, layer: int | None, box) -> torch.Tensor:
+        return megatron_box(pm, layer, box, self.reader.read, self.dims)
+
+
+def iter_params(params: Sequence[ParamMap], num_layers: int):
+    """(map, global layer) in HF order: embeddings, layer 0 .. L-1, final norm, lm_head."""
+    for pm in params:
+        if not pm.per_layer and pm.megatron.startswith("embedding"):
+            yield pm, None
+    for layer in range(num_layers):
+        for pm in params:
+            if pm.per_layer:
+                yield pm, layer
+    for pm in params:
+        if not pm.per_layer and not pm.megatron.startswith("embedding"):
+            yield pm, None
+
+
+# ----------------------------------------------------------------------------- streaming save
+
+def _streaming_save_strategy(source: HFSource):
+    """A ``torch_dist`` save strategy whose tensor data come from ``source`` chunk by chunk."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    by_key = {pm.key(): pm for pm in source.params}
+
+    def chunk(fqn: str, offsets, sizes, dtype) -> torch.Tensor:
+        if fqn not in by_key:
+            raise KeyError(f"Megatron tensor {fqn!r} has no HF mapping in family "
+                           f"{source.family.name!r}")
+        pm = by_key[fqn]
+        box = tuple((o, o + s) for o, s in zip(offsets, sizes))
+        if pm.per_layer:  # leading checkpoint axis = global layer
+            (layer, stop), box = box[0], box[1:]
+            assert stop == layer + 1, (fqn, offsets, sizes)
+            return source.box(pm, layer, box).to(dtype).unsqueeze(0)
+        return source.box(pm, None, box).to(dtype)
+
+    class _LazyPlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            meta = write_item.tensor_data
+            return chunk(write_item.index.fqn, meta.chunk.offsets, meta.chunk.sizes,
+                         meta.properties.dtype)
+
+    class _Strategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            # Serial, single-thread writer: resolves and writes one chunk at a time.
+            writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer,
+                     planner=_LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    return _Strategy("torch_dist", 1)
+
+
+def _sharded_state_dict(chunks) -> dict:
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
+                        dtype: torch.dtype | None) -> None:
+    """HF -> torch_dist on the current process group (world = a multiple of tp * pp)."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_dgpo.cpu import cpu_only
+    from megatron_dgpo.model import build_model
+    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    own_state = not parallel_state.model_parallel_is_initialized()
+    if own_state:
+        initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+    else:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"hf_to_megatron(tp={tp}, pp={pp}) called under an initialised "
+                             f"parallel state with (tp, pp) = {have}")
+    try:
+        source = HFSource(hf_dir, tp=tp)
+        dtype = dtype or source.dtype
+        # Weights never materialise on CPU: the planner produces every chunk on demand.
+        with torch.device("meta") if cpu_only() else contextlib.nullcontext():
+            chunks = build_model(source.config, dtype=dtype, perform_initialization=False)
+        if dist.get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(_sharded_state_dict(chunks), out_dir,
+                                sharded_strategy=_streaming_save_strategy(source))
+        if dist.get_rank() == 0:
+            meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": source.family.name,
+                    "vocab_size": source.dims.vocab, "padded_vocab_size": source.dims.padded_vocab,
+                    "dtype": str(dtype).replace("torch.", ""), "saved_tp": tp, "saved_pp": pp,
+                    "hf_config": source.config}
+            with open(os.path.join(out_dir, METADATA_FILE), "w", encoding="utf-8") as handle:
+                json.dump(meta, handle, indent=2, sort_keys=True)
+            copy_side_files(hf_dir, os.path.join(out_dir, ASSETS_DIR))
+        dist.barrier()
+    finally:
+        if own_state:
+            destroy_parallel()
+
+
+def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, dtype):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _convert_collective(hf_dir, out_dir, tp, pp, dtype)
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A private 1-rank gloo group when torch.distributed is not initialised (else a no-op)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *,
+                   dtype: torch.dtype | None = None) -> str:
+    """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp).
+
+    Under an initialised ``torch.distributed`` (e.g. torchrun) this is collective over the world
+    (a multiple of tp * pp ranks). Otherwise it runs in this process for tp * pp == 1 and spawns
+    tp * pp local gloo processes for larger layouts. The layout only decides which rank writes
+    which chunk: the checkpoint loads at any TP/PP. ``dtype`` defaults to the HF tensors' dtype.
+    Raises before writing anything on an unsupported architecture, a missing file or tensor, or
+    a tensor whose shape disagrees with config.json.
+    """
+    HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here, clearly
+    if dist.is_initialized():
+        _convert_collective(hf_dir, out_dir, tp, pp, dtype)
+    elif tp * pp == 1:
+        with single_process_group():
+            _convert_collective(hf_dir, out_dir, tp, pp, dtype)
+    else:
+        import torch.multiprocessing as mp
+
+        from megatron_dgpo.convert._spawn import free_port
+
+        mp.spawn(_spawned_convert, args=(tp * pp, free_port(), hf_dir, out_dir, tp, pp, dtype),
+                 nprocs=tp * pp, join=True)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- checkpoint reading
+
+def read_metadata(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing file: {path} (not a checkpoint written by "
+                                f"megatron_dgpo.convert.hf_to_megatron)")
+    with open(path, encoding="utf-8") as handle:
+        meta = json.load(handle)
+    if meta.get("format") != FORMAT or int(meta.get("format_version", -1)) > FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format {meta.get('format')!r} version "
+                         f"{meta.get('format_version')!r} (this code reads {FORMAT} <= "
+                         f"{FORMAT_VERSION})")
+    return meta
+
+
+def _read_box(reader, key: str, offsets: tuple[int, ...], shape: tuple[int, ...],
+              dtype: torch.dtype) -> torch.Tensor:
+    """The sub-tensor of stored tensor ``key`` at ``offsets`` of size ``shape``, read alone.
+
+    torch.distributed.checkpoint reads only the stored chunks that overlap the box (DCP's
+    ``__create_chunk_list__`` protocol describes the box; the planner is otherwise DCP's own).
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import _create_read_items
+
+    buffer = torch.empty(shape, dtype=dtype)
+    buffer.__create_chunk_list__ = lambda: [ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                 sizes=buffer.size())]
+    buffer.__get_tensor_shard__ = lambda index: buffer
+
+    class _BoxPlanner(DefaultLoadPlanner):
+        def create_local_plan(self):
+            return LoadPlan(_create_read_items(key, self.metadata.state_dict_metadata[key],
+                                               buffer))
+
+    dcp_load({key: buffer}, storage_reader=reader, planner=_BoxPlanner(), no_dist=True)
+    return buffer
+
+
+def export_from_checkpoint(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` pairs of a converted checkpoint, one Megatron tensor in memory at a time.
+
+    Runs in one process without torch.distributed (reads with torch.distributed.checkpoint).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = read_metadata(ckpt_dir)
+    cfg = meta["hf_config"]
+    family = family_for(cfg)
+    dims = Dims.from_hf_config(cfg, meta["padded_vocab_size"])
+    reader = FileSystemReader(ckpt_dir)
+    stored = reader.read_metadata().state_dict_metadata
+    for pm, layer in iter_params(family.active(cfg), dims.num_layers):
+        key = pm.key()
+        if key not in stored or not isinstance(stored[key], TensorStorageMetadata):
+            raise KeyError(f"tensor {key!r} is missing from the checkpoint {ckpt_dir}")
+        shape = megatron_shape(pm, dims)
+        full = ((dims.num_layers,) if pm.per_layer else ()) + shape
+        if tuple(stored[key].size) != full:
+            raise ValueError(f"shape mismatch for tensor {key!r}: the checkpoint has "
+                             f"{tuple(stored[key].size)}, its config implies {full}")
+        dtype = stored[key].properties.dtype
+        if pm.per_layer:
+            offsets = (layer,) + (0,) * len(shape)
+            tensor = _read_box(reader, key, offsets, (1,) + shape, dtype)[0]
+        else:
+            tensor = _read_box(reader, key, (0,) * len(shape), shape, dtype)
+        yield from hf_from_megatron(pm, layer, tensor, dims)
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, *,
+                   max_shard_bytes: int = 5 * 1024**3, progress: bool = False) -> str:
+    """Convert a checkpoint written by ``hf_to_megatron`` (or saved by training) to an HF folder.
+
+    Writes sharded safetensors (+ index), config.json (``torch_dtype`` updated when ``dtype``
+    is given), generation config and tokenizer files. Streams: one tensor in memory at a time.
+    Runs in one process, without torch.distributed.
+    """
+    meta = read_metadata(ckpt_dir)
+    cfg = dict(meta["hf_config"])
+    if dtype is not None:
+        name = str(dtype).replace("torch.", "")
+        cfg.update({key: name for key in ("torch_dtype", "dtype") if key in cfg} or
+                   {"torch_dtype": name})
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        family = family_for(cfg)
+        total = sum(len(pm.hf) for pm, _ in iter_params(family.active(cfg),
+                                                        int(cfg["num_hidden_layers"])))
+        bar = tqdm(total=total, desc="megatron-to-hf", unit="tensor")
+    write_hf_checkpoint(export_from_checkpoint(ckpt_dir), out_dir, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes, progress=bar)
+    if bar is not None:
+        bar.close()
+    copy_side_files(os.path.join(ckpt_dir, ASSETS_DIR), out_dir, config=cfg)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- live models
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _model_hf_config(chunk) -> dict:
+    """The family-relevant HF fields of a model built by ``megatron_dgpo.model.build_model``."""
+    spec, config = chunk.hf_spec, chunk.config
+    return {"model_type": spec.family, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
+            "intermediate_size": config.ffn_hidden_size, "vocab_size": spec.vocab_size,
+            "num_hidden_layers": config.num_layers, "tie_word_embeddings": spec.tie_word_embeddings,
+            "attention_bias": bool(config.add_qkv_bias)}
+
+
+def _local_params(chunks, family: Family, tied: bool):
+    """{(checkpoint key, global layer or None): parameter} of this rank's chunks."""
+    out = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            found = megatron_param_key(family, name)
+            if found is None:
+                raise KeyError(f"parameter {name!r} has no HF mapping in family {family.name!r}")
+            pm, local = found
+            if tied and pm.megatron == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            layer = None if local is None else chunk.decoder.layers[local].layer_number - 1
+            out[(pm.key(), layer)] = (pm, param)
+    return out
+
+
+def load_hf_into(chunks, hf_dir: str) -> None:
+    """Copy an HF checkpoint into this rank's model chunks (its TP shards, its PP layers)."""
+    from megatron.core import parallel_state
+
+    chunks = [_unwrap(c) for c in chunks]
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    padded = chunks[0].vocab_size
+    source = HFSource(hf_dir, padded_vocab=padded)
+    by_key = {pm.key(): pm for pm in source.params}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            found = megatron_param_key(source.family, name)
+            if found is None:
+                raise KeyError(f"parameter {name!r} has no HF mapping in family "
+                               f"{source.family.name!r}")
+            pm, local = found
+            if pm.megatron == "output_layer.weight" and pm.key() not in by_key:
+                pm = by_key["embedding.word_embeddings.weight"]  # tied: last stage's copy
+            layer = None if local is None else chunk.decoder.layers[local].layer_number - 1
+            boxes = tp_shard_boxes(pm, megatron_shape(pm, source.dims), tp_rank, tp_size)
+            shard = torch.cat([source.box(pm, layer, box) for box in boxes])
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for parameter {name!r}: the HF checkpoint gives "
+                                 f"{tuple(shard.shape)}, the model has {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(shard)
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, **overrides) -> list:
+    """This rank's model chunks (``list[GPTModel]``) on the current parallel state, loaded from
+    an HF folder (config.json + safetensors) or a checkpoint written by ``hf_to_megatron``.
+
+    ``overrides`` go to ``megatron_dgpo.model.build_model`` (TransformerConfig fields).
+    Collective over the world when loading a torch_dist checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_dgpo.model import build_model
+
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        meta = read_metadata(path)
+        chunks = build_model(meta["hf_config"], dtype=dtype, **overrides)
+        state = dist_checkpointing.load(_sharded_state_dict(chunks), path)
+        if len(chunks) == 1:
+            state = {"model0": state}
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{i}"], strict=True)
+        return chunks
+    if os.path.isfile(os.path.join(path, "config.json")):
+        chunks = build_model(read_hf_config(path), dtype=dtype, **overrides)
+        load_hf_into(chunks, path)
+        return chunks
+    raise FileNotFoundError(f"missing files: {path} holds neither {METADATA_FILE} (a converted "
+                            f"checkpoint) nor config.json (an HF checkpoint)")
+
+
+def export_hf_weights(model_chunks, *, consumer: str = "all",
+                      hf_config: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` pairs of a live model, in HF order, one tensor at a time.
+
+    Collective over the model-parallel group: *every* rank of it must exhaust the generator.
+    Per tensor, the pipeline stage that owns it all-gathers its TP shards (undoing the QKV /
+    gate-up / vocab-padding layouts via the family map) and, for ``consumer="all"``, broadcasts
+    it over the pipeline group: every model-parallel rank then receives every pair. With
+    ``consumer="first"`` only model-parallel rank 0 (TP 0, PP 0) receives pairs (a point-to-point
+    send from the owning stage); the others yield nothing. Tensors are on the model's device
+    and dtype; the caller must not keep them (they may be reused views).
+    ``hf_config`` is only needed for models not built by ``megatron_dgpo.model.build_model``.
+    """
+    from megatron.core import parallel_state
+
+    if consumer not in ("all", "first"):
+        raise ValueError(f"consumer must be 'all' or 'first', got {consumer!r}")
+    chunks = [_unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple))
+                                   else [model_chunks])]
+    cfg = hf_config or _model_hf_config(chunks[0])
+    family = family_for(cfg)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    tp_size = dist.get_world_size(tp_group)
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    first = parallel_state.get_tensor_model_parallel_rank() == 0 and pp_rank == 0
+    dims = Dims.from_hf_config(cfg, chunks[0].vocab_size)
+    params = family.active(cfg)
+    local = _local_params(chunks, family, bool(cfg.get("tie_word_embeddings")))
+    owned = [None] * pp_size
+    dist.all_gather_object(owned, sorted(local, key=str), group=pp_group)
+    owner = {}
+    for stage, keys in enumerate(owned):
+        for key in keys:
+            owner.setdefault(tuple(key), stage)
+    some = next(iter(local.values()))[1]
+    device, dtype = some.device, some.dtype
+    for pm, layer in iter_params(params, dims.num_layers):
+        src = owner.get((pm.key(), layer))
+        if src is None:
+            raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")
+        full = None
+        if pp_rank == src:
+            shard = local[(pm.key(), layer)][1].detach().contiguous()
+            if tp_size > 1:
+                shards = [torch.empty_like(shard) for _ in range(tp_size)]
+                dist.all_gather(shards, shard, group=tp_group)
+            else:
+                shards = [shard]
+            full = tp_unshard(pm, shards)
+        if pp_size > 1 and consumer == "all":
+            if full is None:
+                full = torch.empty(megatron_shape(pm, dims), dtype=dtype, device=device)
+            dist.broadcast(full, src=pp_ranks[src], group=pp_group)
+        elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            if pp_rank == src:
+                dist.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
+            elif pp_rank == 0:
+                full = torch.empty(megatron_shape(pm, dims), dtype=dtype, device=device)
+                dist.recv(full, src=pp_ranks[src], group=pp_group)
+        if consumer == "all" or first:
+            yield from hf_from_megatron(pm, layer, full, dims)

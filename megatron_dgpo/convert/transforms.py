@@ -1,0 +1,187 @@
+"""The few tensor transforms between HF and Megatron-Core layouts.
+
+Everything is expressed on *boxes* of the global (TP-unsharded) Megatron tensor, so the same code
+serves a distributed-checkpoint chunk, a TP shard of a live model and a whole tensor, and reads
+only the HF rows it needs. A box is a tuple of ``(start, stop)`` per dimension.
+
+Layouts (global Megatron tensor, for one layer):
+    qkv      [G * (hpg + 2) * d, H]: per query group g: q heads of g (hpg * d rows), k_g (d), v_g (d);
+             hpg = heads / groups. TP splits whole groups, so a TP shard is a contiguous row range.
+             Biases are the same with the trailing H dropped.
+    gate_up  [2 * I, H] = [gate; up]; the TP shard r is [gate rows of r; up rows of r].
+    vocab    [V_pad, H]: rows >= V are zero padding (added on import, trimmed on export).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_dgpo.convert.families import ParamMap
+
+Box = tuple[tuple[int, int], ...]
+Reader = Callable[[str, Box], torch.Tensor]
+"""``read(hf_name, box)``: the sub-tensor ``hf[box]`` of an HF tensor."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model dimensions from the HF config, plus the padded vocabulary."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    padded_vocab: int
+    num_layers: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, padded_vocab: int) -> "Dims":
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return cls(hidden=hidden, heads=heads, groups=int(cfg.get("num_key_value_heads") or heads),
+                   head_dim=int(cfg.get("head_dim") or hidden // heads),
+                   ffn=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]),
+                   padded_vocab=int(padded_vocab), num_layers=int(cfg["num_hidden_layers"]))
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+
+def hf_shapes(pm: ParamMap, dims: Dims) -> tuple[tuple[int, ...], ...]:
+    """Expected shape of each HF tensor of ``pm`` (used to refuse mismatched checkpoints)."""
+    h, d = dims.hidden, dims.head_dim
+    if pm.kind == "qkv":
+        rows = (dims.heads * d, dims.groups * d, dims.groups * d)
+        return tuple((r, h) if pm.megatron.endswith("weight") else (r,) for r in rows)
+    if pm.kind == "gate_up":
+        return ((dims.ffn, h), (dims.ffn, h))
+    if pm.kind == "vocab":
+        return ((dims.vocab, h),)
+    return (megatron_shape(pm, dims),)
+
+
+def megatron_shape(pm: ParamMap, dims: Dims) -> tuple[int, ...]:
+    """Global Megatron shape of one tensor (one layer: without the checkpoint's layer axis)."""
+    h, d = dims.hidden, dims.head_dim
+    name = pm.megatron
+    if pm.kind == "vocab":
+        return (dims.padded_vocab, h)
+    if pm.kind == "qkv":
+        rows = (dims.heads + 2 * dims.groups) * d
+        return (rows, h) if name.endswith("weight") else (rows,)
+    if pm.kind == "gate_up":
+        return (2 * dims.ffn, h)
+    if name.endswith("linear_proj.weight"):
+        return (h, dims.heads * d)
+    if name.endswith("linear_fc2.weight"):
+        return (h, dims.ffn)
+    return (h,)  # norms
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def megatron_box(pm: ParamMap, layer: int | None, box: Box, read: Reader, dims: Dims) -> torch.Tensor:
+    """``M[box]`` where M is the global Megatron tensor of ``pm`` (at ``layer``), from HF tensors.
+
+    Only the HF rows that intersect the box are read. Returns a new contiguous tensor in the
+    HF dtype.
+    """
+    names = pm.hf_names(layer)
+    (a, b), rest = box[0], tuple(box[1:])
+    if pm.kind == "copy":
+        return read(names[0], box)
+    if pm.kind == "vocab":
+        parts = []
+        if a < dims.vocab:
+            parts.append(read(names[0], ((a, min(b, dims.vocab)),) + rest))
+        if b > dims.vocab:
+            like = parts[0] if parts else read(names[0], ((0, 0),) + rest)
+            pad_shape = (b - max(a, dims.vocab),) + tuple(s - r for r, s in rest)
+            parts.append(torch.zeros(pad_shape, dtype=like.dtype))
+        return _cat(parts)
+    if pm.kind == "gate_up":
+        n, parts = dims.ffn, []
+        if a < n:
+            parts.append(read(names[0], ((a, min(b, n)),) + rest))
+        if b > n:
+            parts.append(read(names[1], ((max(a, n) - n, b - n),) + rest))
+        return _cat(parts)
+    if pm.kind == "qkv":
+        d, hpg = dims.head_dim, dims.heads_per_group
+        rows = (hpg + 2) * d
+        parts = []
+        for g in range(a // rows, -(-b // rows)):
+            q = read(names[0], ((g * hpg * d, (g + 1) * hpg * d),) + rest)
+            k = read(names[1], ((g * d, (g + 1) * d),) + rest)
+            v = read(names[2], ((g * d, (g + 1) * d),) + rest)
+            block = torch.cat([q, k, v])
+            lo, hi = max(a, g * rows) - g * rows, min(b, (g + 1) * rows) - g * rows
+            parts.append(block[lo:hi] if (lo, hi) != (0, rows) else block)
+        return _cat(parts)
+    raise ValueError(f"unknown transform kind {pm.kind!r} for {pm.megatron}")
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
+
+def hf_from_megatron(pm: ParamMap, layer: int | None, tensor: torch.Tensor,
+                     dims: Dims) -> list[tuple[str, torch.Tensor]]:
+    """The HF ``(name, tensor)`` pairs of one global Megatron tensor (inverse of ``megatron_box``).
+
+    Returned tensors are views of ``tensor`` where the layout allows (rows of it).
+    """
+    names = pm.hf_names(layer)
+    if pm.kind == "copy":
+        return [(names[0], tensor)]
+    if pm.kind == "vocab":
+        return [(names[0], tensor[: dims.vocab])]
+    if pm.kind == "gate_up":
+        return [(names[0], tensor[: dims.ffn]), (names[1], tensor[dims.ffn:])]
+    if pm.kind == "qkv":
+        d, hpg = dims.head_dim, dims.heads_per_group
+        grouped = tensor.reshape((dims.groups, (hpg + 2) * d) + tuple(tensor.shape[1:]))
+        q, k, v = torch.split(grouped, [hpg * d, d, d], dim=1)
+        tail = tuple(tensor.shape[1:])
+        return [(names[0], q.reshape((dims.heads * d,) + tail)),
+                (names[1], k.reshape((dims.groups * d,) + tail)),
+                (names[2], v.reshape((dims.groups * d,) + tail))]
+    raise ValueError(f"unknown transform kind {pm.kind!r} for {pm.megatron}")
+
+
+def tp_shard_boxes(pm: ParamMap, shape: Sequence[int], rank: int, size: int) -> list[Box]:
+    """Boxes of the global tensor that make up TP rank ``rank``'s shard (concatenated on dim 0)."""
+    full = full_box(shape)
+    if pm.tp_axis is None or size == 1:
+        return [full]
+    axis = pm.tp_axis
+    if pm.kind == "gate_up":
+        half = shape[0] // 2
+        step = half // size
+        return [((off + rank * step, off + (rank + 1) * step),) + full[1:] for off in (0, half)]
+    step = shape[axis] // size
+    box = list(full)
+    box[axis] = (rank * step, (rank + 1) * step)
+    return [tuple(box)]
+
+
+def tp_unshard(pm: ParamMap, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Global tensor from all TP ranks' shards (inverse of ``tp_shard_boxes``)."""
+    if pm.tp_axis is None or len(shards) == 1:
+        return shards[0]
+    if pm.kind == "gate_up":
+        half = shards[0].shape[0] // 2
+        return torch.cat([s[:half] for s in shards] + [s[half:] for s in shards])
+    return torch.cat(list(shards), dim=pm.tp_axis)
+
+
+def box_of(tensor_like_shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Box:
+    return tuple((o, o + s) for o, s in zip(offsets, sizes))
