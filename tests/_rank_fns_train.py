@@ -1,0 +1,165 @@
+"""Rank functions for tests/test_train_step.py: one mini-batch, many ways of splitting it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests._rank_fns_model import (TINY_QWEN2, gather_tensor, global_name, hf_model,
+                                   hf_to_megatron_full, load_full_state)
+
+LENGTHS = (9, 24, 13, 17, 20, 11, 15, 22)
+PROMPTS = (4, 6, 3, 5, 7, 4, 6, 5)
+METHOD = "dgpo"
+HYPER = dict(eps_low=0.2, eps_high=0.28)
+
+
+def sequences():
+    """The mini-batch: 8 sequences of unequal lengths with masks, old log-probs, advantages."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = TINY_QWEN2["vocab_size"]
+    out = []
+    for i, (n, prompt) in enumerate(zip(LENGTHS, PROMPTS)):
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        mask = torch.arange(n) >= prompt
+        # near-uniform random model: log pi ~ -log V; spread old log-probs across all regions
+        old = -math.log(vocab) + 0.4 * torch.randn(n, generator=gen)
+        adv = torch.full((n,), (1.0 if i % 3 else -1.0) * (0.5 + 0.1 * i))
+        out.append((tokens, mask, old, adv))
+    return out
+
+
+def micro_batches(dp_rank: int, dp_size: int, n_micro: int):
+    """This DP rank's contiguous share of the sequences cut into ``n_micro`` padded pieces."""
+    from megatron_dgpo.train_step import padded_micro_batch
+
+    seqs = sequences()
+    per = len(seqs) // dp_size
+    mine = seqs[dp_rank * per:(dp_rank + 1) * per]
+    pieces = [list(range(len(mine)))[k::n_micro] for k in range(n_micro)]  # unequal lengths
+    return [padded_micro_batch([mine[i][0] for i in idx], [mine[i][1] for i in idx],
+                               [mine[i][2] for i in idx], [mine[i][3] for i in idx])
+            for idx in pieces if idx]
+
+
+def _build(cfg, tp, pp):
+    from megatron_dgpo.model import build_model
+    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.train_step import wrap_ddp
+
+    initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=5)
+    chunks = build_model(cfg)
+    load_full_state(chunks, hf_to_megatron_full(hf_model(cfg).state_dict(), cfg))
+    return wrap_ddp(chunks)
+
+
+def _grads(models, vocab):
+    """{global name: full-shape main_grad} of this rank's chunks; padded-row grads checked 0."""
+    out, pad_ok = {}, True
+    for model in models:
+        module = model.module
+        for name, param in module.named_parameters():
+            grad = param.main_grad
+            full = gather_tensor(name, grad, param, vocab_size=10**9)
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                pad_ok &= bool((full[vocab:] == 0).all())
+                full = full[:vocab]
+            out[global_name(module, name)] = full.clone()
+    return out, pad_ok
+
+
+def _step(models, mbs):
+    from megatron_dgpo.train_step import LossConfig, train_step
+
+    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=HYPER))
+
+
+def reference_fn(rank, world_size):
+    """Single rank: the reference (1 micro-batch) and the 2/4/8-micro-batch runs."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_dgpo.losses import policy_loss
+    from megatron_dgpo.parallel import destroy_parallel
+    from megatron_dgpo.train_step import forward_logprobs
+
+    vocab = TINY_QWEN2["vocab_size"]
+    results = {}
+    for tied in (False, True):
+        cfg = dict(TINY_QWEN2, tie_word_embeddings=tied)
+        models = _build(cfg, 1, 1)
+        ref = _step(models, micro_batches(0, 1, 1))
+        grads, pad_ok = _grads(models, vocab)
+        runs = {}
+        for n_micro in (2, 4, 8):
+            res = _step(models, micro_batches(0, 1, n_micro))
+            runs[n_micro] = (res, _grads(models, vocab)[0])
+
+        # temperature != 1 and the loss value against independent references
+        mb = micro_batches(0, 1, 1)[0]
+        temperature = 0.8
+        (logp, entropy), = forward_logprobs(models, [mb], temperature=temperature)
+        with torch.no_grad():
+            logits = hf_model(cfg)(mb.tokens).logits.double() / temperature
+        logsm = torch.log_softmax(logits, -1)
+        want_logp = logsm.gather(-1, mb.labels[..., None]).squeeze(-1)
+        want_ent = -(logsm.exp() * logsm).sum(-1)
+        (logp1, _), = forward_logprobs(models, [mb])
+        loss64, _ = policy_loss(METHOD, logp1.double(), mb.old_logprobs.double(),
+                                mb.advantages.double(), mb.loss_mask, **HYPER)
+        results[tied] = dict(
+            loss=ref.loss, num_tokens=ref.num_tokens, metrics=ref.metrics, summary=ref.summary,
+            grads=grads, pad_ok=pad_ok, runs=runs,
+            temp_logp_err=float((logp.double() - want_logp).abs().max()),
+            temp_ent_err=float((entropy.double() - want_ent).abs().max()),
+            loss64=float(loss64), n_params=ps.get_tensor_model_parallel_world_size())
+        destroy_parallel()
+    return results
+
+
+LAYOUTS = ((1, 1, 2), (2, 1, 4), (1, 2, 4), (2, 2, 8))  # (TP, PP, micro-batches per DP rank)
+
+
+def split_fn(rank, world_size, reference):
+    """Every layout of LAYOUTS on 4 ranks, tied and untied: errors vs the single-rank run."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_dgpo.parallel import destroy_parallel
+
+    vocab = TINY_QWEN2["vocab_size"]
+    out = []
+    for tp, pp, n_micro in LAYOUTS:
+        for tied in (False, True):
+            cfg = dict(TINY_QWEN2, tie_word_embeddings=tied)
+            want = reference[tied]
+            models = _build(cfg, tp, pp)
+            dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+            res = _step(models, micro_batches(dp_rank, dp_size, n_micro))
+            grads, pad_ok = _grads(models, vocab)
+            out.append(dict(layout=(tp, pp, dp_size, n_micro), tied=tied,
+                            **compare(res, grads, want), pad_ok=pad_ok))
+            destroy_parallel()
+    return out
+
+
+def compare(res, grads, want) -> dict:
+    """Worst relative differences of loss, metrics and gradients against ``want``."""
+    def rel(a, b):
+        a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+        if not torch.isfinite(b).all():
+            return 0.0 if torch.equal(a, b) else math.inf
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1.0))
+
+    grad_err, covered = 0.0, []
+    for name, grad in grads.items():
+        key = name
+        if name == "output_layer.weight" and name not in want["grads"]:  # tied, last stage
+            key = "embedding.word_embeddings.weight"
+        ref = want["grads"][key]
+        grad_err = max(grad_err, float((grad.double() - ref.double()).abs().max()
+                                        / ref.double().abs().max()))
+        covered.append(name)
+    metric_err = max(rel(res.metrics[k], want["metrics"][k]) for k in want["metrics"])
+    return dict(loss_err=rel(res.loss, want["loss"]), metric_err=metric_err, grad_err=grad_err,
+                metric_keys=sorted(res.metrics), covered=covered, num_tokens=res.num_tokens,
+                summary=res.summary)
