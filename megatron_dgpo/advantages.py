@@ -1,0 +1,72 @@
+"""GRPO group-normalised advantages (the DGPO paper, Preliminary: A_i = (r_i - mu_R) / sigma_R).
+
+For each prompt group {r_1..r_G} of rewards:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)
+
+std: the paper does not say which; we default to the SAMPLE standard deviation
+(``unbiased=True``, divisor G - 1), as GRPO's reference implementations do (``torch.std``
+in TRL and verl). ``unbiased=False`` gives the population std (divisor G). With rewards in
+{-1, +1} the two differ by the factor sqrt(G / (G - 1)) (1.03 for G = 16).
+
+Degenerate groups, where every reward is equal (all right or all wrong) or G = 1, carry no
+learning signal: their advantages are exactly 0 (not 0 / eps noise), and they are counted in
+the returned stats (``num_degenerate``, ``frac_degenerate``), the number dynamic-sampling
+methods filter on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdvantageStats:
+    num_groups: int
+    num_degenerate: int
+    frac_degenerate: float
+    reward_mean: float
+    adv_abs_mean: float
+
+    def as_dict(self, prefix: str = "adv/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in asdict(self).items()}
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    unbiased: bool = True,
+) -> tuple[torch.Tensor, AdvantageStats]:
+    """Advantages [N] of rewards [N] laid out as N / group_size consecutive groups.
+
+    rewards[g * group_size + j] is sample j of prompt g (the order ``RolloutEngine.generate``
+    returns, flattened). Returns float32 advantages and ``AdvantageStats``.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    r = rewards.to(torch.float64).view(-1, group_size)  # [groups, G]
+    mean = r.mean(dim=1, keepdim=True)
+    degenerate = (r == r[:, :1]).all(dim=1)  # [groups]
+    if group_size > 1:
+        std = r.std(dim=1, unbiased=unbiased, keepdim=True)
+    else:
+        std = torch.ones_like(mean)
+    adv = (r - mean) / (std + eps)
+    adv = torch.where(degenerate[:, None], torch.zeros_like(adv), adv)
+    n_deg = int(degenerate.sum())
+    stats = AdvantageStats(
+        num_groups=r.shape[0],
+        num_degenerate=n_deg,
+        frac_degenerate=n_deg / r.shape[0],
+        reward_mean=float(r.mean()),
+        adv_abs_mean=float(adv.abs().mean()),
+    )
+    return adv.view(-1).to(torch.float32), stats

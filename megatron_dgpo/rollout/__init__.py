@@ -1,0 +1,22 @@
+"""Rollout engines: ``RolloutEngine`` interface, ``VLLMEngine`` (default), ``HFEngine`` (fallback).
+
+vLLM is imported lazily (only when a ``VLLMEngine`` is built), so importing this package is cheap.
+"""
+
+from megatron_dgpo.rollout.base import RolloutEngine, Sample
+from megatron_dgpo.rollout.mismatch import MismatchStats, logprob_mismatch
+
+
+def __getattr__(name):
+    if name in ("VLLMEngine", "VLLMConfig"):
+        from megatron_dgpo.rollout import vllm_engine
+
+        return getattr(vllm_engine, name)
+    if name == "HFEngine":
+        from megatron_dgpo.rollout.hf_engine import HFEngine
+
+        return HFEngine
+    raise AttributeError(name)
+
+
+__all__ = ["RolloutEngine", "Sample", "VLLMEngine", "VLLMConfig", "HFEngine", "MismatchStats", "logprob_mismatch"]

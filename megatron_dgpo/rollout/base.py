@@ -1,0 +1,93 @@
+"""The rollout-engine interface: sample n responses per prompt with their log-probs, refit weights.
+
+Every engine returns, per prompt, ``n`` ``Sample`` objects with
+    token_ids  [T_i]  the response tokens, the stop token included when the sample stopped;
+    logprobs   [T_i]  log pi_sample(token_t | prompt, tokens_<t) in float, where pi_sample is the
+                      distribution the token was drawn from (temperature and top-p applied; with
+                      the paper's temperature 1.0 and top-p 1.0 it is the model's log-softmax);
+    finish_reason     "stop" (a stop/eos token ended it) or "length" (max_tokens reached).
+
+Seeds: ``generate(..., seed=s)`` gives prompt i the sampling seed ``s + i``, so the same call
+on the same weights returns the same samples, and two identical prompts in one call still get
+different samples. ``seed=None`` draws fresh randomness.
+
+Weight refit: ``update_weights(named_tensors)`` takes an iterable of ``(hf_name, tensor)`` pairs
+in Hugging Face naming (what ``megatron_dgpo.convert.export_hf_weights`` yields) covering the
+whole model; ``update_weights_from_dir(hf_dir)`` reloads from a saved HF folder. Neither restarts
+the engine; both invalidate any cache computed with the old weights (prefix cache).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One sampled response (see the module docstring for the field contracts)."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"sample of prompt {self.prompt_index}: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
+            )
+
+
+def check_generate_args(prompts_token_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float, max_tokens: int) -> None:
+    """Shared argument validation; errors name the argument."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (greedy decoding is not a sampling policy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    for i, p in enumerate(prompts_token_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompts_token_ids[{i}] is empty")
+
+
+class RolloutEngine(ABC):
+    """Generation backend of the RL loop. Use as a context manager or call ``shutdown()``."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        seed: int | None = None,
+    ) -> list[list[Sample]]:
+        """``n`` samples for each prompt: result[i][j] is sample j of prompt i."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all weights with the given (HF name, tensor) pairs."""
+
+    @abstractmethod
+    def update_weights_from_dir(self, hf_dir: str) -> None:
+        """Replace all weights with those saved in an HF model folder (safetensors)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Free the engine (processes, memory). Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
