@@ -1,0 +1,158 @@
+"""Real vLLM (CPU build here) on a tiny random Qwen2: sampling contract, log-probs against
+transformers' forward in fp32, in-place weight refit (from a folder and from a tensor stream),
+mismatch metrics, and the transformers fallback engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_dgpo.data import builtin_prompts, render_prompts
+from megatron_dgpo.rollout import HFEngine, logprob_mismatch
+
+MAX_TOKENS = 12
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    records = builtin_prompts()
+    return render_prompts(tiny_tokenizer, [records[0], records[20], records[150]])
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_logprobs(model, prompt, response, temperature=1.0) -> torch.Tensor:
+    """log softmax(logits / T) of each response token given its prefix: the independent reference."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def _max_diff(model, prompts, groups, temperature=1.0) -> float:
+    worst = 0.0
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            ref = _hf_logprobs(model, prompt, s.token_ids, temperature)
+            worst = max(worst, (ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max().item())
+    return worst
+
+
+def test_generate_contract_and_seeds(vllm_engine, prompts, tiny_tokenizer):
+    stop_ids = {tiny_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}  # generation_config eos
+    out = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=123)
+    assert len(out) == len(prompts) and all(len(g) == 4 for g in out)
+    for i, group in enumerate(out):
+        assert all(s.prompt_index == i for s in group)
+        # four independent samples of a near-uniform 512-way policy cannot all coincide
+        assert len({tuple(s.token_ids) for s in group}) > 1
+        for s in group:
+            assert len(s.token_ids) == len(s.logprobs) and 1 <= len(s.token_ids) <= MAX_TOKENS
+            assert all(lp <= 0 and math.isfinite(lp) for lp in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+            if s.finish_reason == "length":
+                assert len(s.token_ids) == MAX_TOKENS
+            else:
+                assert s.token_ids[-1] in stop_ids
+    again = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=123)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in out]
+    other = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=124)
+    assert [[s.token_ids for s in g] for g in other] != [[s.token_ids for s in g] for g in out]
+    # the same prompt twice in one call gets different seeds, hence different samples
+    twice = vllm_engine.generate([prompts[0], prompts[0]], n=2, max_tokens=MAX_TOKENS, seed=7)
+    assert [s.token_ids for s in twice[0]] != [s.token_ids for s in twice[1]]
+
+
+def test_logprobs_match_transformers(vllm_engine, prompts, tiny_model_dir):
+    model = _hf_model(tiny_model_dir)
+    out = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=5)
+    assert _max_diff(model, prompts, out) < LOGPROB_ATOL
+    # with temperature, log-probs are those of the tempered distribution the tokens came from
+    hot = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, temperature=0.7, seed=5)
+    assert _max_diff(model, prompts, hot, temperature=0.7) < LOGPROB_ATOL
+    assert _max_diff(model, prompts, hot, temperature=1.0) > 1e-2  # and not the untempered ones
+
+
+def test_refit_from_dir_and_from_stream(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
+    model_a, model_b = _hf_model(tiny_model_dir), _hf_model(tiny_model_dir_b)
+    before = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
+    try:
+        vllm_engine.update_weights_from_dir(tiny_model_dir_b)
+        after_b = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
+        assert [[s.token_ids for s in g] for g in after_b] != [[s.token_ids for s in g] for g in before]
+        assert _max_diff(model_b, prompts, after_b) < LOGPROB_ATOL
+        assert _max_diff(model_a, prompts, after_b) > 1e-2  # the old weights are no longer in use
+
+        # back to A through a (name, tensor) stream, as the trainer's converter yields it
+        stream = iter(load_file(str(tiny_model_dir / "model.safetensors")).items())
+        vllm_engine.update_weights(stream)
+        after_a = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
+        assert [[s.token_ids for s in g] for g in after_a] == [[s.token_ids for s in g] for g in before]
+        assert _max_diff(model_a, prompts, after_a) < LOGPROB_ATOL
+
+        # a stream of B's tensors under transformed names (the converter's path), then A again
+        stream_b = ((name, t.clone()) for name, t in load_file(str(tiny_model_dir_b / "model.safetensors")).items())
+        vllm_engine.update_weights(stream_b)
+        assert _max_diff(model_b, prompts, vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=3)) < LOGPROB_ATOL
+        with pytest.raises(ValueError, match="empty"):
+            vllm_engine.update_weights(iter(()))
+    finally:
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+
+
+def test_mismatch_metrics_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(3, 5, generator=g) * 4
+    trainer = rollout + torch.randn(3, 5, generator=g) * 0.01
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    trainer[0, 4] = float("nan")  # padding garbage must not leak through the mask
+    st = logprob_mismatch(rollout, trainer, mask)
+    d = [[(trainer[b, t] - rollout[b, t]).item() for t in range(5) if mask[b, t]] for b in range(3)]
+    flat = [abs(x) for row in d for x in row]
+    assert st.num_tokens == 8
+    assert st.mean_abs_diff == pytest.approx(sum(flat) / 8, rel=1e-9)
+    assert st.max_abs_diff == pytest.approx(max(flat), rel=1e-9)
+    assert st.token_mult_error == pytest.approx(math.expm1(sum(flat) / 8), rel=1e-9)
+    seq = [math.expm1(sum(abs(x) for x in row)) for row in d if row]
+    assert st.seq_mult_error == pytest.approx(sum(seq) / len(seq), rel=1e-9)
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_mismatch(rollout, trainer[:, :4], mask)
+
+
+def test_vllm_vs_trainer_mismatch_is_tiny_in_fp32(vllm_engine, prompts, tiny_model_dir):
+    model = _hf_model(tiny_model_dir)
+    out = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=9)
+    samples = [s for g in out for s in g]
+    T = max(len(s.token_ids) for s in samples)
+    roll, train, mask = (torch.zeros(len(samples), T, dtype=torch.float64) for _ in range(3))
+    for b, s in enumerate(samples):
+        n = len(s.token_ids)
+        roll[b, :n] = torch.tensor(s.logprobs, dtype=torch.float64)
+        train[b, :n] = _hf_logprobs(model, prompts[s.prompt_index], s.token_ids)
+        mask[b, :n] = 1
+    st = logprob_mismatch(roll, train, mask)
+    assert st.max_abs_diff < LOGPROB_ATOL and st.token_mult_error < LOGPROB_ATOL
+    assert st.num_tokens == sum(len(s.token_ids) for s in samples)
+
+
+def test_hf_engine_contract(prompts, tiny_model_dir, tiny_model_dir_b):
+    engine = HFEngine(tiny_model_dir)
+    out = engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=4)
+    assert [len(g) for g in out] == [3, 3, 3]
+    assert [[s.token_ids for s in g] for g in engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=4)] == [
+        [s.token_ids for s in g] for g in out
+    ]
+    assert _max_diff(_hf_model(tiny_model_dir), prompts, out) < LOGPROB_ATOL
+    engine.update_weights_from_dir(tiny_model_dir_b)
+    assert _max_diff(_hf_model(tiny_model_dir_b), prompts, engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=4)) < LOGPROB_ATOL
+    with pytest.raises(KeyError, match="unknown tensor"):
+        engine.update_weights([("not.a.weight", torch.zeros(1))])
+    engine.shutdown()
