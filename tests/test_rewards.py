@@ -1,0 +1,143 @@
+"""Rewards: format rule, math-verify equivalence on every item of the six benchmarks, the
+conservative evaluation grader, and the grading pool's deadlines and crash recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from megatron_dgpo.data import find_benchmarks_dir, benchmark_files, load_benchmark
+from megatron_dgpo.rewards import (
+    RewardPool,
+    eval_correct,
+    last_boxed,
+    math_reward,
+    normalize_ground_truth,
+    scan_boxed,
+)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2, timeout_s=4.0) as p:
+        yield p
+
+
+def test_boxed_extraction_rules():
+    assert last_boxed(r"a \boxed{1} then \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed {x^{2}}") == "x^{2}"
+    assert last_boxed(r"\boxed{\{1,2\}}") == r"\{1,2\}"  # escaped braces are not structure
+    assert last_boxed(r"\boxed{\boxed{3}}") == r"\boxed{3}"  # nested box belongs to the outer one
+    assert last_boxed(r"\boxed{1} and finally \boxed{2") is None  # truncated last box: no answer
+    assert last_boxed(r"\boxed 5") is None  # brace-less form is not accepted (documented)
+    assert last_boxed("no box at all") is None
+    assert scan_boxed(r"\boxed{a}\boxed{b}x").answers == ("a", "b")
+
+
+def test_normalize_ground_truth_layouts():
+    assert normalize_ground_truth(27.0) == "27"
+    assert normalize_ground_truth(0.5) == "0.5"
+    assert normalize_ground_truth(" 70 ") == "70"
+    assert normalize_ground_truth(["$69$,$84$"]) == "69,84"
+    assert normalize_ground_truth(["$2$", "$3$"]) == "2, 3"
+    for bad in ("", [], True, None, float("nan")):
+        with pytest.raises((TypeError, ValueError)):
+            normalize_ground_truth(bad)
+
+
+def test_training_reward_and_eval_grader_differ_as_documented():
+    assert math_reward(r"so $x=\boxed{\frac{3}{4}}$", "0.75") == 1.0
+    assert math_reward(r"\boxed{0.5}", r"\frac{1}{2}") == 1.0
+    assert math_reward("the answer is 4", "4") == -1.0  # no box
+    assert math_reward(r"\boxed{5}", "4") == -1.0
+    assert math_reward(r"\boxed{3*x}", "3x") == 1.0  # plain-expression reading (training only)
+    # hedging: the training reward reads the last box, the evaluation grader rejects it
+    assert math_reward(r"\boxed{3} or maybe \boxed{4}", "4") == 1.0
+    assert eval_correct(r"\boxed{3} or maybe \boxed{4}", "4") is False
+    assert eval_correct(r"\boxed{4}, I repeat \boxed{4}", "4") is True
+    # precision: 6 decimals in training, 10 in evaluation
+    assert math_reward(r"\boxed{0.3333333}", r"\frac{1}{3}") == 1.0
+    assert eval_correct(r"\boxed{0.3333333}", r"\frac{1}{3}") is False
+    assert eval_correct(r"\boxed{\frac{1}{3}}", r"\frac{1}{3}") is True
+
+
+def test_math_reward_outside_main_thread():
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=math_reward(r"\boxed{\frac{6}{8}}", "3/4")))
+    t.start()
+    t.join(30)
+    assert out["r"] == 1.0
+
+
+def _wrong(gt: str) -> str:
+    """A different answer: the first integer of gt incremented (or a number if gt has none)."""
+    m = re.search(r"\d+", gt)
+    if not m:
+        return "987654321"
+    return gt[: m.start()] + str(int(m.group()) + 1) + gt[m.end():]
+
+
+def test_every_benchmark_item_graded_right_and_wrong(pool):
+    bench_dir = find_benchmarks_dir()
+    if bench_dir is None:
+        pytest.skip("benchmark folder ../shared/benchmarks (or $DGPO_BENCHMARKS_DIR) is absent")
+    files = benchmark_files(bench_dir)
+    assert set(files) == {"aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"}
+    records = [r for name, path in files.items() for r in load_benchmark(path, name)]
+    assert len(records) == 30 + 30 + 40 + 500 + 272 + 675
+    responses, gts = [], []
+    for r in records:
+        responses += [f"Reasoning.\n\nThe answer is \\boxed{{{r.ground_truth}}}", f"So \\boxed{{{_wrong(r.ground_truth)}}}", f"The answer is {r.ground_truth}"]
+        gts += [r.ground_truth] * 3
+    scores = pool.score(responses, gts, grader="train")
+    failures = [(records[i // 3].source, records[i // 3].id, responses[i]) for i, s in enumerate(scores) if s != (1.0 if i % 3 == 0 else -1.0)]
+    assert not failures, failures[:5]
+    right = pool.score(responses[::3], gts[::3], grader="eval")
+    assert right == [1.0] * len(records)
+
+
+HOSTILE = [
+    r"Let me compute \boxed{9^{9^{9^{9}}}}",
+    "x" * (1 << 20) + r" \boxed{2}",  # 1 MB of text
+    r"\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",  # deeply nested braces
+    r"\boxed{" + "(" * 60 + "1" + ")" * 60 + "}",  # deeply nested parentheses
+    r"\boxed{" + "9^" * 400 + "9}",
+    r"\boxed{" + "{" * 200000,  # unclosed
+]
+
+
+def test_hostile_responses_cost_minus_one_fast(pool):
+    for h in HOSTILE:
+        t0 = time.monotonic()
+        assert pool.score([h], ["1"]) == [-1.0]
+        assert time.monotonic() - t0 < 5.0, h[:40]
+    # a batch mixing hostile and legit items: the legit ones are still graded
+    t0 = time.monotonic()
+    scores = pool.score([HOSTILE[0], r"\boxed{7}", HOSTILE[4], r"\boxed{\frac{1}{2}}"], ["1", "7", "1", "0.5"])
+    assert scores == [-1.0, 1.0, -1.0, 1.0]
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_crashed_worker_costs_one_sample():
+    with RewardPool(num_workers=1, timeout_s=30.0) as p:
+        assert p.score([r"\boxed{2}"], ["2"]) == [1.0]  # worker is up
+        pid = p._workers[0].proc.pid
+        threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        assert p.score([HOSTILE[0]], ["1"]) == [-1.0]  # its worker dies mid-item
+        assert time.monotonic() - t0 < 10.0
+        assert p.stats.crashes == 1 and p.stats.restarts == 1
+        assert p.score([r"\boxed{3}", r"\boxed{4}"], ["3", "5"]) == [1.0, -1.0]  # the pool recovered
+
+
+def test_pool_argument_errors(pool):
+    with pytest.raises(ValueError, match="ground truths"):
+        pool.score(["a"], [])
+    with pytest.raises(ValueError, match="grader"):
+        pool.score(["a"], ["1"], grader="lenient")
