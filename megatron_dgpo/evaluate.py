@@ -1,0 +1,251 @@
+"""Evaluation: k samples per problem, Avg@k and unbiased Pass@k, per benchmark and averaged.
+
+For a problem with n graded samples of which c are correct:
+
+    Avg@n  = c / n                                  (expected accuracy of one sample)
+    Pass@k = 1 - C(n - c, k) / C(n, k),  k <= n      (Chen et al. 2021, unbiased estimator of the
+                                                      probability that k samples hold a correct one)
+
+Both are averaged over the problems of a benchmark; "average" is the unweighted mean over
+benchmarks (the paper's "Avg." column). k runs over 1, 2, 4, ..., n (and n itself). Samples are
+graded with the conservative evaluation grader (``rewards.eval_correct``) in a ``RewardPool``.
+
+CLI (``dgpo-eval``, also ``python tools/dgpo_eval.py``):
+    dgpo-eval --model runs/x/hf --benchmarks aime24 math500 --n 32 --max-tokens 8192 --out eval.json
+``--benchmarks`` takes file paths or names looked up in ``--bench-dir`` (default
+$DGPO_BENCHMARKS_DIR or ../shared/benchmarks next to the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from megatron_dgpo.data import PromptRecord, benchmark_files, find_benchmarks_dir, load_benchmark, render_prompts
+from megatron_dgpo.rewards import RewardPool
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased Pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (exact integers)."""
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def ks_up_to(k_max: int) -> list[int]:
+    """1, 2, 4, ... up to k_max, with k_max itself included."""
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    ks, k = [], 1
+    while k < k_max:
+        ks.append(k)
+        k *= 2
+    return ks + [k_max]
+
+
+@dataclass
+class BenchmarkResult:
+    """Metrics of one benchmark. correct[i]: number of correct samples of problem i (of n)."""
+
+    name: str
+    n: int
+    correct: list[int]
+    mean_response_tokens: float
+    truncated_frac: float
+    pass_at: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def avg(self) -> float:
+        return sum(self.correct) / (self.n * len(self.correct)) if self.correct else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_problems": len(self.correct),
+            "n": self.n,
+            f"avg@{self.n}": self.avg,
+            "pass@k": {str(k): v for k, v in self.pass_at.items()},
+            "mean_response_tokens": self.mean_response_tokens,
+            "truncated_frac": self.truncated_frac,
+            "correct_per_problem": self.correct,
+        }
+
+
+def score_benchmark(name: str, correct: Sequence[int], n: int, *, mean_response_tokens=0.0, truncated_frac=0.0) -> BenchmarkResult:
+    """Avg@n and Pass@k (k in ``ks_up_to(n)``) of per-problem correct counts."""
+    pass_at = {k: sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks_up_to(n)} if correct else {}
+    return BenchmarkResult(name, n, list(correct), mean_response_tokens, truncated_frac, pass_at)
+
+
+def evaluate(
+    engine,
+    tokenizer,
+    benchmarks: dict[str, list[PromptRecord]],
+    *,
+    n: int = 32,
+    max_tokens: int = 1024,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    pool: RewardPool | None = None,
+    prompts_per_call: int = 32,
+    progress: bool = True,
+) -> dict:
+    """Sample n responses per problem with ``engine`` and grade them (evaluation grader).
+
+    Returns a JSON-ready dict: {"benchmarks": {name: BenchmarkResult.as_dict()}, "average":
+    {"avg@n", "pass@k"}, "config": {...}}.
+    """
+    from tqdm.auto import tqdm
+
+    own_pool = pool is None
+    pool = pool or RewardPool()
+    results: dict[str, BenchmarkResult] = {}
+    total = sum(len(v) for v in benchmarks.values())
+    bar = tqdm(total=total, desc="dgpo-eval", unit="problem", disable=not progress)
+    t0 = time.time()
+    try:
+        for name, records in benchmarks.items():
+            if not records:
+                raise ValueError(f"benchmark {name!r} has no problems")
+            prompts = render_prompts(tokenizer, records)
+            correct, lengths, truncated = [], [], 0
+            for start in range(0, len(records), prompts_per_call):
+                chunk = prompts[start : start + prompts_per_call]
+                groups = engine.generate(chunk, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + start)
+                texts, gts = [], []
+                for rec, group in zip(records[start : start + prompts_per_call], groups):
+                    for s in group:
+                        texts.append(tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                        gts.append(rec.ground_truth)
+                        lengths.append(len(s.token_ids))
+                        truncated += s.finish_reason == "length"
+                scores = pool.score(texts, gts, grader="eval")
+                correct += [int(sum(scores[i * n : (i + 1) * n])) for i in range(len(groups))]
+                bar.update(len(groups))
+                bar.set_postfix(bench=name)
+            results[name] = score_benchmark(
+                name, correct, n, mean_response_tokens=sum(lengths) / len(lengths), truncated_frac=truncated / len(lengths)
+            )
+    finally:
+        bar.close()
+        if own_pool:
+            pool.close()
+    ks = ks_up_to(n)
+    average = {
+        f"avg@{n}": sum(r.avg for r in results.values()) / len(results),
+        "pass@k": {str(k): sum(r.pass_at[k] for r in results.values()) / len(results) for k in ks},
+    }
+    return {
+        "benchmarks": {name: r.as_dict() for name, r in results.items()},
+        "average": average,
+        "config": {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                   "grader": "eval", "seconds": round(time.time() - t0, 2)},
+    }
+
+
+def format_table(result: dict) -> str:
+    """A fixed-width table: one row per benchmark plus the average, Avg@n then Pass@k in %."""
+    n = result["config"]["n"]
+    ks = [str(k) for k in ks_up_to(n)]
+    header = ["benchmark", "problems", f"Avg@{n}"] + [f"Pass@{k}" for k in ks]
+    rows = []
+    for name, r in result["benchmarks"].items():
+        rows.append([name, str(r["num_problems"]), f"{100 * r[f'avg@{n}']:.1f}"] + [f"{100 * r['pass@k'][k]:.1f}" for k in ks])
+    avg = result["average"]
+    rows.append(["average", "", f"{100 * avg[f'avg@{n}']:.1f}"] + [f"{100 * avg['pass@k'][k]:.1f}" for k in ks])
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _resolve_benchmarks(specs: Sequence[str] | None, bench_dir: str | None, limit: int | None) -> dict[str, list[PromptRecord]]:
+    directory = Path(bench_dir) if bench_dir else find_benchmarks_dir()
+    available = benchmark_files(directory) if directory and directory.is_dir() else {}
+    if not specs:
+        if not available:
+            raise SystemExit("dgpo-eval: no --benchmarks given and no benchmark folder found (--bench-dir)")
+        specs = list(available)
+    out = {}
+    for spec in specs:
+        path = Path(spec)
+        if path.is_file():
+            out[path.stem] = load_benchmark(path, limit=limit)
+        elif spec in available:
+            out[spec] = load_benchmark(available[spec], spec, limit=limit)
+        else:
+            raise SystemExit(f"dgpo-eval: benchmark {spec!r} is neither a file nor one of {sorted(available)} in {directory}")
+    return out
+
+
+def _build_engine(args):
+    if args.engine == "hf":
+        from megatron_dgpo.rollout.hf_engine import HFEngine
+
+        return HFEngine(args.model)
+    from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+    return VLLMEngine(
+        VLLMConfig(
+            model=args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+            tensor_parallel_size=args.tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=(args.kv_cache_mb << 20) if args.kv_cache_mb else None,
+        )
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dgpo-eval", description="Avg@k / Pass@k of a model on math benchmarks.")
+    p.add_argument("--model", required=True, help="HF model folder (weights + tokenizer)")
+    p.add_argument("--benchmarks", nargs="*", help="benchmark files or names (default: all found in --bench-dir)")
+    p.add_argument("--bench-dir", help="folder with aime24.jsonl, ... (default: $DGPO_BENCHMARKS_DIR or ../shared/benchmarks)")
+    p.add_argument("--n", "-k", type=int, default=32, help="samples per problem (k_max)")
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, help="first N problems of each benchmark")
+    p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV-cache size in MiB (CPU default 256)")
+    p.add_argument("--workers", type=int, default=2, help="grading processes")
+    p.add_argument("--grade-timeout", type=float, default=4.0)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    benchmarks = _resolve_benchmarks(args.benchmarks, args.bench_dir, args.limit)
+    if args.max_model_len is None:
+        args.max_model_len = args.max_tokens + 2048
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    with _build_engine(args) as engine, RewardPool(num_workers=args.workers, timeout_s=args.grade_timeout) as pool:
+        result = evaluate(engine, tokenizer, benchmarks, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed, pool=pool, progress=not args.no_progress)
+    result["config"].update(model=str(args.model), engine=args.engine)
+    print(format_table(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
