@@ -140,7 +140,7 @@ class LossConfig:
     hyperparams: dict = field(default_factory=dict)
     """Keyword arguments of ``policy_loss``: eps_low, eps_high, n, m, beta1, beta2, ..."""
     chunk_size: int | None = None
-    """Tokens per chunk in ``logprobs_and_entropy`` (default: ~128 MiB float32 chunks)."""
+    """Tokens per chunk in ``logprobs_and_entropy`` (default: ``vocab_parallel.default_chunk_size``)."""
 
 
 @dataclass

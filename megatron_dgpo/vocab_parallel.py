@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_CHUNK_BYTES = 1 << 27  # 128 MiB of float32 per chunk by default
+# float32 bytes per chunk: cache-sized on CPU; large on GPU, where each chunk costs kernel
+# launches and two all-reduces
+_CHUNK_BYTES = {"cpu": 1 << 23, "cuda": 1 << 28}
 
 
 def _resolve_group(group):
@@ -52,9 +54,10 @@ def _all_reduce(tensor: Tensor, op, group, size: int) -> Tensor:
     return tensor
 
 
-def default_chunk_size(local_vocab: int) -> int:
-    """Tokens per chunk so that one float32 chunk [chunk, V_l] is about 128 MiB."""
-    return max(1, _CHUNK_BYTES // (4 * max(1, local_vocab)))
+def default_chunk_size(local_vocab: int, device: torch.device | str = "cpu") -> int:
+    """Tokens per chunk so that one float32 chunk [chunk, V_l] is ~8 MiB (CPU) / ~256 MiB (GPU)."""
+    budget = _CHUNK_BYTES.get(torch.device(device).type, _CHUNK_BYTES["cuda"])
+    return max(1, budget // (4 * max(1, local_vocab)))
 
 
 class _LogprobsEntropy(torch.autograd.Function):
@@ -74,27 +77,32 @@ class _LogprobsEntropy(torch.autograd.Function):
         log_sum = torch.empty(n_tokens, **f32)
         logp = torch.empty(n_tokens, **f32)
         entropy = torch.empty(n_tokens, **f32)
+        # two float32 work buffers for the whole call (fresh allocations per chunk cost page
+        # faults on CPU); the last, shorter chunk uses their leading rows
+        z_buf = torch.empty(min(chunk, n_tokens), n_valid, **f32)
+        e_buf = torch.empty_like(z_buf)
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             rows = end - start
             if n_valid > 0:
-                z = flat[start:end, :n_valid].to(torch.float32, copy=True)
-                if temperature != 1.0:
-                    z.div_(temperature)
-                m = z.max(dim=-1).values
+                block = flat[start:end, :n_valid]
+                m = block.max(dim=-1).values.float()  # max of x/T is max(x)/T for T > 0
             else:  # this rank holds only TP padding columns
-                z = torch.empty(rows, 0, **f32)
+                block = None
                 m = torch.full((rows,), -torch.inf, **f32)
             _all_reduce(m, dist.ReduceOp.MAX, group, size)
-            z.sub_(m[:, None])
+            z = z_buf[:rows]
+            if block is not None:
+                torch.sub(block, m[:, None], out=z)  # upcasts bf16 on the fly
+            if temperature != 1.0:
+                z.div_(temperature)
             sums = torch.empty(3, rows, **f32)
             sums[2] = torch.where(in_shard[start:end],
                                   z.gather(1, local_t[start:end, None]).squeeze(1)
                                   if n_valid > 0 else torch.zeros(rows, **f32), 0.0)
-            e = torch.exp(z)
+            e = torch.exp(z, out=e_buf[:rows])
             sums[0] = e.sum(dim=-1)
-            sums[1] = e.mul_(z).sum(dim=-1)
-            del e, z
+            sums[1] = torch.linalg.vecdot(e, z)  # sum_j e_j z_j without an [rows, V] product
             _all_reduce(sums, dist.ReduceOp.SUM, group, size)
             ls = sums[0].log()
             row_max[start:end] = m
@@ -123,28 +131,34 @@ class _LogprobsEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat)
         if n_valid < vocab_local:
             grad[:, n_valid:].zero_()  # TP padding columns are outside the distribution
+        g = g / temperature  # fold the 1/T of dx/dlogits into the per-token weights
+        h = h / temperature if h is not None else None
+        shift = row_max + temperature * log_sum  # (x - shift) / T = log p
+        in_place = grad.dtype == torch.float32  # write straight into the gradient's rows
+        f32 = dict(dtype=torch.float32, device=grad.device)
+        shape = (min(chunk, n_tokens), n_valid)
+        work_buf = None if in_place else torch.empty(shape, **f32)
+        p_buf = torch.empty(shape, **f32) if h is not None else None
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             if n_valid == 0:
                 break
+            rows = grad[start:end, :n_valid]
+            work = rows if in_place else work_buf[:end - start]
+            torch.sub(flat[start:end, :n_valid], shift[start:end, None], out=work)
+            if temperature != 1.0:
+                work.div_(temperature)  # log p
             gc = g[start:end, None]
-            a = flat[start:end, :n_valid].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                a.div_(temperature)
-            a.sub_((row_max[start:end] + log_sum[start:end])[:, None])  # log p
             if h is not None:
-                p = torch.exp(a)
-                a.add_(entropy[start:end, None]).mul_(h[start:end, None]).add_(gc)
-                a.mul_(p).neg_()  # -p (g + h (log p + H))
-                del p
+                p = torch.exp(work, out=p_buf[:end - start])
+                work.add_(entropy[start:end, None]).mul_(h[start:end, None]).add_(gc)
+                work.mul_(p).neg_()  # -p (g + h (log p + H)) / T
             else:
-                a.exp_().mul_(-gc)  # -g p
+                work.exp_().mul_(-gc)  # -g p / T
             hit = torch.where(in_shard[start:end], g[start:end], 0.0)
-            a.scatter_add_(1, local_t[start:end, None], hit[:, None])  # + g 1[j=t]
-            if temperature != 1.0:
-                a.div_(temperature)
-            grad[start:end, :n_valid].copy_(a)
-            del a
+            work.scatter_add_(1, local_t[start:end, None], hit[:, None])  # + g 1[j=t] / T
+            if not in_place:
+                rows.copy_(work)
         return (grad.view(logits.shape),) + (None,) * 8
 
 
@@ -159,7 +173,8 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, group=None, tempera
         targets: [...] global token ids (int64 or int32), same leading shape.
         group: the TP process group. None: Megatron's TP group if initialised, else one process.
         temperature: logits are divided by it before the softmax (as the rollout sampler does).
-        chunk_size: tokens per chunk (default: ~128 MiB of float32 per chunk).
+        chunk_size: tokens per chunk (default ``default_chunk_size``: 8 MiB of float32 per
+            chunk on CPU, 256 MiB on GPU).
         entropy_grad: make the entropy differentiable (otherwise it is a detached output).
         vocab_size: the model's real vocabulary (HF ``vocab_size``); global columns >= it are
             TP padding and are excluded from the distribution. Default: V_l * group size.
@@ -187,7 +202,7 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, group=None, tempera
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"targets must lie in [0, vocab_size={vocab_size}); got range "
                          f"[{int(targets.min())}, {int(targets.max())}]")
-    chunk = int(chunk_size) if chunk_size else default_chunk_size(vocab_local)
+    chunk = int(chunk_size) if chunk_size else default_chunk_size(vocab_local, logits.device)
     if chunk < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
     n_valid = max(0, min(vocab_local, vocab_size - rank * vocab_local))

@@ -43,6 +43,38 @@ def micro_batches(dp_rank: int, dp_size: int, n_micro: int):
             for idx in pieces if idx]
 
 
+def packed_micro_batches(n_rows: int):
+    """All sequences packed into ``n_rows`` rows (block-diagonal causal attention)."""
+    from megatron_dgpo.train_step import MicroBatch, padded_micro_batch
+
+    seqs = sequences()
+    rows = []
+    for r in range(n_rows):
+        mine = seqs[r::n_rows]
+        parts = [padded_micro_batch([t], [m], [o], [a]) for t, m, o, a in mine]
+        rows.append(MicroBatch(
+            tokens=torch.cat([p.tokens for p in parts], 1),
+            labels=torch.cat([p.labels for p in parts], 1),
+            loss_mask=torch.cat([p.loss_mask for p in parts], 1),
+            old_logprobs=torch.cat([p.old_logprobs for p in parts], 1),
+            advantages=torch.cat([p.advantages for p in parts], 1),
+            segment_ids=torch.cat([torch.full_like(p.tokens, i) for i, p in enumerate(parts)],
+                                  1)))
+    width = max(r.tokens.shape[1] for r in rows)
+    padded = []
+    for row in rows:  # right-pad rows to one width: padding is its own (masked) segment
+        extra = width - row.tokens.shape[1]
+        pad = lambda t, v: torch.cat([t, torch.full((1, extra), v, dtype=t.dtype)], 1)
+        padded.append(MicroBatch(tokens=pad(row.tokens, 0), labels=pad(row.labels, 0),
+                                 loss_mask=pad(row.loss_mask, False),
+                                 old_logprobs=pad(row.old_logprobs, 0.0),
+                                 advantages=pad(row.advantages, 0.0),
+                                 segment_ids=pad(row.segment_ids, 10**6)))
+    return [MicroBatch(**{k: torch.cat([getattr(r, k) for r in padded]) for k in
+                          ("tokens", "labels", "loss_mask", "old_logprobs", "advantages",
+                           "segment_ids")})]
+
+
 def _build(cfg, tp, pp):
     from megatron_dgpo.model import build_model
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
@@ -94,6 +126,8 @@ def reference_fn(rank, world_size):
         for n_micro in (2, 4, 8):
             res = _step(models, micro_batches(0, 1, n_micro))
             runs[n_micro] = (res, _grads(models, vocab)[0])
+        res = _step(models, packed_micro_batches(2))  # 2 packed rows in one micro-batch
+        runs["packed"] = (res, _grads(models, vocab)[0])
 
         # temperature != 1 and the loss value against independent references
         mb = micro_batches(0, 1, 1)[0]

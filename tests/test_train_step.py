@@ -33,13 +33,14 @@ def test_single_rank_reference_is_sane(reference):
         assert all(float(g.abs().max()) > 0 for g in ref["grads"].values())
 
 
-def test_micro_batch_count_does_not_change_anything(reference):
+def test_micro_batch_count_and_packing_do_not_change_anything(reference):
     for tied, ref in reference.items():
         for n_micro, (res, grads) in ref["runs"].items():
             errs = compare(res, grads, ref)
             assert errs["loss_err"] <= TOL and errs["metric_err"] <= TOL, (tied, n_micro, errs)
             assert errs["grad_err"] <= TOL, (tied, n_micro, errs)
             assert sorted(errs["covered"]) == sorted(ref["grads"])
+        assert set(ref["runs"]) == {2, 4, 8, "packed"}
 
 
 def test_tp_pp_dp_layouts_match_single_rank(reference):
