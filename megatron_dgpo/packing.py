@@ -162,3 +162,18 @@ def _build_row(group: list[Sample], indices: list[int], pad_multiple: int) -> Pa
     return PackedRow(tokens=tokens, position_ids=positions, targets=targets,
                      loss_mask=loss_mask, cu_seqlens=cu_seqlens, per_token=fields,
                      sample_indices=list(indices))
+
+
+def to_micro_batch(row: PackedRow, *, old_logprobs: str = "old_logprobs",
+                   advantages: str = "advantages"):
+    """A ``train_step.MicroBatch`` [1, S] of one packed row (segments attend only within)."""
+    from megatron_dgpo.train_step import MicroBatch
+
+    segment = torch.repeat_interleave(torch.arange(len(row.cu_seqlens) - 1),
+                                      (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).long())
+    optional = {name: row.per_token[key][None].float()
+                for name, key in (("old_logprobs", old_logprobs), ("advantages", advantages))
+                if key in row.per_token}
+    return MicroBatch(tokens=row.tokens[None], labels=row.targets[None],
+                      loss_mask=row.loss_mask[None], position_ids=row.position_ids[None],
+                      segment_ids=segment[None], **optional)

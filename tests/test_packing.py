@@ -121,3 +121,59 @@ def test_bad_input_names_the_sample(bad, message):
         samples[0].per_token["old_logprobs"] = torch.zeros(bad["per_token_len"])
     with pytest.raises(ValueError, match=message):
         pack(samples, budget=16)
+
+
+def _packing_gradient_fn(rank, world_size):
+    """Same samples through train_step padded (2 per micro-batch) and packed: same gradient."""
+    from megatron_dgpo.model import build_model
+    from megatron_dgpo.packing import to_micro_batch
+    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.train_step import LossConfig, padded_micro_batch, train_step, wrap_ddp
+    from tests._rank_fns_model import TINY_QWEN2
+
+    initialize_parallel(ParallelConfig(), seed=3)
+    models = wrap_ddp(build_model(TINY_QWEN2, seed=7))
+    samples = make_samples([9, 30, 12, 17, 25, 6, 14], prompt=4, seed=2)
+    for s in samples:
+        s.tokens %= TINY_QWEN2["vocab_size"]
+        s.per_token["advantages"] = torch.linspace(-1.5, 1.5, len(s.per_token["advantages"]),
+                                                   dtype=torch.float64) ** 3
+        s.per_token["old_logprobs"] = s.per_token["old_logprobs"] - 5.5
+    loss = LossConfig(method="dgpo", hyperparams=dict(n=2, m=2))
+
+    def grads():
+        return {n: p.main_grad.clone() for n, p in models[0].module.named_parameters()}
+
+    def aligned(s, key):  # per-token field aligned with tokens (prompt entries unused)
+        return torch.cat([torch.zeros(s.response_start), s.per_token[key].float()])
+
+    padded = [padded_micro_batch([s.tokens for s in group],
+                                 [torch.arange(len(s.tokens)) >= s.response_start for s in group],
+                                 [aligned(s, "old_logprobs") for s in group],
+                                 [aligned(s, "advantages") for s in group])
+              for group in (samples[0:2], samples[2:4], samples[4:6], samples[6:])]
+    reference = train_step(models, padded, loss)
+    want = grads()
+    rows = pack(samples, budget=48, pad_multiple=4)
+    packed = train_step(models, [to_micro_batch(r) for r in rows], loss)
+    got = grads()
+    worst = max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
+    padded_tokens = sum(mb.tokens.numel() for mb in padded)
+    packed_tokens = sum(len(r.tokens) for r in rows)
+    return dict(worst=worst, loss=(reference.loss, packed.loss),
+                tokens=(reference.num_tokens, packed.num_tokens),
+                summary=(reference.summary, packed.summary), rows=len(rows),
+                sizes=(padded_tokens, packed_tokens))
+
+
+def test_packing_never_changes_the_gradient():
+    from tests.distributed import run_ranks
+
+    (result,) = run_ranks(_packing_gradient_fn, 1)
+    assert result["tokens"][0] == result["tokens"][1] == sum(
+        n - 4 for n in [9, 30, 12, 17, 25, 6, 14])
+    assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-6)
+    assert result["worst"] < 1e-5, result["worst"]
+    for key, value in result["summary"][0].items():
+        assert result["summary"][1][key] == pytest.approx(value, rel=1e-5, nan_ok=True), key
+    assert result["rows"] < 4 and result["sizes"][1] < result["sizes"][0]
