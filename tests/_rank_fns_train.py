@@ -30,17 +30,35 @@ def sequences():
     return out
 
 
+def micro_batch_indices(dp_rank: int, dp_size: int, n_micro: int) -> list[list[int]]:
+    """Global sequence indices of each micro-batch: a contiguous DP share, strided pieces."""
+    per = len(LENGTHS) // dp_size
+    mine = list(range(dp_rank * per, (dp_rank + 1) * per))
+    return [mine[k::n_micro] for k in range(n_micro) if mine[k::n_micro]]  # unequal lengths
+
+
 def micro_batches(dp_rank: int, dp_size: int, n_micro: int):
-    """This DP rank's contiguous share of the sequences cut into ``n_micro`` padded pieces."""
+    """This DP rank's share of the sequences cut into ``n_micro`` padded pieces."""
     from megatron_dgpo.train_step import padded_micro_batch
 
     seqs = sequences()
-    per = len(seqs) // dp_size
-    mine = seqs[dp_rank * per:(dp_rank + 1) * per]
-    pieces = [list(range(len(mine)))[k::n_micro] for k in range(n_micro)]  # unequal lengths
-    return [padded_micro_batch([mine[i][0] for i in idx], [mine[i][1] for i in idx],
-                               [mine[i][2] for i in idx], [mine[i][3] for i in idx])
-            for idx in pieces if idx]
+    return [padded_micro_batch([seqs[i][0] for i in idx], [seqs[i][1] for i in idx],
+                               [seqs[i][2] for i in idx], [seqs[i][3] for i in idx])
+            for idx in micro_batch_indices(dp_rank, dp_size, n_micro)]
+
+
+def forward_error(models, dp_rank, dp_size, n_micro, want_logp, want_ent) -> float:
+    """Max |forward_logprobs - reference| over every real position of this rank's sequences."""
+    from megatron_dgpo.train_step import forward_logprobs
+
+    outputs = forward_logprobs(models, micro_batches(dp_rank, dp_size, n_micro))
+    err = 0.0
+    for (logp, ent), idx in zip(outputs, micro_batch_indices(dp_rank, dp_size, n_micro)):
+        for row, i in enumerate(idx):
+            n = LENGTHS[i] - 1
+            err = max(err, float((logp[row, :n] - want_logp[i, :n]).abs().max()),
+                      float((ent[row, :n] - want_ent[i, :n]).abs().max()))
+    return err
 
 
 def packed_micro_batches(n_rows: int):
@@ -138,7 +156,7 @@ def reference_fn(rank, world_size):
         logsm = torch.log_softmax(logits, -1)
         want_logp = logsm.gather(-1, mb.labels[..., None]).squeeze(-1)
         want_ent = -(logsm.exp() * logsm).sum(-1)
-        (logp1, _), = forward_logprobs(models, [mb])
+        (logp1, ent1), = forward_logprobs(models, [mb])
         loss64, _ = policy_loss(METHOD, logp1.double(), mb.old_logprobs.double(),
                                 mb.advantages.double(), mb.loss_mask, **HYPER)
         results[tied] = dict(
@@ -146,7 +164,8 @@ def reference_fn(rank, world_size):
             grads=grads, pad_ok=pad_ok, runs=runs,
             temp_logp_err=float((logp.double() - want_logp).abs().max()),
             temp_ent_err=float((entropy.double() - want_ent).abs().max()),
-            loss64=float(loss64), n_params=ps.get_tensor_model_parallel_world_size())
+            loss64=float(loss64), n_params=ps.get_tensor_model_parallel_world_size(),
+            logp=logp1, entropy=ent1)
         destroy_parallel()
     return results
 
@@ -170,7 +189,9 @@ def split_fn(rank, world_size, reference):
             dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
             res = _step(models, micro_batches(dp_rank, dp_size, n_micro))
             grads, pad_ok = _grads(models, vocab)
-            out.append(dict(layout=(tp, pp, dp_size, n_micro), tied=tied,
+            fwd_err = forward_error(models, dp_rank, dp_size, n_micro, want["logp"],
+                                    want["entropy"])
+            out.append(dict(layout=(tp, pp, dp_size, n_micro), tied=tied, fwd_err=fwd_err,
                             **compare(res, grads, want), pad_ok=pad_ok))
             destroy_parallel()
     return out

@@ -55,6 +55,7 @@ def test_tp_pp_dp_layouts_match_single_rank(reference):
                 for key in ("loss_err", "metric_err", "grad_err"):
                     assert case[key] <= TOL, (key, case["layout"], tied, case[key])
                 assert case["pad_ok"]
+                assert case["fwd_err"] <= TOL, ("forward_logprobs", case["layout"], tied)
                 assert case["num_tokens"] == reference[tied]["num_tokens"]
                 covered |= set(case["covered"])
                 layouts.add(case["layout"])
