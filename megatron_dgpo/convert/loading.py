@@ -91,7 +91,7 @@ def iter_params(params: Sequence[ParamMap], num_layers: int):
 
 # ----------------------------------------------------------------------------- streaming save
 
-def _streaming_save_strategy(source: HFSource):
+def _streaming_save_strategy(source: HFSource, progress: bool = False):
     """A ``torch_dist`` save strategy whose tensor data come from ``source`` chunk by chunk."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -115,12 +115,23 @@ def _streaming_save_strategy(source: HFSource):
         return source.box(pm, None, box).to(dtype)
 
     class _LazyPlanner(MCoreSavePlanner):
+        bar = None
+
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
+            if progress and self.bar is None:
+                from tqdm import tqdm
+
+                total = sum(i.type != WriteItemType.BYTE_IO for i in self.plan.items)
+                self.bar = tqdm(total=total, desc=f"hf-to-megatron rank {dist.get_rank()}",
+                                unit="chunk")
             meta = write_item.tensor_data
-            return chunk(write_item.index.fqn, meta.chunk.offsets, meta.chunk.sizes,
+            data = chunk(write_item.index.fqn, meta.chunk.offsets, meta.chunk.sizes,
                          meta.properties.dtype)
+            if self.bar is not None:
+                self.bar.update(1)
+            return data
 
     class _Strategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
@@ -141,7 +152,7 @@ def _sharded_state_dict(chunks) -> dict:
 
 
 def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
-                        dtype: torch.dtype | None) -> None:
+                        dtype: torch.dtype | None, progress: bool = False) -> None:
     """HF -> torch_dist on the current process group (world = a multiple of tp * pp)."""
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -168,7 +179,8 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(_sharded_state_dict(chunks), out_dir,
-                                sharded_strategy=_streaming_save_strategy(source))
+                                sharded_strategy=_streaming_save_strategy(
+                                    source, progress and dist.get_rank() == 0))
         if dist.get_rank() == 0:
             meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": source.family.name,
                     "vocab_size": source.dims.vocab, "padded_vocab_size": source.dims.padded_vocab,
@@ -183,13 +195,13 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
             destroy_parallel()
 
 
-def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, dtype):
+def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, dtype, progress):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _convert_collective(hf_dir, out_dir, tp, pp, dtype)
+        _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
     finally:
         dist.destroy_process_group()
 
@@ -210,7 +222,7 @@ def single_process_group():
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *,
-                   dtype: torch.dtype | None = None) -> str:
+                   dtype: torch.dtype | None = None, progress: bool = False) -> str:
     """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp).
 
     Under an initialised ``torch.distributed`` (e.g. torchrun) this is collective over the world
@@ -222,16 +234,17 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *,
     """
     HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here, clearly
     if dist.is_initialized():
-        _convert_collective(hf_dir, out_dir, tp, pp, dtype)
+        _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
     elif tp * pp == 1:
         with single_process_group():
-            _convert_collective(hf_dir, out_dir, tp, pp, dtype)
+            _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
     else:
         import torch.multiprocessing as mp
 
         from megatron_dgpo.convert._spawn import free_port
 
-        mp.spawn(_spawned_convert, args=(tp * pp, free_port(), hf_dir, out_dir, tp, pp, dtype),
+        mp.spawn(_spawned_convert,
+                 args=(tp * pp, free_port(), hf_dir, out_dir, tp, pp, dtype, progress),
                  nprocs=tp * pp, join=True)
     return out_dir
 
@@ -315,13 +328,15 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None
                    max_shard_bytes: int = 5 * 1024**3, progress: bool = False) -> str:
     """Convert a checkpoint written by ``hf_to_megatron`` (or saved by training) to an HF folder.
 
-    Writes sharded safetensors (+ index), config.json (``torch_dtype`` updated when ``dtype``
-    is given), generation config and tokenizer files. Streams: one tensor in memory at a time.
+    ``dtype`` defaults to the converted HF checkpoint's dtype. Writes sharded safetensors
+    (+ index), config.json (``torch_dtype`` updated when ``dtype`` is given), generation config and tokenizer files. Streams: one tensor in memory at a time.
     Runs in one process, without torch.distributed.
     """
     meta = read_metadata(ckpt_dir)
     cfg = dict(meta["hf_config"])
-    if dtype is not None:
+    if dtype is None:  # the source's dtype (Megatron may keep e.g. norms in float32)
+        dtype = getattr(torch, meta["dtype"])
+    else:
         name = str(dtype).replace("torch.", "")
         cfg.update({key: name for key in ("torch_dtype", "dtype") if key in cfg} or
                    {"torch_dtype": name})
@@ -433,7 +448,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, **overrides) ->
                             f"checkpoint) nor config.json (an HF checkpoint)")
 
 
-def export_hf_weights(model_chunks, *, consumer: str = "all",
+def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype | None = None,
                       hf_config: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` pairs of a live model, in HF order, one tensor at a time.
 
@@ -442,8 +457,9 @@ def export_hf_weights(model_chunks, *, consumer: str = "all",
     gate-up / vocab-padding layouts via the family map) and, for ``consumer="all"``, broadcasts
     it over the pipeline group: every model-parallel rank then receives every pair. With
     ``consumer="first"`` only model-parallel rank 0 (TP 0, PP 0) receives pairs (a point-to-point
-    send from the owning stage); the others yield nothing. Tensors are on the model's device
-    and dtype; the caller must not keep them (they may be reused views).
+    send from the owning stage); the others yield nothing. Tensors are on the model's device,
+    in each parameter's dtype unless ``dtype`` is given (floating tensors are cast to it).
+    They may be views of per-step buffers: copy what you keep.
     ``hf_config`` is only needed for models not built by ``megatron_dgpo.model.build_model``.
     """
     from megatron.core import parallel_state
@@ -464,13 +480,14 @@ def export_hf_weights(model_chunks, *, consumer: str = "all",
     params = family.active(cfg)
     local = _local_params(chunks, family, bool(cfg.get("tie_word_embeddings")))
     owned = [None] * pp_size
-    dist.all_gather_object(owned, sorted(local, key=str), group=pp_group)
-    owner = {}
+    mine = sorted((key, str(param.dtype)) for key, (_, param) in local.items())
+    dist.all_gather_object(owned, mine, group=pp_group)
+    owner, dtypes = {}, {}
     for stage, keys in enumerate(owned):
-        for key in keys:
+        for key, dtype_name in keys:
             owner.setdefault(tuple(key), stage)
-    some = next(iter(local.values()))[1]
-    device, dtype = some.device, some.dtype
+            dtypes[tuple(key)] = getattr(torch, dtype_name.replace("torch.", ""))
+    device = next(iter(local.values()))[1].device
     for pm, layer in iter_params(params, dims.num_layers):
         src = owner.get((pm.key(), layer))
         if src is None:
@@ -486,13 +503,18 @@ def export_hf_weights(model_chunks, *, consumer: str = "all",
             full = tp_unshard(pm, shards)
         if pp_size > 1 and consumer == "all":
             if full is None:
-                full = torch.empty(megatron_shape(pm, dims), dtype=dtype, device=device)
+                full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
+                                   device=device)
             dist.broadcast(full, src=pp_ranks[src], group=pp_group)
         elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             if pp_rank == src:
                 dist.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
             elif pp_rank == 0:
-                full = torch.empty(megatron_shape(pm, dims), dtype=dtype, device=device)
+                full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
+                                   device=device)
                 dist.recv(full, src=pp_ranks[src], group=pp_group)
         if consumer == "all" or first:
-            yield from hf_from_megatron(pm, layer, full, dims)
+            for name, tensor in hf_from_megatron(pm, layer, full, dims):
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield name, tensor

@@ -1,0 +1,57 @@
+"""``dgpo-convert``: HF <-> Megatron-Core (torch_dist) checkpoint conversion.
+
+    dgpo-convert hf-to-megatron HF_DIR OUT_DIR [--tp 2 --pp 2] [--dtype bfloat16]
+    dgpo-convert megatron-to-hf CKPT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-gb 5]
+
+hf-to-megatron with tp * pp > 1 spawns that many local gloo processes, or runs collectively
+when started under torchrun (world size a multiple of tp * pp). The checkpoint loads at any
+TP/PP either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgpo-convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mg = sub.add_parser("hf-to-megatron", help="HF folder -> torch_dist checkpoint")
+    to_mg.add_argument("hf_dir")
+    to_mg.add_argument("out_dir")
+    to_mg.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to write with")
+    to_mg.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout to write with")
+    to_mg.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                       help="stored dtype (default: the HF tensors' dtype)")
+    to_hf = sub.add_parser("megatron-to-hf", help="torch_dist checkpoint -> HF folder")
+    to_hf.add_argument("ckpt_dir")
+    to_hf.add_argument("out_dir")
+    to_hf.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                       help="safetensors dtype (default: the original HF dtype)")
+    to_hf.add_argument("--max-shard-gb", type=float, default=5.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from megatron_dgpo.convert import hf_to_megatron, megatron_to_hf
+
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if args.command == "hf-to-megatron":
+        hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=dtype,
+                       progress=True)
+    else:
+        megatron_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype,
+                       max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True)
+    print(f"wrote {args.out_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""HF <-> Megatron converters: bitwise round trips at TP2 x PP2, logit parity against
+transformers at TP1 and TP2, resharding (TP2 x PP1 saved, TP1 x PP2 loaded), refusals.
+
+Three gloo launches in all (4, 2 and 2 ranks); several checks per launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_dgpo.convert import (LazyHFReader, ShardedSafetensorsWriter, hf_to_megatron,
+                                   megatron_to_hf)
+from megatron_dgpo.convert.safetensors_io import iter_hf_tensors
+from tests import _rank_fns_convert as fns
+from tests.distributed import run_ranks
+
+
+def _hf_state(path: str) -> dict:
+    return dict(iter_hf_tensors(path))
+
+
+def _assert_bitwise(got: dict, want: dict, what: str):
+    assert sorted(got) == sorted(want), f"{what}: names differ: {set(got) ^ set(want)}"
+    for name in want:
+        assert got[name].dtype == want[name].dtype, (what, name, got[name].dtype)
+        assert got[name].shape == want[name].shape, (what, name)
+        assert torch.equal(got[name], want[name]), f"{what}: {name} differs"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Every case saved by transformers, converted at TP2 x PP2, exported back (4 ranks)."""
+    root = tmp_path_factory.mktemp("convert")
+    dirs, models = {}, {}
+    for case in fns.CASES:
+        hf_dir = str(root / case)
+        models[case] = fns.save_hf(case, hf_dir)
+        dirs[case] = (hf_dir, str(root / f"{case}_mg"))
+    exported = run_ranks(fns.tp2pp2_fn, 4, dirs)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 300, (2, 16))
+    return dict(root=root, dirs=dirs, models=models, exported=exported, tokens=tokens)
+
+
+def test_round_trip_tp2pp2_bitwise(converted, tmp_path):
+    for case, (hf_dir, mg_dir) in converted["dirs"].items():
+        want = _hf_state(hf_dir)
+        if case == "llama":
+            assert all(t.dtype == torch.bfloat16 for t in want.values())
+        meta = json.load(open(os.path.join(mg_dir, "dgpo_convert.json")))
+        assert meta["vocab_size"] == fns.CASES[case]["vocab_size"]
+        assert meta["padded_vocab_size"] % 256 == 0 and meta["padded_vocab_size"] >= meta["vocab_size"]
+        out = str(tmp_path / case)
+        megatron_to_hf(mg_dir, out)
+        _assert_bitwise(_hf_state(out), want, f"{case} megatron_to_hf")
+        for side in ("config.json", "generation_config.json"):
+            assert os.path.isfile(os.path.join(out, side)), side
+        cfg = json.load(open(os.path.join(out, "config.json")))
+        assert cfg["vocab_size"] == fns.CASES[case]["vocab_size"]
+        # the live-model generator: every one of the 4 ranks receives every full tensor
+        for rank, result in enumerate(converted["exported"]):
+            _assert_bitwise(result[case]["ckpt"], want, f"{case} export_hf_weights rank {rank}")
+    want = _hf_state(converted["dirs"]["qwen2"][0])
+    assert "lm_head.weight" not in _hf_state(converted["dirs"]["qwen2_tied"][0])
+    for rank, result in enumerate(converted["exported"]):
+        _assert_bitwise(result["qwen2"]["hf"], want, f"load_model(HF dir) rank {rank}")
+        if rank == 0:
+            _assert_bitwise(result["qwen2"]["first"], want, "consumer='first' rank 0")
+        else:
+            assert result["qwen2"]["first"] == {}, rank
+
+
+def test_megatron_to_hf_dtype_and_shards(converted, tmp_path):
+    hf_dir, mg_dir = converted["dirs"]["qwen2"]
+    want = _hf_state(hf_dir)
+    megatron_to_hf(mg_dir, str(tmp_path), dtype=torch.bfloat16, max_shard_bytes=200_000)
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) > 1
+    got = _hf_state(str(tmp_path))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], want[name].to(torch.bfloat16)), name
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert "bfloat16" in (cfg.get("torch_dtype"), cfg.get("dtype"))
+
+
+def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_logit_parity_tp1_tp2_and_resharding(converted):
+    dirs, tokens = converted["dirs"], converted["tokens"]
+    tp2 = run_ranks(fns.tp2_fn, 2, dirs, tokens)
+    tp1 = run_ranks(fns.tp1_fn, 2, dirs, tokens)
+    errors = {}
+    for case, model in converted["models"].items():
+        vocab = fns.CASES[case]["vocab_size"]
+        case_tokens = tokens % vocab
+        with torch.no_grad():
+            want = model(tokens).logits
+        for label, logits in (("tp2", tp2[0][case]), ("tp1", tp1[0][case])):
+            assert logits.shape[-1] >= vocab
+            if case == "llama":  # stored in bf16: the reference is the bf16-rounded model
+                continue
+            errors[(case, label)] = _max_rel(logits[..., :vocab], want)
+        assert torch.equal(case_tokens, tokens)  # all token ids are < every vocab size
+    # llama (stored in bf16): transformers' model loaded from the same files in fp32
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(dirs["llama"][0], dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = llama(tokens).logits
+    for label, logits in (("tp2", tp2[0]["llama"]), ("tp1", tp1[0]["llama"])):
+        errors[("llama", label)] = _max_rel(logits[..., :512], want)
+    assert max(errors.values()) <= 1e-5, errors
+    # resharding: saved at TP2 x PP1 (vocab padded to 512), loaded at TP1 x PP2 (padded to 384)
+    saved, resharded = tp2[0]["saved_tp2pp1"], tp1[1]["resharded_tp1pp2"]
+    assert tp1[0]["resharded_tp1pp2"] is None  # first pipeline stage has no logits
+    assert saved.shape[-1] == 512 and resharded.shape[-1] == 384
+    assert _max_rel(resharded[..., :300], saved[..., :300]) <= 1e-6
+    with torch.no_grad():
+        want = converted["models"]["qwen2_vocab300"](tokens).logits
+    assert _max_rel(resharded[..., :300], want) <= 1e-5
+
+
+def test_refusals(converted, tmp_path):
+    hf_dir = converted["dirs"]["qwen2"][0]
+    # unsupported architecture: the message lists the supported ones
+    bad = tmp_path / "mistral"
+    bad.mkdir()
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    json.dump(dict(cfg, model_type="mistral", architectures=["MistralForCausalLM"]),
+              open(bad / "config.json", "w"))
+    save_file({"x": torch.zeros(1)}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unsupported architecture.*qwen2 \(Qwen2ForCausalLM\)"
+                                         r".*llama \(LlamaForCausalLM\)"):
+        hf_to_megatron(str(bad), str(tmp_path / "o1"))
+    # shape mismatch: names the tensor and both shapes
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    json.dump(cfg, open(wrong / "config.json", "w"))
+    state = _hf_state(hf_dir)
+    state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(32, 128)
+    save_file(state, str(wrong / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*"
+                                         r"\(32, 128\).*\(64, 128\)"):
+        hf_to_megatron(str(wrong), str(tmp_path / "o2"))
+    # missing files: no config.json; no safetensors; a shard listed in the index; a tensor
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        hf_to_megatron(str(tmp_path / "nowhere"), str(tmp_path / "o3"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    json.dump(cfg, open(empty / "config.json", "w"))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        hf_to_megatron(str(empty), str(tmp_path / "o4"))
+    json.dump({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}},
+              open(empty / "model.safetensors.index.json", "w"))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+        hf_to_megatron(str(empty), str(tmp_path / "o5"))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(wrong / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        hf_to_megatron(str(wrong), str(tmp_path / "o6"))
+    with pytest.raises(FileNotFoundError, match="dgpo_convert.json"):
+        megatron_to_hf(hf_dir, str(tmp_path / "o7"))
+
+
+def test_tp1_in_process_and_streaming_writer(converted, tmp_path):
+    """tp=pp=1 converts in this process; the writer's files load with safetensors itself."""
+    hf_dir = converted["dirs"]["qwen2_tied"][0]
+    hf_to_megatron(hf_dir, str(tmp_path / "mg"))
+    megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "hf"))
+    _assert_bitwise(load_file(str(tmp_path / "hf" / "model.safetensors")), _hf_state(hf_dir),
+                    "tp1 round trip")
+    writer = ShardedSafetensorsWriter(str(tmp_path / "w"), max_shard_bytes=100, header_reserve=64)
+    tensors = {f"t{i}": torch.randn(i + 3, 5).to(torch.bfloat16 if i % 2 else torch.float32)
+               for i in range(6)}
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    writer.close()  # header outgrows the 64-byte reserve: exercises the shifting path
+    _assert_bitwise(_hf_state(str(tmp_path / "w")), tensors, "writer")
+    reader = LazyHFReader(str(tmp_path / "w"))
+    assert torch.equal(reader.read("t4", ((1, 3), (2, 4))), tensors["t4"][1:3, 2:4])
