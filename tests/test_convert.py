@@ -172,13 +172,32 @@ def test_refusals(converted, tmp_path):
         megatron_to_hf(hf_dir, str(tmp_path / "o7"))
 
 
-def test_tp1_in_process_and_streaming_writer(converted, tmp_path):
-    """tp=pp=1 converts in this process; the writer's files load with safetensors itself."""
+def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, monkeypatch):
+    """tp=pp=1 converts in this process, here with the embedding stored as several chunks;
+    Megatron's own loader reads it back; the writer's files load with safetensors itself."""
+    from megatron_dgpo.convert import export_hf_weights, load_model, loading, single_process_group
+    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
     hf_dir = converted["dirs"]["qwen2_tied"][0]
+    want = _hf_state(hf_dir)
+    monkeypatch.setattr(loading, "_CHUNK_BYTES", 40_000)  # embedding 384 x 128 fp32 = 196 kB
     hf_to_megatron(hf_dir, str(tmp_path / "mg"))
+    stored = [f for f in os.listdir(tmp_path / "mg") if f.endswith(".distcp")]
+    assert len(stored) == 1
     megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "hf"))
-    _assert_bitwise(load_file(str(tmp_path / "hf" / "model.safetensors")), _hf_state(hf_dir),
-                    "tp1 round trip")
+    _assert_bitwise(load_file(str(tmp_path / "hf" / "model.safetensors")), want, "tp1 round trip")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "mg")).read_metadata().state_dict_metadata
+    # 384 rows of 512 B: the fewest equal parts of <= 40 kB are 6 of 64 rows
+    assert len(md["embedding.word_embeddings.weight"].chunks) == 6
+    with single_process_group():
+        initialize_parallel(ParallelConfig())
+        try:
+            exported = {k: v.clone() for k, v in export_hf_weights(load_model(str(tmp_path / "mg")))}
+        finally:
+            destroy_parallel()
+    _assert_bitwise(exported, want, "load_model of split chunks")
     writer = ShardedSafetensorsWriter(str(tmp_path / "w"), max_shard_bytes=100, header_reserve=64)
     tensors = {f"t{i}": torch.randn(i + 3, 5).to(torch.bfloat16 if i % 2 else torch.float32)
                for i in range(6)}

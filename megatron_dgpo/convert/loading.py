@@ -18,6 +18,7 @@ Streaming:
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import tempfile
@@ -36,6 +37,7 @@ METADATA_FILE = "dgpo_convert.json"
 ASSETS_DIR = "hf_assets"
 FORMAT = "megatron-dgpo/torch_dist"
 FORMAT_VERSION = 1
+_CHUNK_BYTES = 64 * 1024**2  # largest stored chunk of embeddings / lm_head written by us
 
 
 # ----------------------------------------------------------------------------- HF source
@@ -116,10 +118,16 @@ def _streaming_save_strategy(source: HFSource, progress: bool = False):
 
     class _LazyPlanner(MCoreSavePlanner):
         bar = None
+        previous = None
 
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
+            # torch's FileSystemWriter keeps every written tensor referenced until the file is
+            # done; the previous chunk is on disk by now, so release its memory ourselves.
+            if self.previous is not None:
+                self.previous.untyped_storage().resize_(0)
+                self.previous = None
             if progress and self.bar is None:
                 from tqdm import tqdm
 
@@ -129,6 +137,10 @@ def _streaming_save_strategy(source: HFSource, progress: bool = False):
             meta = write_item.tensor_data
             data = chunk(write_item.index.fqn, meta.chunk.offsets, meta.chunk.sizes,
                          meta.properties.dtype)
+            storage = data.untyped_storage()
+            if storage.nbytes() != data.nbytes or not storage.resizable():
+                data = data.clone()  # own, exactly-sized storage (the writer would clone anyway)
+            self.previous = data
             if self.bar is not None:
                 self.bar.update(1)
             return data
@@ -143,6 +155,41 @@ def _streaming_save_strategy(source: HFSource, progress: bool = False):
                      planner=_LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
 
     return _Strategy("torch_dist", 1)
+
+
+def _split_large(sharded: dict, max_bytes: int) -> dict:
+    """Store big non-layer tensors (embeddings, lm_head) as several row chunks of <= max_bytes.
+
+    The stored chunking is invisible to loading (dist_checkpointing reads whatever chunks
+    overlap), but it bounds the memory of writing and of reading one chunk.
+    """
+    import dataclasses
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    def split(sh):
+        rows = sh.local_shape[0]
+        row_bytes = sh.data.element_size() * (sh.data.numel() // max(rows, 1))
+        if sh.prepend_axis_num or sh.flattened_range is not None or rows * row_bytes <= max_bytes:
+            return sh
+        parts = next((k for k in range(2, rows + 1)
+                      if rows % k == 0 and rows // k * row_bytes <= max_bytes), 1)
+        step = rows // parts
+        return [dataclasses.replace(
+            sh, data=sh.data[j * step:(j + 1) * step], local_shape=(step,) + sh.local_shape[1:],
+            global_offset=(sh.global_offset[0] + j * step,) + sh.global_offset[1:],
+            axis_fragmentations=(sh.axis_fragmentations[0] * parts,) + sh.axis_fragmentations[1:])
+            for j in range(parts)]
+
+    out = {}
+    for key, value in sharded.items():
+        if isinstance(value, dict):
+            out[key] = _split_large(value, max_bytes)
+        elif isinstance(value, ShardedTensor):
+            out[key] = split(value)
+        else:
+            out[key] = value
+    return out
 
 
 def _sharded_state_dict(chunks) -> dict:
@@ -178,7 +225,7 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
         if dist.get_rank() == 0:
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(_sharded_state_dict(chunks), out_dir,
+        dist_checkpointing.save(_split_large(_sharded_state_dict(chunks), _CHUNK_BYTES), out_dir,
                                 sharded_strategy=_streaming_save_strategy(
                                     source, progress and dist.get_rank() == 0))
         if dist.get_rank() == 0:
@@ -289,6 +336,7 @@ def _read_box(reader, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]
                                                buffer))
 
     dcp_load({key: buffer}, storage_reader=reader, planner=_BoxPlanner(), no_dist=True)
+    del buffer.__create_chunk_list__, buffer.__get_tensor_shard__  # break the reference cycle
     return buffer
 
 
@@ -322,6 +370,8 @@ def export_from_checkpoint(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             tensor = _read_box(reader, key, (0,) * len(shape), shape, dtype)
         yield from hf_from_megatron(pm, layer, tensor, dims)
+        del tensor
+        gc.collect()  # DCP's load leaves reference cycles around the buffer: free it now
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, *,

@@ -210,6 +210,7 @@ def write_hf_checkpoint(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str,
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         writer.add(name, tensor)
+        del tensor  # so that the next tensor is not produced while this one is alive
         if progress is not None:
             progress.update(1)
     writer.close()
