@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from megatron_dgpo.convert import (LazyHFReader, ShardedSafetensorsWriter, hf_to_megatron,
                                    megatron_to_hf)
-from megatron_dgpo.convert.safetensors_io import iter_hf_tensors
+from megatron_dgpo.convert.loading import export_from_checkpoint
+from megatron_dgpo.convert.safetensors_io import TensorBlocks, iter_hf_tensors
 from tests import _rank_fns_convert as fns
 from tests.distributed import run_ranks
 
@@ -198,6 +199,10 @@ def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, m
         finally:
             destroy_parallel()
     _assert_bitwise(exported, want, "load_model of split chunks")
+    blocks = dict(export_from_checkpoint(str(tmp_path / "mg"), row_blocks=True))
+    assert isinstance(blocks["model.embed_tokens.weight"], TensorBlocks)  # 6 stored row chunks
+    assert torch.equal(blocks["model.embed_tokens.weight"].materialize(),
+                       want["model.embed_tokens.weight"])
     writer = ShardedSafetensorsWriter(str(tmp_path / "w"), max_shard_bytes=100, header_reserve=64)
     tensors = {f"t{i}": torch.randn(i + 3, 5).to(torch.bfloat16 if i % 2 else torch.float32)
                for i in range(6)}

@@ -18,7 +18,7 @@ Streaming:
 from __future__ import annotations
 
 import contextlib
-import gc
+import functools
 import json
 import os
 import tempfile
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo.convert.families import Family, ParamMap, family_for, megatron_param_key
-from megatron_dgpo.convert.safetensors_io import (LazyHFReader, copy_side_files, read_hf_config,
-                                                  write_hf_checkpoint)
+from megatron_dgpo.convert.safetensors_io import (LazyHFReader, TensorBlocks, copy_side_files,
+                                                  read_hf_config, write_hf_checkpoint)
 from megatron_dgpo.convert.transforms import (Dims, hf_from_megatron, hf_shapes, megatron_box,
                                               megatron_shape, tp_shard_boxes, tp_unshard)
 
@@ -312,6 +312,26 @@ def read_metadata(ckpt_dir: str) -> dict:
     return meta
 
 
+@functools.lru_cache(maxsize=None)
+def _box_planner_class():
+    """DCP's default load planner, restricted to one key read into one box (built once: a class
+    made per call would keep its buffer alive in a reference cycle until the next gc)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import _create_read_items
+
+    class _BoxPlanner(DefaultLoadPlanner):
+        def __init__(self, key: str, buffer: torch.Tensor):
+            super().__init__()
+            self.key, self.buffer = key, buffer
+
+        def create_local_plan(self):
+            md = self.metadata.state_dict_metadata[self.key]
+            return LoadPlan(_create_read_items(self.key, md, self.buffer))
+
+    return _BoxPlanner
+
+
 def _read_box(reader, key: str, offsets: tuple[int, ...], shape: tuple[int, ...],
               dtype: torch.dtype) -> torch.Tensor:
     """The sub-tensor of stored tensor ``key`` at ``offsets`` of size ``shape``, read alone.
@@ -320,30 +340,36 @@ def _read_box(reader, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]
     ``__create_chunk_list__`` protocol describes the box; the planner is otherwise DCP's own).
     """
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import _create_read_items
 
     buffer = torch.empty(shape, dtype=dtype)
-    buffer.__create_chunk_list__ = lambda: [ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                                                 sizes=buffer.size())]
-    buffer.__get_tensor_shard__ = lambda index: buffer
-
-    class _BoxPlanner(DefaultLoadPlanner):
-        def create_local_plan(self):
-            return LoadPlan(_create_read_items(key, self.metadata.state_dict_metadata[key],
-                                               buffer))
-
-    dcp_load({key: buffer}, storage_reader=reader, planner=_BoxPlanner(), no_dist=True)
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.size())
+    buffer.__create_chunk_list__ = lambda: [chunk]
+    buffer.__get_tensor_shard__ = functools.partial(_identity, buffer)
+    dcp_load({key: buffer}, storage_reader=reader, planner=_box_planner_class()(key, buffer),
+             no_dist=True)
     del buffer.__create_chunk_list__, buffer.__get_tensor_shard__  # break the reference cycle
     return buffer
 
 
-def export_from_checkpoint(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _identity(tensor, _index):
+    return tensor
+
+
+def _row_blocks(reader, key: str, bounds: list[int], shape: tuple[int, ...], dtype):
+    """Rows [bounds[i], bounds[i+1]) of stored tensor ``key``, one block at a time."""
+    for lo, hi in zip(bounds, bounds[1:]):
+        yield _read_box(reader, key, (lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:],
+                        dtype)
+
+
+def export_from_checkpoint(ckpt_dir: str, *, row_blocks: bool = False
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` pairs of a converted checkpoint, one Megatron tensor in memory at a time.
 
     Runs in one process without torch.distributed (reads with torch.distributed.checkpoint).
+    With ``row_blocks``, embeddings and lm_head stored in several row chunks come as
+    ``TensorBlocks`` (one stored chunk in memory at a time) for ``write_hf_checkpoint``.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -364,14 +390,20 @@ def export_from_checkpoint(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"shape mismatch for tensor {key!r}: the checkpoint has "
                              f"{tuple(stored[key].size)}, its config implies {full}")
         dtype = stored[key].properties.dtype
+        starts = sorted({int(c.offsets[0]) for c in stored[key].chunks})
+        if row_blocks and not pm.per_layer and pm.kind in ("copy", "vocab") and len(starts) > 1:
+            rows = dims.vocab if pm.kind == "vocab" else shape[0]
+            bounds = [b for b in starts if b < rows] + [rows]
+            blocks = _row_blocks(reader, key, bounds, shape, dtype)
+            yield pm.hf_names(None)[0], TensorBlocks((rows,) + shape[1:], dtype, blocks)
+            continue
         if pm.per_layer:
             offsets = (layer,) + (0,) * len(shape)
             tensor = _read_box(reader, key, offsets, (1,) + shape, dtype)[0]
         else:
             tensor = _read_box(reader, key, (0,) * len(shape), shape, dtype)
         yield from hf_from_megatron(pm, layer, tensor, dims)
-        del tensor
-        gc.collect()  # DCP's load leaves reference cycles around the buffer: free it now
+        del tensor  # before reading the next one
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, *,
@@ -398,7 +430,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None
         total = sum(len(pm.hf) for pm, _ in iter_params(family.active(cfg),
                                                         int(cfg["num_hidden_layers"])))
         bar = tqdm(total=total, desc="megatron-to-hf", unit="tensor")
-    write_hf_checkpoint(export_from_checkpoint(ckpt_dir), out_dir, dtype=dtype,
+    write_hf_checkpoint(export_from_checkpoint(ckpt_dir, row_blocks=True), out_dir, dtype=dtype,
                         max_shard_bytes=max_shard_bytes, progress=bar)
     if bar is not None:
         bar.close()

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
@@ -95,6 +96,23 @@ def _dtype_from_name(name: str) -> torch.dtype:
     raise ValueError(f"unsupported safetensors dtype {name!r}")
 
 
+@dataclass(frozen=True)
+class TensorBlocks:
+    """A tensor of ``shape`` delivered as consecutive row blocks [rows_i, *shape[1:]]."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: Iterable[torch.Tensor]
+
+    def cast(self, dtype: torch.dtype) -> "TensorBlocks":
+        if dtype == self.dtype or not self.dtype.is_floating_point:
+            return self
+        return TensorBlocks(self.shape, dtype, (block.to(dtype) for block in self.blocks))
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat(list(self.blocks)).reshape(self.shape)
+
+
 class ShardedSafetensorsWriter:
     """Writes ``model-0000i-of-0000n.safetensors`` shards + index from tensors given one by one.
 
@@ -130,17 +148,32 @@ class ShardedSafetensorsWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Append one tensor (any dtype in safetensors; written in its own dtype)."""
-        if tensor.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} cannot be saved as safetensors")
+        self.add_blocks(name, TensorBlocks(tuple(tensor.shape), tensor.dtype, (tensor,)))
+
+    def add_blocks(self, name: str, blocks: "TensorBlocks") -> None:
+        """Append one tensor given as consecutive row blocks (never whole in memory)."""
+        if blocks.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {blocks.dtype} cannot be saved as safetensors")
         if any(name in header for _, header in self._shards):
             raise ValueError(f"tensor {name!r} was written twice")
-        tensor = tensor.detach().to("cpu").contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
+        itemsize = torch.empty((), dtype=blocks.dtype).element_size()
+        nbytes = itemsize * int(torch.Size(blocks.shape).numel())
         if self._handle is None or (self._offset and self._offset + nbytes > self.max_shard_bytes):
             self._open_shard()
-        if nbytes:
-            self._handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        self._header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+        written = 0
+        for block in blocks.blocks:
+            if block.dtype != blocks.dtype:
+                raise ValueError(f"tensor {name!r}: a block has dtype {block.dtype}, "
+                                 f"expected {blocks.dtype}")
+            block = block.detach().to("cpu").contiguous()
+            if block.numel():
+                self._handle.write(block.reshape(-1).view(torch.uint8).numpy().data)
+            written += block.numel() * itemsize
+            del block
+        if written != nbytes:
+            raise ValueError(f"tensor {name!r}: blocks hold {written} bytes, shape "
+                             f"{tuple(blocks.shape)} needs {nbytes}")
+        self._header[name] = {"dtype": _DTYPE_NAMES[blocks.dtype], "shape": list(blocks.shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}
         self._offset += nbytes
         self.total_bytes += nbytes
@@ -201,12 +234,18 @@ def copy_side_files(src_dir: str | None, out_dir: str, config: dict | None = Non
 def write_hf_checkpoint(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str, *,
                         dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 1024**3,
                         progress=None) -> int:
-    """Consume ``(hf_name, tensor)`` pairs into sharded safetensors; returns bytes written.
+    """Consume ``(hf_name, tensor or TensorBlocks)`` pairs into sharded safetensors.
+
+    Returns the bytes written.
 
     ``dtype`` casts floating tensors; ``progress`` (e.g. a tqdm bar) is advanced per tensor.
     """
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes)
     for name, tensor in pairs:
+        if isinstance(tensor, TensorBlocks):
+            writer.add_blocks(name, tensor.cast(dtype) if dtype is not None else tensor)
+            del tensor
+            continue
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         writer.add(name, tensor)

@@ -182,6 +182,3 @@ def tp_unshard(pm: ParamMap, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat([s[:half] for s in shards] + [s[half:] for s in shards])
     return torch.cat(list(shards), dim=pm.tp_axis)
 
-
-def box_of(tensor_like_shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Box:
-    return tuple((o, o + s) for o, s in zip(offsets, sizes))
