@@ -131,4 +131,13 @@ def tp1_fn(rank, world_size, dirs: dict, tokens):
     hf_dir, _ = dirs["qwen2_vocab300"]
     out["resharded_tp1pp2"] = _full_logits(load_model(hf_dir + "_tp2pp1"), tokens)
     destroy_parallel()
+    # interleaved pipeline (VPP 2): 4 layers as 4 chunks over 2 stages; global layer numbers
+    initialize_parallel(ParallelConfig(tensor_parallel=1, pipeline_parallel=2,
+                                       virtual_pipeline_parallel=2))
+    from megatron_dgpo.convert import export_hf_weights
+
+    chunks = load_model(dirs["qwen2"][1])
+    out["vpp_layers"] = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
+    out["vpp_export"] = {k: v.clone() for k, v in export_hf_weights(chunks)}
+    destroy_parallel()
     return out

@@ -121,6 +121,11 @@ def test_logit_parity_tp1_tp2_and_resharding(converted):
     for label, logits in (("tp2", tp2[0]["llama"]), ("tp1", tp1[0]["llama"])):
         errors[("llama", label)] = _max_rel(logits[..., :512], want)
     assert max(errors.values()) <= 1e-5, errors
+    # VPP: stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; export is still exact
+    assert tp1[0]["vpp_layers"] == [[1], [3]] and tp1[1]["vpp_layers"] == [[2], [4]]
+    want_state = _hf_state(dirs["qwen2"][0])
+    for rank in range(2):
+        _assert_bitwise(tp1[rank]["vpp_export"], want_state, f"VPP export rank {rank}")
     # resharding: saved at TP2 x PP1 (vocab padded to 512), loaded at TP1 x PP2 (padded to 384)
     saved, resharded = tp2[0]["saved_tp2pp1"], tp1[1]["resharded_tp1pp2"]
     assert tp1[0]["resharded_tp1pp2"] is None  # first pipeline stage has no logits
@@ -165,6 +170,13 @@ def test_refusals(converted, tmp_path):
               open(empty / "model.safetensors.index.json", "w"))
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
         hf_to_megatron(str(empty), str(tmp_path / "o5"))
+    # a tensor the map would drop silently (an MLP bias) is refused, by name
+    state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(64, 128)
+    state["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(256)
+    save_file(state, str(wrong / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.bias"):
+        hf_to_megatron(str(wrong), str(tmp_path / "o5b"))
+    del state["model.layers.0.mlp.gate_proj.bias"]
     del state["model.layers.1.self_attn.k_proj.weight"]
     save_file(state, str(wrong / "model.safetensors"))
     with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):

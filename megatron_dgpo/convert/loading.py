@@ -58,9 +58,15 @@ class HFSource:
         self._validate()
 
     def _validate(self) -> None:
-        """Refuse missing tensors and shape mismatches before anything is written."""
+        """Refuse unsupported configs, missing or unmapped tensors and shape mismatches before
+        anything is written."""
+        from megatron_dgpo.model import transformer_config_from_hf
+
+        transformer_config_from_hf(self.config)  # the builder's refusals (RoPE scaling, act, ...)
+        consumed = set()
         for pm, layer in iter_params(self.params, self.dims.num_layers):
             for name, expected in zip(pm.hf_names(layer), hf_shapes(pm, self.dims)):
+                consumed.add(name)
                 if name not in self.reader:
                     raise KeyError(f"tensor {name!r} is missing from the HF checkpoint "
                                    f"{self.hf_dir}")
@@ -68,6 +74,14 @@ class HFSource:
                 if tuple(shape) != tuple(expected):
                     raise ValueError(f"shape mismatch for tensor {name!r}: the checkpoint has "
                                      f"{tuple(shape)}, config.json implies {tuple(expected)}")
+        # Tensors nothing maps would be dropped silently (e.g. mlp biases): refuse them. Tolerated:
+        # RoPE caches, and a redundant lm_head.weight in checkpoints with tied embeddings.
+        ignorable = ("lm_head.weight",) if self.config.get("tie_word_embeddings") else ()
+        unmapped = sorted(n for n in self.reader.names() if n not in consumed
+                          and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
+        if unmapped:
+            raise ValueError(f"the HF checkpoint {self.hf_dir} has {len(unmapped)} tensor(s) the "
+                             f"{self.family.name} map does not convert, e.g. {unmapped[:5]}")
 
     @property
     def dtype(self) -> torch.dtype:
