@@ -104,8 +104,8 @@ def tp2pp2_fn(rank, world_size, dirs: dict):
 
 
 def tp2_fn(rank, world_size, dirs: dict, tokens):
-    """TP2 (PP1): logits from the TP2xPP2 checkpoints; and save a TP2 x PP1 checkpoint."""
-    from megatron_dgpo.convert import hf_to_megatron, load_model
+    """TP2 (PP1): logits from the TP2xPP2 checkpoints and from the TP2 x PP1 one."""
+    from megatron_dgpo.convert import load_model
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=2))
@@ -113,7 +113,6 @@ def tp2_fn(rank, world_size, dirs: dict, tokens):
     for case, (hf_dir, mg_dir) in dirs.items():
         out[case] = _full_logits(load_model(mg_dir), tokens)
     hf_dir, _ = dirs["qwen2_vocab300"]
-    hf_to_megatron(hf_dir, hf_dir + "_tp2pp1", tp=2, pp=1)
     out["saved_tp2pp1"] = _full_logits(load_model(hf_dir + "_tp2pp1"), tokens)
     destroy_parallel()
     return out

@@ -97,6 +97,11 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def test_logit_parity_tp1_tp2_and_resharding(converted):
     dirs, tokens = converted["dirs"], converted["tokens"]
+    # without torch.distributed, tp * pp > 1 spawns its own gloo processes (the CLI's path)
+    hf_dir = dirs["qwen2_vocab300"][0]
+    hf_to_megatron(hf_dir, hf_dir + "_tp2pp1", tp=2, pp=1)
+    assert json.load(open(os.path.join(hf_dir + "_tp2pp1", "dgpo_convert.json")))[
+        "padded_vocab_size"] == 512
     tp2 = run_ranks(fns.tp2_fn, 2, dirs, tokens)
     tp1 = run_ranks(fns.tp1_fn, 2, dirs, tokens)
     errors = {}

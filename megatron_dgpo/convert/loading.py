@@ -163,8 +163,10 @@ def _streaming_save_strategy(source: HFSource, progress: bool = False):
         def save(self, sharded_state_dict, checkpoint_dir):
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, self.keep_only_main_replica)
-            # Serial, single-thread writer: resolves and writes one chunk at a time.
-            writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+            # Serial, single-thread writer that resolves and writes one chunk at a time (no
+            # copy-ahead, which a GPU would otherwise enable): _LazyPlanner relies on that order.
+            writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1,
+                                      per_thread_copy_ahead=0)
             dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer,
                      planner=_LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
 
