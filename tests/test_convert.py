@@ -193,7 +193,8 @@ def test_refusals(converted, tmp_path):
 def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, monkeypatch):
     """tp=pp=1 converts in this process, here with the embedding stored as several chunks;
     Megatron's own loader reads it back; the writer's files load with safetensors itself."""
-    from megatron_dgpo.convert import export_hf_weights, load_model, loading, single_process_group
+    from megatron_dgpo.convert import (export_hf_weights, load_model, loading, single_process_group,
+                                       write_metadata)
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     hf_dir = converted["dirs"]["qwen2_tied"][0]
@@ -216,6 +217,15 @@ def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, m
         finally:
             destroy_parallel()
     _assert_bitwise(exported, want, "load_model of split chunks")
+    # a torch_dist checkpoint without our metadata (e.g. from training) is refused until
+    # write_metadata describes it
+    meta = json.load(open(tmp_path / "mg" / "dgpo_convert.json"))
+    os.remove(tmp_path / "mg" / "dgpo_convert.json")
+    with pytest.raises(FileNotFoundError, match="write_metadata"):
+        megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "hf2"))
+    write_metadata(str(tmp_path / "mg"), hf_dir, meta["padded_vocab_size"], torch.float32,
+                   hf_dir=hf_dir)
+    assert json.load(open(tmp_path / "mg" / "dgpo_convert.json"))["hf_config"] == meta["hf_config"]
     blocks = dict(export_from_checkpoint(str(tmp_path / "mg"), row_blocks=True))
     assert isinstance(blocks["model.embed_tokens.weight"], TensorBlocks)  # 6 stored row chunks
     assert torch.equal(blocks["model.embed_tokens.weight"].materialize(),

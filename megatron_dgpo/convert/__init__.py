@@ -7,16 +7,19 @@ Public API:
     export_hf_weights(model_chunks, *, consumer="all")            live model -> (hf_name, tensor)
     export_from_checkpoint(ckpt_dir)                              checkpoint -> (hf_name, tensor)
     write_hf_checkpoint(pairs, out_dir, *, dtype=None)            pairs -> sharded safetensors
+    write_metadata(ckpt_dir, hf_config, padded_vocab_size, dtype)  make a training checkpoint
+                                                                  readable by the above
 """
 
 from megatron_dgpo.convert.families import FAMILIES, family_for, supported_architectures
 from megatron_dgpo.convert.loading import (export_from_checkpoint, export_hf_weights,
                                            hf_to_megatron, load_hf_into, load_model,
-                                           megatron_to_hf, read_metadata, single_process_group)
+                                           megatron_to_hf, read_metadata, single_process_group,
+                                           write_metadata)
 from megatron_dgpo.convert.safetensors_io import (LazyHFReader, ShardedSafetensorsWriter,
                                                   copy_side_files, write_hf_checkpoint)
 
 __all__ = ["FAMILIES", "family_for", "supported_architectures", "export_from_checkpoint",
            "export_hf_weights", "hf_to_megatron", "load_hf_into", "load_model", "megatron_to_hf",
-           "read_metadata", "single_process_group", "LazyHFReader", "ShardedSafetensorsWriter",
+           "read_metadata", "single_process_group", "write_metadata", "LazyHFReader", "ShardedSafetensorsWriter",
            "copy_side_files", "write_hf_checkpoint"]

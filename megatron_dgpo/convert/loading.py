@@ -245,13 +245,8 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
                                 sharded_strategy=_streaming_save_strategy(
                                     source, progress and dist.get_rank() == 0))
         if dist.get_rank() == 0:
-            meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": source.family.name,
-                    "vocab_size": source.dims.vocab, "padded_vocab_size": source.dims.padded_vocab,
-                    "dtype": str(dtype).replace("torch.", ""), "saved_tp": tp, "saved_pp": pp,
-                    "hf_config": source.config}
-            with open(os.path.join(out_dir, METADATA_FILE), "w", encoding="utf-8") as handle:
-                json.dump(meta, handle, indent=2, sort_keys=True)
-            copy_side_files(hf_dir, os.path.join(out_dir, ASSETS_DIR))
+            write_metadata(out_dir, source.config, source.dims.padded_vocab, dtype, hf_dir=hf_dir,
+                           saved_tp=tp, saved_pp=pp)
         dist.barrier()
     finally:
         if own_state:
@@ -314,11 +309,29 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *,
 
 # ----------------------------------------------------------------------------- checkpoint reading
 
+def write_metadata(ckpt_dir: str, hf_config, padded_vocab_size: int, dtype: torch.dtype, *,
+                   hf_dir: str | None = None, **extra) -> None:
+    """Write ``dgpo_convert.json`` (+ tokenizer / generation-config files from ``hf_dir`` under
+    ``hf_assets/``) next to a torch_dist model checkpoint, e.g. one saved by training, so that
+    ``megatron_to_hf`` and ``load_model`` can read it. Call on one rank."""
+    from megatron_dgpo.model import hf_config_dict
+
+    cfg = hf_config_dict(hf_config)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": family_for(cfg).name,
+            "vocab_size": int(cfg["vocab_size"]), "padded_vocab_size": int(padded_vocab_size),
+            "dtype": str(dtype).replace("torch.", ""), "hf_config": cfg, **extra}
+    with open(os.path.join(ckpt_dir, METADATA_FILE), "w", encoding="utf-8") as handle:
+        json.dump(meta, handle, indent=2, sort_keys=True)
+    if hf_dir is not None:
+        copy_side_files(hf_dir, os.path.join(ckpt_dir, ASSETS_DIR))
+
+
 def read_metadata(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, METADATA_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"missing file: {path} (not a checkpoint written by "
-                                f"megatron_dgpo.convert.hf_to_megatron)")
+                                f"megatron_dgpo.convert.hf_to_megatron; for another torch_dist "
+                                f"model checkpoint call convert.write_metadata first)")
     with open(path, encoding="utf-8") as handle:
         meta = json.load(handle)
     if meta.get("format") != FORMAT or int(meta.get("format_version", -1)) > FORMAT_VERSION:
