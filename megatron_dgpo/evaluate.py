@@ -231,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there (a local HF model folder is "
+                f"needed; nothing is downloaded)")
     benchmarks = _resolve_benchmarks(args.benchmarks, args.bench_dir, args.limit)
     if args.max_model_len is None:
         args.max_model_len = args.max_tokens + 2048

@@ -288,3 +288,12 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         model.hf_spec = spec
         chunks.append(model)
     return chunks
+
+
+def load_model(path, **kwargs) -> list:
+    """Build the model on the current parallel state and load an HF directory or a converted
+    (torch_dist) checkpoint into it, resharding to the current TP/PP/VPP; see
+    ``megatron_dgpo.convert.loading.load_model`` for the arguments."""
+    from megatron_dgpo.convert.loading import load_model as _load  # convert imports this module
+
+    return _load(path, **kwargs)

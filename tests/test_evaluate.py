@@ -120,3 +120,6 @@ def test_dgpo_eval_cli_end_to_end(tiny_model_dir, tmp_path):
     assert result["config"]["n"] == 4 and result["config"]["engine"] == "hf"
     bad = subprocess.run(cmd[:-4] + ["--benchmarks", "no_such_bench"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode != 0 and "no_such_bench" in bad.stderr
+    no_model = subprocess.run(cmd[:2] + ["--model", str(tmp_path / "absent")] + cmd[4:],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert no_model.returncode == 2 and "no config.json there" in no_model.stderr

@@ -43,12 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dgpo.convert import hf_to_megatron, megatron_to_hf
 
     dtype = _DTYPES[args.dtype] if args.dtype else None
-    if args.command == "hf-to-megatron":
-        hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=dtype,
-                       progress=True)
-    else:
-        megatron_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype,
-                       max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True)
+    try:
+        if args.command == "hf-to-megatron":
+            hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=dtype,
+                           progress=True)
+        else:
+            megatron_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype,
+                           max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True)
+    except (FileNotFoundError, KeyError, ValueError, NotImplementedError) as exc:
+        # The converter's refusals are messages for the user, not bugs: no traceback.
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"dgpo-convert: error: {message}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out_dir}", file=sys.stderr)
     return 0
 
