@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests._rank_fns_model import hf_model
+
 _BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
              rope_theta=10000.0, hidden_act="silu")
@@ -22,20 +24,6 @@ CASES = {
                            vocab_size=300, tie_word_embeddings=False),
 }
 DTYPES = {"llama": torch.bfloat16}
-
-
-def hf_model(cfg: dict, seed: int = 0):
-    """A transformers CausalLM of ``cfg`` with random weights (biases and norms perturbed)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(**cfg)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # HF inits them to 0 / 1: perturb
-                param.add_(0.1 * torch.randn_like(param))
-    return model.float().eval()
 
 
 def save_hf(case: str, path: str):
