@@ -108,6 +108,27 @@ def test_refit_from_dir_and_from_stream(vllm_engine, prompts, tiny_model_dir, ti
         vllm_engine.update_weights_from_dir(tiny_model_dir)
 
 
+def test_refit_from_a_live_megatron_model(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
+    """The trainer's refit path: a Megatron model (loaded from B) -> export_hf_weights -> vLLM."""
+    from megatron_dgpo.convert import export_hf_weights, single_process_group
+    from megatron_dgpo.model import load_model
+    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    model_a, model_b = _hf_model(tiny_model_dir), _hf_model(tiny_model_dir_b)
+    try:
+        with single_process_group():
+            initialize_parallel(ParallelConfig())
+            try:
+                vllm_engine.update_weights(export_hf_weights(load_model(str(tiny_model_dir_b))))
+            finally:
+                destroy_parallel()
+        after = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=5)
+        assert _max_diff(model_b, prompts, after) < LOGPROB_ATOL
+        assert _max_diff(model_a, prompts, after) > 1e-2
+    finally:
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+
+
 def test_mismatch_metrics_float64_reference():
     g = torch.Generator().manual_seed(0)
     rollout = -torch.rand(3, 5, generator=g) * 4
