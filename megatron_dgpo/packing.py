@@ -52,9 +52,14 @@ class PackedRow:
     sample_indices: list[int]
     """Which samples (indices into the packed list) this row holds, in order."""
 
+    def segment_ids(self) -> Tensor:
+        """[S] int64: index of the sample each position belongs to (padding included)."""
+        widths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        return torch.repeat_interleave(torch.arange(len(widths)), widths)
+
     def attention_mask(self) -> Tensor:
         """[1, 1, S, S] bool block-diagonal causal mask, True = masked (Megatron convention)."""
-        return block_causal_mask(self.cu_seqlens)
+        return block_causal_mask(self.segment_ids()[None])
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
@@ -110,14 +115,13 @@ def pad_rows(samples: list[Sample], rows_per_batch: int) -> list[PackedRow]:
     return batches
 
 
-def block_causal_mask(cu_seqlens: Tensor) -> Tensor:
-    """[1, 1, S, S] bool, True where query i may NOT attend key j (other sample, or j > i)."""
-    total = int(cu_seqlens[-1])
-    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1),
-                                      (cu_seqlens[1:] - cu_seqlens[:-1]).long())
-    same = segment[:, None] == segment[None, :]
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    return ~(same & causal)[None, None]
+def block_causal_mask(segment_ids: Tensor) -> Tensor:
+    """[B, 1, S, S] bool from [B, S] segment ids: True where query i may NOT attend key j
+    (j > i, or j in another segment). Megatron's convention; the train step uses it too."""
+    seq = segment_ids.shape[-1]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).triu(1)
+    other = segment_ids[:, :, None] != segment_ids[:, None, :]
+    return (future[None] | other)[:, None]
 
 
 def _check_sample(index: int, sample: Sample) -> None:
@@ -169,11 +173,9 @@ def to_micro_batch(row: PackedRow, *, old_logprobs: str = "old_logprobs",
     """A ``train_step.MicroBatch`` [1, S] of one packed row (segments attend only within)."""
     from megatron_dgpo.train_step import MicroBatch
 
-    segment = torch.repeat_interleave(torch.arange(len(row.cu_seqlens) - 1),
-                                      (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).long())
     optional = {name: row.per_token[key][None].float()
                 for name, key in (("old_logprobs", old_logprobs), ("advantages", advantages))
                 if key in row.per_token}
     return MicroBatch(tokens=row.tokens[None], labels=row.targets[None],
                       loss_mask=row.loss_mask[None], position_ids=row.position_ids[None],
-                      segment_ids=segment[None], **optional)
+                      segment_ids=row.segment_ids()[None], **optional)

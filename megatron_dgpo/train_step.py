@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dgpo.losses import merge_metrics, policy_loss, reduce_metrics, summarize_metrics
+from megatron_dgpo.packing import block_causal_mask
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
 
 
@@ -183,12 +184,9 @@ def _attention_mask(mb: MicroBatch) -> Tensor:
     """[B or 1, 1, S, S] bool, True = masked: causal, block-diagonal within segments."""
     if mb.attention_mask is not None:
         return mb.attention_mask
-    seq = mb.tokens.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=mb.tokens.device).triu(1)
-    if mb.segment_ids is None:
-        return causal[None, None]
-    other = mb.segment_ids[:, :, None] != mb.segment_ids[:, None, :]
-    return (causal[None] | other)[:, None]
+    if mb.segment_ids is None:  # one segment per row: plain causal
+        return block_causal_mask(torch.zeros_like(mb.tokens[:1]))
+    return block_causal_mask(mb.segment_ids)
 
 
 def _positions(mb: MicroBatch) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests._rank_fns_model import hf_model
+from tests._rank_fns_model import causal_mask, hf_model
 
 _BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -36,11 +36,6 @@ def save_hf(case: str, path: str):
     else:
         model.save_pretrained(path)
     return model
-
-
-def causal_mask(seq: int) -> torch.Tensor:
-    """[1, 1, S, S] bool, True where attention is masked (Megatron's convention)."""
-    return torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
 
 
 def _full_logits(chunks, tokens) -> torch.Tensor | None:

@@ -72,7 +72,7 @@ def test_row_layout_targets_masks_positions():
 
 
 def test_block_causal_mask():
-    mask = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32))[0, 0]
+    mask = block_causal_mask(torch.tensor([[0, 0, 1, 1, 1]]))[0, 0]
     allowed = ~mask
     want = torch.zeros(5, 5, dtype=torch.bool)
     want[0, 0] = want[1, 0] = want[1, 1] = True
