@@ -1,0 +1,246 @@
+"""The schema of a run: ``recipes/*.yaml`` files are ``RunConfig`` trees.
+
+    cfg = load_recipe("recipes/tiny_cpu.yaml", ["algorithm.method=grpo", "train.steps=5"])
+
+Each section is a small dataclass handed to the one component that uses it (the trainer never
+passes the whole tree down): ``model`` to model loading, ``parallel`` to Megatron's parallel
+state, ``rollout`` to the rollout engine, ``algorithm`` to advantages and the loss, ``train``
+to the loop's batching, ``optimizer`` to Megatron's optimizer, ``data`` to the prompt source,
+``checkpoint`` to save/resume, ``logging`` to telemetry. Every field is documented right under
+its declaration; ``python -m megatron_dgpo.train --describe`` prints them all.
+
+Batch sizes count prompts (the paper's convention: rollout batch 512 prompts, mini-batch 32),
+each prompt giving ``rollout.group_size`` responses; there are
+``train.rollout_batch_prompts / train.mini_batch_prompts`` optimizer updates per rollout batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_dgpo.config import ConfigError, load_config
+from megatron_dgpo.losses import METHODS, LossHyperparams
+from megatron_dgpo.parallel import ParallelConfig
+from megatron_dgpo.telemetry import LoggingConfig
+
+
+@dataclass
+class ModelConfig:
+    """The initial policy."""
+
+    path: str = ""
+    """HF model folder (config.json + safetensors + tokenizer) of the initial policy. Relative
+    paths are resolved against the working directory. Ignored when ``tiny`` is set."""
+    tiny: dict[str, Any] | None = None
+    """Create a tiny random Qwen2 and its tokenizer at start instead of loading ``path``
+    (``megatron_dgpo.tiny.make_tiny_model`` keyword arguments, e.g. {seed: 0,
+    num_hidden_layers: 2}); written to ``<run_dir>/initial_model``. No download."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter dtype of the trained model. bfloat16 on GPU (fp32 main weights live in the
+    optimizer); float32 on CPU (bf16 matmuls are slow there and vLLM's CPU log-probs are fp32)."""
+    nominal_params: float | None = None
+    """The model's size as its name states it (1.5e9 for a "1.5B" model), used by
+    ``optimizer.lr: auto``. None: the parameter count of the built model."""
+    recompute_activations: bool = False
+    """Full-layer activation recomputation (Megatron ``recompute_granularity="full"``,
+    uniform method, one layer per block): trades ~33% more compute for O(layers) activations."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of the responses (vLLM, or transformers as a fallback)."""
+
+    engine: Literal["vllm", "hf"] = "vllm"
+    """``vllm`` (the real engine, CPU or GPU) or ``hf`` (transformers' generate: slow, for
+    machines where vLLM does not run)."""
+    group_size: int = 8
+    """Responses sampled per prompt (G): the group whose rewards are normalised into
+    advantages. The paper does not state it; 8 is the common choice (DAPO uses 16)."""
+    temperature: float = 1.0
+    """Sampling temperature. The trainer divides logits by the same value, so the old and new
+    log-probs are of the distribution the tokens were drawn from."""
+    top_p: float = 1.0
+    """Nucleus sampling mass. Values < 1 make the sampled log-probs those of the truncated
+    distribution (vLLM's processed log-probs), which the trainer cannot reproduce: keep 1.0."""
+    max_response_tokens: int = 8192
+    """Maximum response length; longer responses are cut (finish reason "length")."""
+    max_prompt_tokens: int = 2048
+    """Prompts longer than this (chat template included) are dropped from the dataset."""
+    dtype: str = "auto"
+    """vLLM weights dtype: "auto" follows the checkpoint; "float32" gives exact log-probs."""
+    tensor_parallel_size: int = 1
+    """vLLM's own tensor parallelism (GPU only)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights + KV cache when colocated (GPU)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes; required by vLLM on CPU (default there 256 MiB)."""
+    max_num_seqs: int = 256
+    """Sequences vLLM decodes at once."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Any other ``vllm.LLM`` keyword argument."""
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        for name in ("max_response_tokens", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The policy-gradient method and its advantage estimator."""
+
+    method: str = "dgpo"
+    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.losses.METHODS``)."""
+    loss: LossHyperparams = field(default_factory=LossHyperparams)
+    """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO)."""
+    advantage_eps: float = 1e-6
+    """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
+    advantage_unbiased_std: bool = True
+    """Sample (n-1) std of the group's rewards, as GRPO's reference code; False: population std."""
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+
+
+@dataclass
+class TrainConfig:
+    """The loop's sizes and seeds."""
+
+    steps: int = 100
+    """RL steps (rollout batches) to run in total, counting those of a resumed run."""
+    rollout_batch_prompts: int = 512
+    """Prompts sampled per step (the paper: 512)."""
+    mini_batch_prompts: int = 32
+    """Prompts per optimizer update (the paper: 32, i.e. 16 updates per rollout batch). Their
+    responses are split over the data-parallel ranks."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one packed micro-batch row (sequence packing). Must hold the longest
+    prompt + response."""
+    seed: int = 42
+    """Seeds weights' RNG, the prompt order, vLLM sampling and mini-batch shuffling: a run is a
+    function of its config (and resuming does not change it)."""
+    log_prob_chunk_size: int | None = None
+    """Tokens per chunk in the vocab-parallel log-prob kernel (None: automatic)."""
+
+    def __post_init__(self):
+        for name in ("steps", "rollout_batch_prompts", "mini_batch_prompts", "micro_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rollout_batch_prompts % self.mini_batch_prompts:
+            raise ValueError(f"rollout_batch_prompts ({self.rollout_batch_prompts}) must be a "
+                             f"multiple of mini_batch_prompts ({self.mini_batch_prompts})")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with a constant learning rate (Megatron-Core's optimizer)."""
+
+    lr: float | Literal["auto"] = 1e-6
+    """Learning rate, or ``auto``: lr_reference * sqrt(lr_reference_params / N) with N the
+    model's size (``model.nominal_params``), the paper's constant total-gradient-variance rule."""
+    lr_reference: float = 1e-6
+    """The learning rate known to work at ``lr_reference_params`` (paper: 1e-6 at 1.5B)."""
+    lr_reference_params: float = 1.5e9
+    """Model size of ``lr_reference``."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay on matrices; biases and norms are not decayed."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+    adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip over all model-parallel shards (0 disables)."""
+    use_distributed_optimizer: bool | None = None
+    """Shard optimizer states over data parallel (Megatron's distributed optimizer). None: on
+    with a GPU, off on CPU (it needs CUDA tensors)."""
+
+    def __post_init__(self):
+        if isinstance(self.lr, str) and self.lr != "auto":
+            raise ValueError(f"lr must be a number or 'auto', got {self.lr!r}")
+        if not isinstance(self.lr, str) and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def learning_rate(self, num_params: float) -> float:
+        """The constant learning rate for a model of ``num_params`` parameters."""
+        if self.lr != "auto":
+            return float(self.lr)
+        if not num_params > 0:
+            raise ValueError(f"lr: auto needs a positive parameter count, got {num_params}")
+        return self.lr_reference * math.sqrt(self.lr_reference_params / num_params)
+
+
+@dataclass
+class DataConfig:
+    """Training prompts."""
+
+    source: str = "builtin"
+    """``builtin`` (the package's prompts), or a .jsonl/.json/.parquet file in DAPO-Math-17k's
+    layout (``megatron_dgpo.data.load_prompt_dataset``)."""
+    builtin_families: list[str] | None = None
+    """With ``source: builtin``: only these families (e.g. [repeat, add, sub]); None: all."""
+    prompt_field: str = "prompt"
+    """Dotted field holding the prompt (a string or chat messages)."""
+    answer_field: str = "reward_model.ground_truth"
+    """Dotted field holding the ground-truth answer."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, resuming and the final HF export."""
+
+    save_every: int = 50
+    """Save a checkpoint every this many steps (and after the last step). 0: only the last."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    export_hf: bool = True
+    """Write the final policy as an HF folder (``<run_dir>/hf``) through the converter."""
+    export_dtype: Literal["float32", "bfloat16"] | None = None
+    """dtype of the HF export; None: the training dtype."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run. ``run_dir`` holds everything it writes: metrics.jsonl, tensorboard/,
+    checkpoints/, hf/, the resolved config.yaml."""
+
+    run_dir: str = "outputs/run"
+    """Output folder of the run (created). ``--resume`` continues the run found there."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        if not self.model.tiny and not self.model.path:
+            raise ValueError("model: set model.path (an HF folder) or model.tiny")
+        if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
+            raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
+                             f"exceed rollout.max_response_tokens "
+                             f"({self.rollout.max_response_tokens}) plus the prompt")
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """``RunConfig`` from a recipe YAML and dotted ``key=value`` overrides (errors name the key)."""
+    try:
+        return load_config(RunConfig, path, overrides)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a section's own validation, raised outside from_dict
+        raise ConfigError(str(exc)) from None
