@@ -21,9 +21,13 @@ Patched (all idempotent, process-wide, never undone):
    ``seed_model_parallel_rng`` below (an inference-style tracker whose ``fork`` is a no-op, so
    dropout inside TP regions draws from the CPU generator; RL fine-tuning runs without dropout).
 
-Not patched (the trainer avoids them on CPU): Megatron's optimizer (allocates on "cuda";
-``clip_grad`` asserts CUDA tensors) - use a torch optimizer with a model-parallel grad-norm
-clip on CPU, Megatron's optimizer on GPU.
+6. Megatron's (non-distributed) optimizer: ``megatron.core.optimizer.optimizer``,
+   ``.clip_grads`` and ``megatron.core.utils`` allocate their scalars (found-inf flag, loss
+   scale, grad-norm accumulators) with ``device="cuda"``: those modules see the same CPU-mapping
+   ``torch``; ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients and
+   is replaced by the same scaling (``grads *= max_norm / (total_norm + 1e-6)`` when < 1) on
+   CPU tensors. One optimizer and one checkpoint format then serve CPU and GPU. Megatron's
+   distributed optimizer refuses CPU tensors outright: on CPU the trainer uses the plain one.
 """
 
 from __future__ import annotations
@@ -41,20 +45,39 @@ def cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-class _TorchWithCpuZeros(types.ModuleType):
-    """``torch`` as seen by Megatron's schedules: identical except ``zeros(device="cuda")``."""
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as seen by a Megatron module: identical, except that the factory functions
+    given ``device="cuda"`` (or a CUDA device) allocate on the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "empty", "ones", "full")
 
     def __init__(self, real):
         super().__init__("torch")
         self._real = real
 
     def __getattr__(self, name):
-        return getattr(self._real, name)
+        attr = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return attr
 
-    def zeros(self, *args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return self._real.zeros(*args, device=device, **kwargs)
+        @functools.wraps(attr)
+        def factory(*args, device=None, **kwargs):
+            if device is not None and torch.device(device).type == "cuda":
+                device = "cpu"
+            return attr(*args, device=device, **kwargs)
+
+        return factory
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """``megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32`` for CPU tensors."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if grads and coefficient < 1.0:
+        torch._foreach_mul_(grads, coefficient)
 
 
 def _cpu_current_device() -> torch.device:
@@ -86,13 +109,18 @@ def apply_cpu_compat() -> bool:
         return False
     if _APPLIED:
         return True
+    import megatron.core.utils as core_utils
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
 
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _no_synchronize
-    if not isinstance(schedules.torch, _TorchWithCpuZeros):
-        schedules.torch = _TorchWithCpuZeros(torch)
+    for module in (schedules, optimizer, clip_grads, core_utils):
+        if not isinstance(module.torch, _TorchOnCpu):
+            module.torch = _TorchOnCpu(torch)
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     setup = LanguageModule.setup_embeddings_and_output_layer
     if not getattr(setup, "_dgpo_cpu_compat", False):
         LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(setup)

@@ -22,7 +22,10 @@ class ParallelConfig:
     """Model-parallel sizes. DP is derived from the world size."""
 
     tensor_parallel: int = 1
+    """Tensor-parallel size: each layer's matrices (and the vocabulary) split over this many
+    GPUs of a node. Must divide the attention heads and KV groups."""
     pipeline_parallel: int = 1
+    """Pipeline stages: layers split into this many consecutive groups (1F1B schedule)."""
     virtual_pipeline_parallel: int | None = None
     """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no VPP."""
 

@@ -98,6 +98,10 @@ class VLLMEngine(RolloutEngine):
         )
         if cpu:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or (256 << 20)
+            # A prompt prefilled in chunks rewinds its seeded sampler with Generator.set_offset,
+            # which CPU generators do not support ("CPU Generator does not use offset"): seeded
+            # batches larger than one prefill chunk crash the engine unless prefill is whole.
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["tensor_parallel_size"] = config.tensor_parallel_size
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization

@@ -1,0 +1,205 @@
+"""Training checkpoints: Megatron distributed checkpoints of model, optimizer and RNG, written
+atomically, plus the trainer's own state (step, data position).
+
+Layout of ``<run_dir>/checkpoints``::
+
+    step_000010/           a complete checkpoint (torch_dist files of every rank)
+        trainer_state.json   step, prompts consumed, parallel layout, the run's config
+        dgpo_convert.json    model metadata: ``megatron_to_hf`` / ``load_model`` read it
+    latest                 the name of the newest complete checkpoint (one line)
+    .incomplete-step_000020/   a save in progress (or killed): never read, removed later
+
+Atomicity: every rank writes into ``.incomplete-<name>``; after a barrier, rank 0 renames the
+folder to ``<name>`` (one ``rename`` on one file system) and only then replaces ``latest``
+(write a temporary file, fsync, ``os.replace``). A process killed at any point leaves ``latest``
+naming a complete checkpoint. The model keys are those of ``convert.hf_to_megatron``, so a
+training checkpoint is also a converter checkpoint: ``dgpo-convert megatron-to-hf`` exports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest"
+INCOMPLETE_PREFIX = ".incomplete-"
+
+
+@dataclass
+class TrainerState:
+    """What the loop needs, beyond weights and optimizer, to continue exactly."""
+
+    step: int = 0
+    """The last completed RL step."""
+    prompts_consumed: int = 0
+    """Prompts drawn from the (seeded, per-epoch shuffled) prompt order so far."""
+    skipped_updates: int = 0
+    """Optimizer updates skipped for non-finite loss or gradients, in total."""
+    extra: dict = field(default_factory=dict)
+    """Free-form (the resolved config, the parallel layout), for humans and checks."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    pointer = Path(root) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which has no {STATE_FILE}: the "
+                                f"checkpoint folder was removed or damaged by hand")
+    return path
+
+
+def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    chunks = [_unwrap(m) for m in models]
+    if len(chunks) == 1:
+        model_sd = chunks[0].sharded_state_dict()
+    else:
+        model_sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    state = dict(model_sd)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    # One RNG state per (PP, TP) rank, replicated over DP (as Megatron's training loop does).
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+           "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    state["rng_state"] = ShardedObject(
+        "rng_state", rng,
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+    return state
+
+
+def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, optimizer, *,
+                    hf_config: dict, padded_vocab_size: int, dtype: torch.dtype,
+                    hf_dir: str | None = None, keep_last: int = 2) -> Path:
+    """Collective: write checkpoint ``step_<state.step>`` atomically; returns its path.
+
+    ``hf_config`` / ``padded_vocab_size`` / ``dtype`` / ``hf_dir`` (tokenizer files) make the
+    checkpoint exportable to HF. Older complete checkpoints beyond ``keep_last`` and leftover
+    incomplete ones are removed after the new one is in place.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_dgpo.convert import write_metadata
+
+    root = Path(root)
+    name = checkpoint_name(state.step)
+    staging = root / f"{INCOMPLETE_PREFIX}{name}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False), str(staging))
+    if rank0:
+        write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
+        _write_json(staging / STATE_FILE, state.__dict__)
+        _fsync_dir(staging)
+    dist.barrier()
+    final = root / name
+    if rank0:
+        if final.exists():  # a step saved twice (e.g. re-run after a crash past the pointer)
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _replace_text(root / LATEST_FILE, name + "\n")
+        _prune(root, keep=max(1, keep_last), newest=name)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> TrainerState:
+    """Collective: load weights, optimizer state and (same layout only) RNG from ``path``.
+
+    The parallel layout may differ from the saving run's (dist_checkpointing reshards model
+    and optimizer); RNG states are restored only when TP and PP match.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
+    saved = json.loads((path / STATE_FILE).read_text())
+    layout = saved.get("extra", {}).get("layout", {})
+    same_layout = (layout.get("tensor_parallel") == ps.get_tensor_model_parallel_world_size()
+                   and layout.get("pipeline_parallel") == ps.get_pipeline_model_parallel_world_size())
+    sharded = _sharded_state_dict(models, optimizer, is_loading=True)
+    if not same_layout:
+        sharded.pop("rng_state")
+    loaded = dist_checkpointing.load(sharded, str(path))
+    chunks = [_unwrap(m) for m in models]
+    if len(chunks) == 1:
+        chunks[0].load_state_dict({k: v for k, v in loaded.items()
+                                   if k not in ("optimizer", "rng_state")}, strict=True)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    if same_layout:
+        rng = loaded["rng_state"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return TrainerState(**saved)
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep: int, newest: str) -> None:
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in complete[:-keep]:
+        if old.name != newest:
+            shutil.rmtree(old, ignore_errors=True)
+    for leftover in root.glob(f"{INCOMPLETE_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""Megatron-Core's optimizer for the policy: AdamW, constant LR, global grad-norm clip.
+
+One code path on CPU and GPU: ``megatron.core.optimizer.get_megatron_optimizer`` (on CPU made
+to run by ``megatron_dgpo.cpu``). Its ``step()`` computes the gradient norm over every
+model-parallel shard (TP duplicates counted once, PP stages summed), clips to
+``clip_grad``, steps Adam and copies fp32 main weights back into bf16 parameters; with the
+distributed optimizer the Adam states and main weights are sharded over data parallel.
+
+Non-finite gradients: ``step_if_finite`` checks the gradient buffers of every rank before
+stepping (one all-reduce of one flag) and skips the update if any value is NaN or inf, so a
+bad batch never reaches the weights or the Adam moments (fp32 training has no loss scaler to
+catch it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo.recipe import OptimizerConfig
+
+
+def use_distributed_optimizer(config: OptimizerConfig) -> bool:
+    """The config's choice, or: on with a GPU, off on CPU (Megatron's needs CUDA tensors)."""
+    if config.use_distributed_optimizer is None:
+        return torch.cuda.is_available()
+    if config.use_distributed_optimizer and not torch.cuda.is_available():
+        raise ValueError("optimizer.use_distributed_optimizer: Megatron's distributed optimizer "
+                         "needs CUDA tensors; set it to false (or null) on CPU")
+    return config.use_distributed_optimizer
+
+
+def build_optimizer(config: OptimizerConfig, models: list, *, lr: float, bf16: bool):
+    """Megatron ``MegatronOptimizer`` over the DDP-wrapped ``models`` (see ``wrap_ddp``).
+
+    Weight decay applies to matrices only (Megatron's default: no decay on biases and norms).
+    """
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_dgpo.cpu import apply_cpu_compat
+
+    apply_cpu_compat()
+    megatron_config = MegatronOptimizerConfig(
+        optimizer="adam",  # Megatron's "adam" is AdamW (decoupled weight decay)
+        lr=lr,
+        min_lr=lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        adam_eps=config.adam_eps,
+        clip_grad=config.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer(config),
+    )
+    return get_megatron_optimizer(megatron_config, models)
+
+
+def gradients_finite(models: list) -> bool:
+    """True when every gradient buffer on every rank is finite (one MAX all-reduce)."""
+    bad = torch.zeros(1, dtype=torch.float32, device=_device(models))
+    for model in models:
+        for param in model.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None:  # accumulate on the device: no host sync per parameter
+                bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item() == 0)
+
+
+def step_if_finite(optimizer, models: list, loss: float) -> tuple[bool, float]:
+    """One optimizer step unless the loss or any gradient is non-finite.
+
+    Returns (stepped, grad_norm before clipping; NaN when skipped). ``loss`` is the mini-batch
+    loss every rank agrees on (``train_step`` returns it reduced).
+    """
+    finite = gradients_finite(models) and bool(torch.isfinite(torch.tensor(loss)))
+    if not finite:
+        optimizer.zero_grad()
+        for model in models:
+            model.zero_grad_buffer()
+        return False, float("nan")
+    stepped, grad_norm, _ = optimizer.step()
+    if not stepped:  # a loss scaler (fp16) found an overflow
+        return False, float("nan")
+    return True, float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def _device(models) -> torch.device:
+    return next(models[0].parameters()).device

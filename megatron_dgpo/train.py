@@ -1,0 +1,69 @@
+"""Command line of the trainer: ``python -m megatron_dgpo.train RECIPE [key=value ...] [--resume]``.
+
+One process (no torchrun) runs a world of one rank; under ``torchrun`` every rank runs this.
+
+    python -m megatron_dgpo.train recipes/tiny_cpu.yaml train.steps=5
+    torchrun --nproc-per-node 2 -m megatron_dgpo.train recipes/tiny_cpu.yaml parallel.tensor_parallel=2
+    python -m megatron_dgpo.train recipes/tiny_cpu.yaml --resume      # continue run_dir's run
+    python -m megatron_dgpo.train --describe                          # every config key, documented
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_dgpo.config import ConfigError, describe
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dgpo-train", description="Run a DGPO (or baseline) RL job from a recipe.",
+        epilog="Overrides are dotted keys: algorithm.method=grpo optimizer.lr=1e-6 ...")
+    parser.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in run_dir")
+    parser.add_argument("--describe", action="store_true",
+                        help="print every config key with its type and documentation, and exit")
+    return parser
+
+
+def _single_process_world() -> None:
+    """torchrun's environment for a run started without torchrun (one rank)."""
+    if "RANK" in os.environ:
+        return
+    from megatron_dgpo.convert._spawn import free_port
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    from megatron_dgpo.recipe import RunConfig, load_recipe
+
+    if args.describe:
+        for key, kind, doc in describe(RunConfig):
+            print(f"{key}  ({kind})\n    {' '.join(doc.split())}")
+        return 0
+    if args.recipe is None:
+        parser.error("a recipe is required (e.g. recipes/tiny_cpu.yaml)")
+    if "=" in args.recipe:
+        parser.error(f"the first argument must be a recipe file, got the override {args.recipe!r}")
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(f"dgpo-train: error: {exc}", file=sys.stderr)
+        return 2
+    _single_process_world()
+    from megatron_dgpo.trainer import train
+
+    train(config, resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":  # required: checkpoint writers start spawn-based worker processes
+    sys.exit(main())
