@@ -1,0 +1,122 @@
+"""The paper's recipes (and the 32B/70B ones beyond it) load, carry Appendix B's settings, and
+their layouts fit the models they name.
+
+References are independent of the code under test: the paper's numbers (Appendix B, Table 5)
+written here, and the public architectures of the five DeepSeek-R1-Distill models.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_dgpo.losses import METHODS
+from megatron_dgpo.recipe import load_recipe
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+# name -> (hub id, DGPO n, m, paper LR or None where the paper has none,
+#          layers, attention heads, KV heads) of the model's public config.json
+PAPER = {
+    "dgpo_1.5b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 2, 2, 1.0e-6, 28, 12, 2),
+    "dgpo_7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 1, 2, 4.63e-7, 28, 28, 4),
+    "dgpo_14b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", 1, 2, 3.27e-7, 48, 40, 8),
+    "dgpo_32b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", 1, 2, None, 64, 40, 8),
+    "dgpo_70b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B", 1, 2, None, 80, 64, 8),
+}
+GPUS_PER_NODE = 8  # the 8 x 80 GB nodes the recipes are laid out for
+
+
+def _path(name: str) -> Path:
+    return RECIPES / f"{name}.yaml"
+
+
+def _sig3(x: float) -> str:
+    return f"{x:.2e}"  # three significant digits
+
+
+def test_the_five_recipes_exist():
+    assert sorted(p.stem for p in RECIPES.glob("dgpo_*.yaml")) == sorted(PAPER)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_recipe_has_the_papers_settings(name):
+    hub, n, m, _, _, _, _ = PAPER[name]
+    cfg = load_recipe(_path(name))
+    assert cfg.model.path == hub and cfg.model.tiny is None
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.algorithm.method == "dgpo"
+    loss = cfg.algorithm.loss
+    assert (loss.eps_low, loss.eps_high, loss.n, loss.m) == (0.2, 0.2, n, m)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_response_tokens) == (1.0, 1.0, 8192)
+    assert cfg.rollout.engine == "vllm"
+    opt = cfg.optimizer
+    assert (opt.adam_beta1, opt.adam_beta2, opt.clip_grad) == (0.9, 0.95, 1.0)
+    assert cfg.train.seed == 42
+    # 512 prompts per rollout batch, 32 per mini-batch: the paper's 16 updates per rollout batch
+    assert (cfg.train.rollout_batch_prompts, cfg.train.mini_batch_prompts) == (512, 32)
+    assert cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts == 16
+    assert cfg.train.micro_batch_tokens >= cfg.rollout.max_response_tokens + cfg.rollout.max_prompt_tokens
+    assert Path(cfg.data.source).name == "dapo-math-17k.parquet"
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_recipe_header_says_how_to_launch_and_what_is_not_from_the_paper(name):
+    text = _path(name).read_text()
+    header = text.split("\n\n")[0]
+    assert f"RECIPE=recipes/{name}.yaml sbatch" in header and "slurm/train.sbatch" in header
+    assert "tools/launch.py" in header and f"recipes/{name}.yaml" in header
+    assert "torchrun" in header and "-m megatron_dgpo.train" in header
+    assert "algorithm.method=grpo" in header
+    group_line = next(line for line in text.splitlines() if "group_size:" in line)
+    assert "NOT stated by the paper" in group_line
+    assert "hf download BytedTsinghua-SIA/DAPO-Math-17k" in text
+
+
+@pytest.mark.parametrize("name", ["dgpo_7b", "dgpo_14b"])
+def test_lr_auto_reproduces_the_papers_learning_rate(name):
+    cfg = load_recipe(_path(name))
+    assert cfg.optimizer.lr == "auto", "the rule, not a copied number, must give the paper's LR"
+    lr = cfg.optimizer.learning_rate(cfg.model.nominal_params)
+    assert _sig3(lr) == _sig3(PAPER[name][3])  # 4.63e-07, 3.27e-07
+    # the same rule in float64 from the paper's own numbers (1e-6 at 1.5B, sqrt(N_ref / N))
+    assert lr == pytest.approx(1e-6 * math.sqrt(1.5e9 / cfg.model.nominal_params), rel=1e-12)
+
+
+def test_1p5b_uses_the_reference_lr_and_larger_models_follow_the_rule():
+    assert load_recipe(_path("dgpo_1.5b")).optimizer.lr == pytest.approx(1e-6)
+    for name, size in (("dgpo_32b", 32e9), ("dgpo_70b", 70e9)):
+        cfg = load_recipe(_path(name))
+        assert cfg.optimizer.lr == "auto" and cfg.model.nominal_params == size
+        assert cfg.optimizer.learning_rate(size) < load_recipe(_path("dgpo_14b")).optimizer.learning_rate(14e9)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_each_baseline_is_one_override(name):
+    base = load_recipe(_path(name))
+    for method in METHODS:
+        cfg = load_recipe(_path(name), [f"algorithm.method={method}"])
+        assert cfg.algorithm.method == method
+        assert cfg.algorithm.loss == base.algorithm.loss and cfg.train == base.train
+    loss = base.algorithm.loss  # the paper's CE-GPPO and ASPO constants, with no extra override
+    assert (loss.beta1, loss.beta2, loss.aspo_eps_low, loss.aspo_eps_high) == (0.75, 1.0, 0.33, 3.0)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_layout_fits_the_model_and_the_nodes_the_header_asks_for(name):
+    _, _, _, _, layers, heads, kv_heads = PAPER[name]
+    cfg = load_recipe(_path(name))
+    tp, pp, rollout_tp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.rollout.tensor_parallel_size
+    assert tp <= GPUS_PER_NODE and heads % tp == 0 and kv_heads % tp == 0, "TP stays inside a node"
+    assert layers % pp == 0
+    assert rollout_tp <= GPUS_PER_NODE and heads % rollout_tp == 0
+    nodes = int(re.search(r"sbatch --nodes=(\d+)", _path(name).read_text()).group(1))
+    world = nodes * GPUS_PER_NODE
+    assert world % (tp * pp) == 0
+    dp = world // (tp * pp)
+    responses = cfg.train.mini_batch_prompts * cfg.rollout.group_size
+    assert responses >= dp, "the trainer needs one response per DP rank and mini-batch"
+    assert responses % dp == 0, f"a mini-batch's {responses} responses split evenly over DP={dp}"
