@@ -257,10 +257,12 @@ def logits_bytes(tokens: int, vocab_rows: int, tp: int, dtype_bytes: int = 2) ->
     return 2 * tokens * (vocab_rows // tp) * dtype_bytes
 
 
-def logprob_workspace_bytes(tokens: int, vocab: int, tp: int, chunk_size: int | None) -> int:
-    """The chunked log-prob kernel's work buffers: 2 min(chunk, tokens) ceil(V / t) 4 bytes
-    (two float32 [chunk, V_local] buffers; chunk defaults to 256 MiB of float32 on GPU)."""
-    local = -(-vocab // tp)
+def logprob_workspace_bytes(tokens: int, vocab_rows: int, tp: int,
+                            chunk_size: int | None) -> int:
+    """The chunked log-prob kernel's work buffers: 2 min(chunk, tokens) (V_pad / t) 4 bytes
+    (two float32 [chunk, V_local] buffers, V_local = V_pad / t on the first TP rank; chunk
+    defaults to 256 MiB / (4 V_local), ``vocab_parallel.default_chunk_size`` on GPU)."""
+    local = vocab_rows // tp
     chunk = chunk_size or max(1, _GPU_CHUNK_BYTES // (4 * local))
     return 2 * min(chunk, tokens) * local * 4
 
@@ -460,7 +462,7 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
                                          in_flight if stage == 0 else 1, t, work.recompute,
                                          work.dtype_bytes),
             logits=(logits_bytes(tokens, rows, t, work.dtype_bytes)
-                    + logprob_workspace_bytes(tokens, arch.vocab, t, work.log_prob_chunk_size)
+                    + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
                     if last else 0),
             vllm=vllm if stage == 0 or spills else 0,
             overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,

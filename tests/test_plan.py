@@ -1,0 +1,309 @@
+"""dgpo-plan: memory terms computed by hand, parameter counts against Megatron-Core's built model
+and the published totals, the published bytes-per-parameter figures, the paper's 14B recipe on
+8 x 80 GB, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_dgpo.plan import (GIB, PUBLISHED, Architecture, Cluster, Layout, Workload,
+                                activation_bytes, estimate, grad_bytes, main, make_plan,
+                                optimizer_bytes, padded_vocab, param_count, stage_params,
+                                vllm_bytes, weight_bytes)
+from tests._rank_fns_model import TINY_QWEN2
+from tests.distributed import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE_14B = os.path.join(ROOT, "recipes", "dgpo_14b.yaml")
+
+TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300,
+                  hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
+                  attention_bias=False, tie_word_embeddings=True)
+TINY_CONFIGS = {"qwen2_untied": TINY_QWEN2,
+                "qwen2_tied": dict(TINY_QWEN2, tie_word_embeddings=True),
+                "llama_tied_mha": TINY_LLAMA}
+
+# h=64, L=4, a=4 heads of d=16, g=2 KV groups, f=96, V=1000, untied, QKV bias
+SMALL = Architecture("small", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=96,
+                     vocab=1000, tie_word_embeddings=False, qkv_bias=True)
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+def test_parameter_counts_by_hand():
+    q, k, v, o = 64 * 64, 64 * 32, 64 * 32, 64 * 64
+    bias = 64 + 32 + 32
+    gate, up, down = 96 * 64, 96 * 64, 64 * 96
+    norms = 64 + 64
+    layer = q + k + v + bias + o + gate + up + down + norms  # 30976
+    assert param_count(SMALL) == 1000 * 64 + 4 * layer + 64 + 1000 * 64
+    assert param_count(replace_arch(SMALL, tie_word_embeddings=True)) == \
+        1000 * 64 + 4 * layer + 64
+    assert padded_vocab(1000, 1) == 1024 and padded_vocab(1000, 2) == 1024
+    assert padded_vocab(1000, 8) == 1024 and padded_vocab(1100, 8) == 2048
+    # TP2 x PP2: each GPU has 2 layers with matrices and biases halved, norms whole, and one
+    # half of the padded 1024-row vocabulary matrix (embedding on stage 0, output on stage 1)
+    layer_tp2 = (layer - norms) // 2 + norms
+    assert stage_params(SMALL, 2, 2, 0) == 2 * layer_tp2 + 1024 * 64 // 2
+    assert stage_params(SMALL, 2, 2, 1) == 2 * layer_tp2 + 64 + 1024 * 64 // 2
+    # tied at PP1: no output matrix; tied at PP2: the last stage keeps its copy
+    tied = replace_arch(SMALL, tie_word_embeddings=True)
+    assert stage_params(tied, 1, 1, 0) == 4 * layer + 64 + 1024 * 64
+    assert stage_params(tied, 1, 2, 1) == 2 * layer + 64 + 1024 * 64
+    with pytest.raises(ValueError, match="pipeline_parallel 3 does not divide 4 layers"):
+        stage_params(SMALL, 1, 3, 0)
+
+
+def replace_arch(arch: Architecture, **changes) -> Architecture:
+    from dataclasses import replace
+
+    return replace(arch, **changes)
+
+
+def _small_work(**changes) -> Workload:
+    base = dict(micro_batch_tokens=4096, responses_per_update=64, max_sequence=1024,
+                recompute=False, distributed_optimizer=True, dtype_bytes=2, grad_dtype_bytes=4,
+                log_prob_chunk_size=256, colocated_rollout=True, rollout_tp=1,
+                rollout_dtype_bytes=2, gpu_memory_utilization=0.5,
+                kv_cache_memory_bytes=1 << 30, max_num_seqs=4, overhead_bytes=0)
+    base.update(changes)
+    return Workload(**base)
+
+
+def test_memory_terms_by_hand():
+    """TP2 PP2 CP2 DP2 on 16 GPUs: every term of both pipeline stages computed here."""
+    cluster = Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80)
+    layout = Layout(tp=2, pp=2, cp=2, dp=2)
+    tokens = 4096 // 2  # CP halves the micro-batch
+    # 64 responses / 2 DP ranks x 1024 tokens = 32768 tokens = 8 micro-batches >= PP: 2 in flight
+    in_flight = 2
+    # saved per token and layer (elements): norm in h, QKV in h, Q h, K 32, V 32, attention out
+    # h, norm in h, fc1 in h, fc1 out 2f, fc2 in f; bf16, sequence parallel over TP 2
+    act_token_layer = (64 + 64 + 64 + 32 + 32 + 64 + 64 + 64 + 192 + 96) * 2 // 2
+    first_params, last_params = 63872, 63936  # the stage_params values checked above
+    assert (stage_params(SMALL, 2, 2, 0), stage_params(SMALL, 2, 2, 1)) == (63872, 63936)
+    vllm = 251968 * 2 + (1 << 30)  # all weights in bf16 on vLLM's one GPU + its KV cache
+
+    first = estimate(SMALL, cluster, layout, _small_work())
+    assert first.stage == "first"
+    assert first.weights == 2 * first_params
+    assert first.grads == 4 * first_params
+    assert first.optimizer == 12 * first_params // (2 * 2)  # sharded over DP x CP
+    assert first.activations == in_flight * 2 * tokens * act_token_layer
+    assert first.logits == 0 and first.vllm == vllm
+    assert first.total == (2 + 4) * first_params + 12 * first_params // 4 \
+        + 2 * 2 * tokens * act_token_layer + vllm
+
+    last = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False))
+    assert last.stage == "last"
+    logits = 2 * tokens * (1024 // 2) * 2  # logits + gradient, bf16, V_pad / TP columns
+    workspace = 2 * 256 * 512 * 4  # two float32 [chunk 256, 512] buffers
+    assert (last.weights, last.grads, last.optimizer) == \
+        (2 * last_params, 4 * last_params, 12 * last_params // 4)
+    assert last.activations == 1 * 2 * tokens * act_token_layer  # one micro-batch in flight
+    assert last.logits == logits + workspace and last.vllm == 0
+    assert last.total == 8_832_960
+
+    # full recompute: each layer's input (h per token) for 2 micro-batches x 2 layers, plus one
+    # layer's whole activations while it is recomputed
+    assert activation_bytes(SMALL, tokens, 2, 2, 2, recompute=True) == \
+        2 * 2 * tokens * 64 * 2 // 2 + tokens * act_token_layer
+    # vLLM's reserve from gpu_memory_utilization, and the KV cache it would need:
+    # 2 (K, V) x 4 layers x 32 x 2 bytes per token, 4 sequences of 1024 tokens
+    reserve, notes = vllm_bytes(SMALL, cluster, _small_work(kv_cache_memory_bytes=None,
+                                                           max_num_seqs=10 ** 6))
+    assert reserve == 40 * GIB
+    assert notes and "not max_num_seqs=1000000" in notes[0]
+    assert vllm_bytes(SMALL, cluster, _small_work(kv_cache_memory_bytes=None))[1] == []
+    needed = 4 * 1024 * (2 * 4 * 32 * 2)
+    tight, notes = vllm_bytes(SMALL, cluster, _small_work(kv_cache_memory_bytes=needed - 1))
+    assert tight == 251968 * 2 + needed - 1 and "holds ~3 full-length" in notes[0]
+
+
+def test_published_bytes_per_parameter():
+    """Megatron-Core's distributed-optimizer guide: bf16 params with fp32 grads take 18 bytes
+    per parameter without it, 6 + 12/d with it; ZeRO (Rajbhandari et al. 2020, Fig. 1): 7.5B
+    parameters, 16-bit gradients, 64 GPUs: 120 GB baseline, 31.4 GB with P_os."""
+    n = 10 ** 9
+    static = weight_bytes(n) + grad_bytes(n) + optimizer_bytes(n, 8, distributed=False)
+    assert static / n == 18
+    for d in (1, 8, 64):
+        with_dist = weight_bytes(n) + grad_bytes(n) + optimizer_bytes(n, d, distributed=True)
+        assert with_dist / n == pytest.approx(6 + 12 / d)
+    psi = 7_500_000_000
+    baseline = weight_bytes(psi) + grad_bytes(psi, 2) + optimizer_bytes(psi, 64, False)
+    zero1 = weight_bytes(psi) + grad_bytes(psi, 2) + optimizer_bytes(psi, 64, True)
+    assert round(baseline / 1e9, 1) == 120.0 and round(zero1 / 1e9, 1) == 31.4
+
+
+@pytest.mark.parametrize("hub_id, published", [
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1.78e9),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 7.62e9),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", 14.8e9),   # 14.77B
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", 32.8e9),   # 32.76B
+    ("meta-llama/Llama-3.1-70B", 70.6e9),                  # 70.55B
+])
+def test_formula_counts_match_published_totals(hub_id, published):
+    """Model-card totals (safetensors parameter counts) to 3 significant digits."""
+    count = param_count(PUBLISHED[hub_id])
+    digits = 10 ** (len(str(count)) - 3)
+    assert round(count / digits) * digits == published
+
+
+# --------------------------------------------------------------------------- Megatron-Core
+
+
+def count_params_fn(rank, world_size):
+    """On 4 gloo ranks: Megatron's per-rank parameter counts at TP2 x PP2 and whole-model
+    counts at TP1 x PP1, for each tiny config; fp32 main_grad buffers of Megatron DDP."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_dgpo.model import build_model
+    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.train_step import wrap_ddp
+
+    out = {}
+    for tp, pp in ((2, 2), (1, 1)):
+        initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+        for name, cfg in TINY_CONFIGS.items():
+            chunks = build_model(cfg)
+            count = sum(p.numel() for c in chunks for p in c.parameters())
+            out[(tp, pp, name)] = dict(stage=ps.get_pipeline_model_parallel_rank(), count=count)
+            if (tp, pp) == (1, 1) and name == "qwen2_untied":
+                ddp = wrap_ddp(chunks, grad_reduce_in_fp32=True)
+                grads = [p.main_grad for c in ddp for p in c.module.parameters()]
+                out["main_grad"] = dict(fp32=all(g.dtype == torch.float32 for g in grads),
+                                        numel=sum(g.numel() for g in grads), count=count)
+        destroy_parallel()
+    return out
+
+
+def test_formula_counts_equal_megatron_built_model():
+    results = run_ranks(count_params_fn, 4)
+    for rank, result in enumerate(results):
+        for name, cfg in TINY_CONFIGS.items():
+            arch = Architecture.from_hf_config(cfg, name=name)
+            assert arch.qkv_bias == (cfg["model_type"] == "qwen2")
+            whole = result[(1, 1, name)]
+            assert whole["count"] == param_count(arch, padded_vocab(cfg["vocab_size"], 1)), name
+            sharded = result[(2, 2, name)]
+            assert sharded["count"] == stage_params(arch, 2, 2, sharded["stage"]), (name, rank)
+        grads = result["main_grad"]
+        assert grads["fp32"] and grads["numel"] == grads["count"]  # 4 bytes per parameter
+    # ranks 0, 1 are stage 0 and ranks 2, 3 stage 1 (Megatron's order: TP innermost, PP outermost)
+    assert [r[(2, 2, "qwen2_untied")]["stage"] for r in results] == [0, 0, 1, 1]
+
+
+# --------------------------------------------------------------------------- recipes & CLI
+
+
+def _run_main(capsys, argv):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
+    from megatron_dgpo.recipe import load_recipe
+
+    run = load_recipe(RECIPE_14B)
+    arch = PUBLISHED[run.model.path]
+    cluster = Cluster(gpus_per_node=8, nodes=1, gpu_memory_gb=80)
+    plan = make_plan(arch, cluster, Workload.from_recipe(run),
+                     recipe_tp=run.parallel.tensor_parallel,
+                     recipe_pp=run.parallel.pipeline_parallel)
+    assert plan.pick is not None and plan.pick.fits and plan.required_overrides == []
+    lay = plan.pick.layout
+    assert lay.tp * lay.pp * lay.cp * lay.dp == 8 and lay.tp <= 8
+    assert plan.pick.total <= 80 * GIB
+    # the pick is re-estimated identically from its layout, and nothing smaller fits with room
+    assert estimate(arch, cluster, lay, plan.workload).total == plan.pick.total
+    assert not any(e.fits_with(0.1) for e in plan.estimates
+                   if e.layout.model_parallel < lay.model_parallel)
+
+    code, out, _ = _run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "1",
+                                      "--gpu-memory-gb", "80"])
+    assert code == 0
+    assert f"{lay}" in out and "<- pick" in out and "pick: " in out
+    assert f"parallel.tensor_parallel={lay.tp} parallel.pipeline_parallel={lay.pp}" in out
+
+    code, out, _ = _run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--gpu-memory-gb",
+                                      "80", "--json"])
+    data = json.loads(out)
+    assert code == 0 and data["pick"]["layout"] == dict(tp=lay.tp, pp=lay.pp, cp=lay.cp,
+                                                        dp=lay.dp)
+    for row in data["layouts"]:
+        terms = sum(v for k, v in row["gib"].items() if k not in ("total", "gpu"))
+        assert terms == pytest.approx(row["gib"]["total"])
+        assert row["fits"] == (row["gib"]["total"] <= 80)
+    assert data["params"] == param_count(arch)
+
+
+def test_14b_on_one_24gb_gpu_does_not_fit(capsys):
+    code, out, _ = _run_main(capsys, [RECIPE_14B, "rollout.tensor_parallel_size=1",
+                                      "--gpus-per-node", "1", "--gpu-memory-gb", "24"])
+    assert code == 1
+    assert "DOES NOT FIT" in out and "no layout fits DeepSeek-R1-Distill-Qwen-14B" in out
+    assert "TP1 PP1 CP1 DP1" in out  # the only layout, shown with its terms
+    assert "<- pick" not in out
+
+
+def test_recompute_is_proposed_when_nothing_fits_without_it(capsys):
+    """Without recompute the 14B recipe's activations do not fit a node; the plan says so and
+    proposes the recompute switch with a layout that fits."""
+    code, out, _ = _run_main(capsys, [RECIPE_14B, "model.recompute_activations=false",
+                                      "--gpus-per-node", "8", "--gpu-memory-gb", "64"])
+    assert code == 0
+    assert "as configured, no layout fits" in out
+    assert "model.recompute_activations=true" in out.split("set:")[1]
+
+
+def test_architecture_from_local_hf_folder(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY_QWEN2, num_key_value_heads=1)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  path: {tmp_path}\n")
+    code, out, _ = _run_main(capsys, [str(recipe), "--gpus-per-node", "4", "--gpu-memory-gb",
+                                      "16", "--json"])
+    data = json.loads(out)
+    assert code == 0
+    assert data["model"]["kv_heads"] == 1 and data["model"]["qkv_bias"] is True
+    # KV groups = 1: TP must stay 1
+    assert {row["layout"]["tp"] for row in data["layouts"]} == {1}
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--gpus-per-node", "0", "--gpu-memory-gb", "80"], "--gpus-per-node"),
+    (["--gpus-per-node", "eight", "--gpu-memory-gb", "80"], "--gpus-per-node"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "-1"], "--gpu-memory-gb"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--nodes", "0"], "--nodes"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--headroom", "1.5"], "--headroom"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--max-cp", "3"], "--max-cp"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--overhead-gb", "-2"], "--overhead-gb"),
+    (["--gpu-memory-gb", "80"], "--gpus-per-node"),
+])
+def test_bad_flags_are_named(capsys, args, flag):
+    with pytest.raises(SystemExit) as exc:
+        main([RECIPE_14B] + args)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bad_recipe_input_is_named(capsys, tmp_path):
+    base = ["--gpus-per-node", "8", "--gpu-memory-gb", "80"]
+    code, _, err = _run_main(capsys, [RECIPE_14B, "train.micro_batch_tokns=4"] + base)
+    assert code == 2 and "train.micro_batch_tokns" in err and "micro_batch_tokens" in err
+    code, _, err = _run_main(capsys, [RECIPE_14B, "model.path=org/unknown-7B"] + base)
+    assert code == 2 and "model.path 'org/unknown-7B'" in err and "--hf-config" in err
+    code, _, err = _run_main(capsys, [str(tmp_path / "missing.yaml")] + base)
+    assert code == 2 and "missing.yaml" in err
+    code, _, err = _run_main(capsys, [RECIPE_14B, "--hf-config", str(tmp_path)] + base)
+    assert code == 2 and "--hf-config" in err
+    code, _, err = _run_main(capsys, [RECIPE_14B, "rollout.tensor_parallel_size=16"] + base)
+    assert code == 2 and "rollout.tensor_parallel_size=16" in err
