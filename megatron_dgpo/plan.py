@@ -24,7 +24,6 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 GIB = 1 << 30
 _VOCAB_DIVISOR = 128  # Megatron's --make-vocab-size-divisible-by (megatron_dgpo.model)
@@ -84,7 +83,7 @@ class Architecture:
         """From an HF ``config.json`` dict (Qwen2 or Llama); errors name the missing field."""
         def need(key):
             if cfg.get(key) is None:
-                raise ValueError(f"HF config {name or ''} lacks the field {key!r}".replace("  ", " "))
+                raise ValueError(f"HF config of {name or 'the model'} lacks the field {key!r}")
             return int(cfg[key])
 
         model_type = cfg.get("model_type", "")
@@ -522,7 +521,8 @@ def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None,
     lay = pick.layout
     smaller = [e for e in estimates if e.layout.model_parallel < lay.model_parallel]
     why = [f"{lay} (model-parallel size {lay.model_parallel}, {lay.dp} data-parallel "
-           f"replica{'s' if lay.dp > 1 else ''}) peaks at {pick.total / GIB:.1f} of {pick.gpu_bytes / GIB:.0f} GiB on "
+           f"replica{'s' if lay.dp > 1 else ''}) peaks at {pick.total / GIB:.1f} of "
+           f"{pick.gpu_bytes / GIB:.0f} GiB on "
            f"the {pick.stage} pipeline stage GPU."]
     if roomy:
         why.append(f"It is the smallest model-parallel size that leaves {headroom:.0%} "
@@ -721,15 +721,15 @@ def _positive_int(flag):
     return parse
 
 
-def _positive_float(flag, upper=None):
+def _float_in(flag, low, high, what):
+    """argparse type: a float with low <= value < high (``what`` says so in the error)."""
     def parse(text):
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (value > 0 or (upper is not None and value == 0)) or (upper and value >= upper):
-            bound = f"in [0, {upper})" if upper else "a positive number"
-            raise argparse.ArgumentTypeError(f"{flag} must be {bound}, got {text!r}")
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}")
         return value
     return parse
 
@@ -743,11 +743,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     ap.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), required=True)
     ap.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
-    ap.add_argument("--gpu-memory-gb", type=_positive_float("--gpu-memory-gb"), required=True,
+    ap.add_argument("--gpu-memory-gb", required=True,
+                    type=_float_in("--gpu-memory-gb", 1e-9, math.inf, "a positive number"),
                     help="memory of one GPU in GiB (80 for an A100/H100 80GB)")
-    ap.add_argument("--headroom", type=_positive_float("--headroom", upper=1.0), default=0.1,
+    ap.add_argument("--headroom", type=_float_in("--headroom", 0.0, 1.0, "in [0, 1)"), default=0.1,
                     help="fraction of GPU memory to keep free in the preferred layout")
-    ap.add_argument("--overhead-gb", type=float, default=2.0,
+    ap.add_argument("--overhead-gb", type=_float_in("--overhead-gb", 0.0, math.inf, ">= 0"),
+                    default=2.0,
                     help="per-GPU allowance for CUDA context, NCCL and fragmentation (GiB)")
     ap.add_argument("--max-cp", type=_positive_int("--max-cp"), default=8,
                     help="largest context-parallel size to consider (a power of two)")
@@ -764,8 +766,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = _parser()
     args = ap.parse_intermixed_args(argv)
-    if args.overhead_gb < 0:
-        ap.error(f"--overhead-gb must be >= 0, got {args.overhead_gb}")
     if args.max_cp & (args.max_cp - 1):
         ap.error(f"--max-cp must be a power of two, got {args.max_cp}")
     try:
@@ -781,7 +781,8 @@ def main(argv: list[str] | None = None) -> int:
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
         return 2
     plan = make_plan(arch, cluster, work, headroom=args.headroom, max_cp=args.max_cp,
-                     recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
+                     recipe_tp=run.parallel.tensor_parallel,
+                     recipe_pp=run.parallel.pipeline_parallel)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
