@@ -120,3 +120,21 @@ def test_layout_fits_the_model_and_the_nodes_the_header_asks_for(name):
     responses = cfg.train.mini_batch_prompts * cfg.rollout.group_size
     assert responses >= dp, "the trainer needs one response per DP rank and mini-batch"
     assert responses % dp == 0, f"a mini-batch's {responses} responses split evenly over DP={dp}"
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_layout_is_what_dgpo_plan_picks_for_the_headers_node_count(name, capsys):
+    """The recipe and the planner agree: at the node count the header launches with, on
+    8 x 80 GB nodes, dgpo-plan picks exactly the recipe's TP x PP (and no CP)."""
+    import json
+
+    from megatron_dgpo import plan
+
+    cfg = load_recipe(_path(name))
+    nodes = int(re.search(r"sbatch --nodes=(\d+)", _path(name).read_text()).group(1))
+    assert plan.main([str(_path(name)), "--gpus-per-node", str(GPUS_PER_NODE), "--nodes", str(nodes),
+                      "--gpu-memory-gb", "80", "--json"]) == 0
+    pick = json.loads(capsys.readouterr().out)["pick"]
+    assert pick["fits"]
+    assert (pick["layout"]["tp"], pick["layout"]["pp"], pick["layout"]["cp"]) == (
+        cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, 1)
