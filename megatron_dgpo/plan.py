@@ -362,7 +362,7 @@ class Estimate:
     layout: Layout
     stage: str
     """Which GPU is the peak: "first" (stage 0, with the embedding, p micro-batches in flight
-    and vLLM), "last" (output layer and logits) or "only" (p = 1)."""
+    and vLLM), "last" (output layer and logits), a middle stage's index, or "only" (p = 1)."""
     weights: int
     grads: int
     optimizer: int
@@ -436,21 +436,23 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
 
 
 def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
-    """The peak GPU of ``layout``: the larger of stage 0 (embedding, min(p, micro-batches)
-    micro-batches in flight, vLLM) and the last stage (output layer, logits, one micro-batch in
-    flight), each the sum of weights + gradients + optimizer + activations + logits + vLLM +
-    overhead."""
+    """The peak GPU of ``layout``: the largest over pipeline stages k = 0 .. p-1 of weights +
+    gradients + optimizer + activations + logits + vLLM + overhead, where stage k holds
+    min(p - k, micro-batches) micro-batches in flight (1F1B), stage 0 the embedding, the last
+    stage the output layer and the logits, and the stages of global ranks 0 .. t_r - 1 vLLM
+    (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is Megatron's outermost)."""
     t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
     tokens = -(-work.micro_batch_tokens // c)
     rows = padded_vocab(arch.vocab, t)
-    in_flight = min(p, micro_batches_per_update(work, d))
+    micro_batches = micro_batches_per_update(work, d)
     vllm, vllm_notes = vllm_bytes(arch, cluster, work)
-    # vLLM runs on global ranks 0 .. t_r - 1; stage 0 holds ranks 0 .. world / p - 1
-    spills = work.rollout_tp > cluster.world // p
+    gpus_per_stage = cluster.world // p
 
-    def stage_estimate(stage: int, name: str) -> Estimate:
+    def stage_estimate(stage: int) -> Estimate:
         params = stage_params(arch, t, p, stage)
         last = stage == p - 1
+        has_vllm = stage * gpus_per_stage < work.rollout_tp
+        name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
         return Estimate(
             layout=layout, stage=name,
             weights=weight_bytes(params, work.dtype_bytes),
@@ -458,18 +460,17 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
             # CP ranks hold the same weights: Megatron shards the optimizer over DP x CP
             optimizer=optimizer_bytes(params, d * c, work.distributed_optimizer),
             activations=activation_bytes(arch, tokens, arch.layers // p,
-                                         in_flight if stage == 0 else 1, t, work.recompute,
+                                         min(p - stage, micro_batches), t, work.recompute,
                                          work.dtype_bytes),
             logits=(logits_bytes(tokens, rows, t, work.dtype_bytes)
                     + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
                     if last else 0),
-            vllm=vllm if stage == 0 or spills else 0,
+            vllm=vllm if has_vllm else 0,
             overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,
-            notes=list(vllm_notes) if stage == 0 or spills else [])
+            notes=list(vllm_notes) if has_vllm else [])
 
-    first = stage_estimate(0, "only" if p == 1 else "first")
-    peak = first if p == 1 else max(first, stage_estimate(p - 1, "last"),
-                                    key=lambda e: e.total)
+    # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
+    peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)
     if c > 1:
         peak.notes.append("CP > 1 needs context parallelism in the trainer (not yet a "
                           "parallel.* field)")
