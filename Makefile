@@ -13,9 +13,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt tools/setup_env.sh
 	bash tools/setup_env.sh $(PYTHON_ENV)
 	touch $(STAMP)
 
+# The tiny DGPO job (recipes/tiny_cpu.yaml): metrics, checkpoints, an HF export and a plot of
+# the training dynamics, all under $(OUT)/tiny_cpu. Extra recipe overrides: ARGS="train.steps=5".
 run: $(STAMP)
-	mkdir -p $(OUT)
-	$(PY) -m megatron_dgpo.losses --n 1 --m 2 --plot $(OUT)/loss_coefficients.png
+	$(PY) -m megatron_dgpo.train recipes/tiny_cpu.yaml run_dir=$(OUT)/tiny_cpu $(ARGS)
+	$(PY) tools/plot_run.py $(OUT)/tiny_cpu
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -209,15 +209,13 @@ def export_final(checkpoint: Path, out_dir: Path, dtype_name: str | None, conver
 
 # ------------------------------------------------------------------------------------ metrics
 
-def mismatch_metrics(rows) -> dict[str, float]:
-    """Collective over DP: rollout-engine vs trainer log-probs of the sampled tokens.
+def mismatch_metrics(rows, group=None) -> dict[str, float]:
+    """Collective over ``group`` (the DP group; None: no reduction): rollout-engine vs trainer log-probs of the sampled tokens.
 
     mean/max |d|, mean d, exp(mean|d|) - 1 per token, and per sequence the mean of
     exp(sum_t |d_t|) - 1 (``rollout.logprob_mismatch``'s definitions, with packed rows split
     into their sequences), d = trainer - rollout log-prob.
     """
-    from megatron.core import parallel_state as ps
-
     sums = torch.zeros(5, dtype=torch.float64)  # sum|d|, sum d, tokens, sum seq err, sequences
     largest = torch.zeros(1, dtype=torch.float64)
     for row in rows:
@@ -229,11 +227,11 @@ def mismatch_metrics(rows) -> dict[str, float]:
                              torch.expm1(per_seq.clamp(max=50.0)).sum(),
                              torch.tensor(float(len(per_seq)), dtype=torch.float64)])
         largest = torch.maximum(largest, d.abs().max().reshape(1))
-    group = ps.get_data_parallel_group()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    sums, largest = sums.to(device), largest.to(device)
-    dist.all_reduce(sums, group=group)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    if group is not None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        sums, largest = sums.to(device), largest.to(device)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     abs_sum, signed_sum, tokens, seq_err, sequences = sums.tolist()
     mean_abs = abs_sum / max(tokens, 1.0)
     return {"mismatch/mean_abs_diff": mean_abs, "mismatch/max_abs_diff": float(largest.item()),

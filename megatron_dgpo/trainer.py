@@ -89,7 +89,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                                            chunk_size=cfg.train.log_prob_chunk_size)
                 for row, (logp, _) in zip(rows, outputs):
                     row.per_token["old_logprobs"] = torch.where(row.loss_mask, logp[0], 0.0)
-                mismatch = components.mismatch_metrics(rows)
+                mismatch = components.mismatch_metrics(rows, ps.get_data_parallel_group())
 
             with timer("update"):
                 parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
