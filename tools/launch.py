@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides may follow options
     recipe = Path(args.recipe)
     if not (recipe if recipe.is_absolute() else ROOT / recipe).is_file():
         raise SystemExit(f"launch.py: recipe {args.recipe}: no such file")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     job_dir = str(Path(args.job_dir or os.environ.get("NEMORUN_HOME", Path.home() / ".nemo_run")).resolve())
 
     if args.executor == "local":
-        # Local jobs run from the repository root, so recipe paths relative to it work.
+        # Absolute: the local job runs in the caller's working directory, wherever that is.
         task = trainer_task(str(recipe if recipe.is_absolute() else ROOT / recipe), args.overrides, args.resume)
         executor = local_executor(args.nproc, args.job_venv or str(ROOT / ".venv"))
     else:
