@@ -33,7 +33,8 @@ def use_distributed_optimizer(config: OptimizerConfig) -> bool:
 def build_optimizer(config: OptimizerConfig, models: list, *, lr: float, bf16: bool):
     """Megatron ``MegatronOptimizer`` over the DDP-wrapped ``models`` (see ``wrap_ddp``).
 
-    Weight decay applies to matrices only (Megatron's default: no decay on biases and norms).
+    Weight decay applies to matrices only (Megatron's default: no decay on biases and norms,
+    put into the param groups by ``_apply_constant_schedule``).
     """
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -54,7 +55,20 @@ def build_optimizer(config: OptimizerConfig, models: list, *, lr: float, bf16: b
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer(config),
     )
-    return get_megatron_optimizer(megatron_config, models)
+    optimizer = get_megatron_optimizer(megatron_config, models)
+    _apply_constant_schedule(optimizer, lr, config.weight_decay)
+    return optimizer
+
+
+def _apply_constant_schedule(optimizer, lr: float, weight_decay: float) -> None:
+    """Write the constant LR and weight decay into the param groups through Megatron's own
+    scheduler, which is what applies each group's ``wd_mult`` (0 for biases and norms): without
+    it every group keeps the raw weight decay and norm weights would be decayed."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+                            lr_decay_steps=1, lr_decay_style="constant", start_wd=weight_decay,
+                            end_wd=weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
 
 def gradients_finite(models: list) -> bool:

@@ -287,9 +287,13 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         seen["megatron_tokens"] = int(tokens.item()) if tokens is not None else None
 
     config.finalize_model_grads_func = finalize
-    if zero_grad:
-        for model in models:
+    for model in models:
+        if zero_grad:
             model.zero_grad_buffer()
+        # Megatron's optimizer leaves param.grad aliasing main_grad after a step; autograd would
+        # then accumulate into main_grad AND the DDP hook add the same gradient again (2x).
+        for param in model.parameters():
+            param.grad = None
 
     parts: list[dict] = []
 

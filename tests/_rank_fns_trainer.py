@@ -1,0 +1,153 @@
+"""Rank functions for tests/test_optimizer_checkpoint.py (TP=2 on two gloo ranks)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests._rank_fns_model import TINY_QWEN2
+from tests._rank_fns_train import micro_batches
+
+LR, WD, CLIP, BETAS, EPS = 5e-3, 0.1, 0.05, (0.9, 0.95), 1e-8
+
+
+def _setup(seed: int = 5):
+    from megatron_dgpo.model import build_model
+    from megatron_dgpo.optimizer import build_optimizer
+    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.recipe import OptimizerConfig
+    from megatron_dgpo.train_step import wrap_ddp
+
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(ParallelConfig(tensor_parallel=2), seed=1)
+    models = wrap_ddp(build_model(TINY_QWEN2, seed=seed))
+    config = OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=BETAS[0],
+                             adam_beta2=BETAS[1], adam_eps=EPS)
+    return models, build_optimizer(config, models, lr=LR, bf16=False)
+
+
+def _grads(models):
+    from megatron_dgpo.losses import LossHyperparams
+    from megatron_dgpo.train_step import LossConfig, train_step
+
+    loss = LossConfig(method="dgpo", hyperparams=vars(LossHyperparams()))
+    return train_step(models, micro_batches(0, 1, 2), loss)
+
+
+def _params(models):
+    return {n: p.detach().clone() for n, p in models[0].module.named_parameters()}
+
+
+def _global_grad_norm(models) -> float:
+    """sqrt(sum g^2) over the whole model: TP-split parameters summed over ranks, replicated
+    ones (norms) counted once."""
+    import torch.distributed as dist
+
+    split, replicated = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    for p in models[0].module.parameters():
+        sq = p.main_grad.double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            split += sq
+        else:
+            replicated += sq
+    dist.all_reduce(split)
+    return math.sqrt(float(split) + float(replicated))
+
+
+def _reference_adamw(param, grad, state, step, coefficient, decay):
+    """torch.optim.AdamW's update, written out in float64."""
+    g = grad.double() * coefficient
+    p = param.double() * (1 - LR * (WD if decay else 0.0))
+    state["m"] = BETAS[0] * state["m"] + (1 - BETAS[0]) * g
+    state["v"] = BETAS[1] * state["v"] + (1 - BETAS[1]) * g * g
+    m_hat = state["m"] / (1 - BETAS[0] ** step)
+    v_hat = state["v"] / (1 - BETAS[1] ** step)
+    return p - LR * m_hat / (v_hat.sqrt() + EPS)
+
+
+def optimizer_and_skipping(rank, world):
+    """Megatron's optimizer on CPU vs AdamW + global clip in float64; non-finite skipping."""
+    from megatron_dgpo.optimizer import step_if_finite
+
+    models, optimizer = _setup()
+    out = {"errors": [], "norm_errors": []}
+    state = {n: {"m": torch.zeros_like(p, dtype=torch.float64),
+                 "v": torch.zeros_like(p, dtype=torch.float64)}
+             for n, p in models[0].module.named_parameters()}
+    for step in (1, 2):
+        result = _grads(models)
+        before = _params(models)
+        grads = {n: p.main_grad.clone() for n, p in models[0].module.named_parameters()}
+        norm = _global_grad_norm(models)
+        coefficient = min(1.0, CLIP / (norm + 1e-6))
+        stepped, grad_norm = step_if_finite(optimizer, models, result.loss)
+        assert stepped
+        out["norm_errors"].append(abs(grad_norm - norm) / norm)
+        for name, param in models[0].module.named_parameters():
+            decay = param.dim() > 1  # Megatron: no weight decay on biases and norms
+            want = _reference_adamw(before[name], grads[name], state[name], step, coefficient, decay)
+            out["errors"].append(float((param.detach().double() - want).abs().max()))
+    out["clipped"] = coefficient < 1.0
+
+    # A non-finite gradient on ONE rank: every rank skips, nothing changes.
+    result = _grads(models)
+    if rank == 1:
+        next(models[0].module.parameters()).main_grad.view(-1)[3] = float("inf")
+    before = _params(models)
+    moments = [s["exp_avg"].clone() for s in _adam(optimizer).state.values()]
+    out["inf_step"] = step_if_finite(optimizer, models, result.loss)[0]
+    out["inf_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())
+    out["moments_unchanged"] = all(torch.equal(a, s["exp_avg"]) for a, s in
+                                   zip(moments, _adam(optimizer).state.values()))
+    # A NaN advantage makes the loss NaN: skipped too; then a clean step goes through.
+    from megatron_dgpo.losses import LossHyperparams
+    from megatron_dgpo.train_step import LossConfig, train_step
+
+    bad = micro_batches(0, 1, 2)
+    bad[0].advantages[0, :] = float("nan")
+    result = train_step(models, bad, LossConfig(hyperparams=vars(LossHyperparams())))
+    out["nan_loss"] = result.loss
+    out["nan_step"] = step_if_finite(optimizer, models, result.loss)[0]
+    out["nan_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())
+    out["clean_step"] = step_if_finite(optimizer, models, _grads(models).loss)[0]
+    return out
+
+
+def checkpoint_round_trip(rank, world, root):
+    """save (keep_last=1 prunes), load into a differently initialised model + optimizer, and
+    the next update from both is identical."""
+    from megatron_dgpo.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint,
+                                          save_checkpoint)
+    from megatron_dgpo.optimizer import step_if_finite
+
+    models, optimizer = _setup(seed=5)
+    meta = dict(hf_config=TINY_QWEN2, padded_vocab_size=models[0].module.vocab_size,
+                dtype=torch.float32)
+    for step in (1, 2):
+        step_if_finite(optimizer, models, _grads(models).loss)
+        save_checkpoint(root, TrainerState(step=step, prompts_consumed=32 * step,
+                                           extra={"layout": {"tensor_parallel": 2,
+                                                             "pipeline_parallel": 1}}),
+                        models, optimizer, keep_last=1, **meta)
+    saved = _params(models)
+    step_if_finite(optimizer, models, _grads(models).loss)
+    after_next = _params(models)
+
+    fresh, fresh_optimizer = _setup(seed=9)
+    differs_before = any(not torch.equal(saved[n], p) for n, p in _params(fresh).items())
+    state = load_checkpoint(latest_checkpoint(root), fresh, fresh_optimizer)
+    loaded_equal = all(torch.equal(saved[n], p) for n, p in _params(fresh).items())
+    step_if_finite(fresh_optimizer, fresh, _grads(fresh).loss)
+    next_equal = all(torch.equal(after_next[n], p) for n, p in _params(fresh).items())
+    return {"differs_before": differs_before, "loaded_equal": loaded_equal,
+            "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed}
+
+
+def _adam(optimizer):
+    """The torch AdamW inside Megatron's wrapper (one chain link for a dense model)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    assert len(inner) == 1
+    return inner[0].optimizer
