@@ -3,8 +3,12 @@
 PYTHON_ENV := .venv
 STAMP := $(PYTHON_ENV)/.installed
 PY := $(PYTHON_ENV)/bin/python
+# Job submission (NeMo-Run, shellcheck) lives in its own venv: nemo-run's pins fight vLLM's.
+LAUNCH_ENV := .venv-launch
+LAUNCH_STAMP := $(LAUNCH_ENV)/.installed
 OUT ?= outputs
 
+# `make test` also builds .venv-launch (NeMo-Run's launcher tests).
 .PHONY: env run test clean-env
 
 env: $(STAMP)
@@ -13,14 +17,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt tools/setup_env.sh
 	bash tools/setup_env.sh $(PYTHON_ENV)
 	touch $(STAMP)
 
+$(LAUNCH_STAMP): tools/setup_launch_env.sh
+	bash tools/setup_launch_env.sh $(LAUNCH_ENV)
+	touch $(LAUNCH_STAMP)
+
 # The tiny DGPO job (recipes/tiny_cpu.yaml): metrics, checkpoints, an HF export and a plot of
 # the training dynamics, all under $(OUT)/tiny_cpu. Extra recipe overrides: ARGS="train.steps=5".
 run: $(STAMP)
 	$(PY) -m megatron_dgpo.train recipes/tiny_cpu.yaml run_dir=$(OUT)/tiny_cpu $(ARGS)
 	$(PY) tools/plot_run.py $(OUT)/tiny_cpu
 
-test: $(STAMP)
+test: $(STAMP) $(LAUNCH_STAMP)
 	$(PY) -m pytest -q tests
 
 clean-env:
-	rm -rf $(PYTHON_ENV)
+	rm -rf $(PYTHON_ENV) $(LAUNCH_ENV)

@@ -123,14 +123,17 @@ def prompts(data: DataConfig, rollout: RolloutConfig, hf_dir: Path):
     policy's chat template; prompts longer than ``rollout.max_prompt_tokens`` are dropped."""
     from transformers import AutoTokenizer
 
-    from megatron_dgpo.data import builtin_prompts, load_prompt_dataset, render_prompt
+    from megatron_dgpo.data import (boxed_instruction, builtin_prompts, load_prompt_dataset,
+                                    render_prompt)
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     if data.source == "builtin":
         records = builtin_prompts(data.builtin_families)
     else:
-        records = load_prompt_dataset(data.source, prompt_field=data.prompt_field,
-                                      answer_field=data.answer_field)
+        records = load_prompt_dataset(data.source, prompt_key=data.prompt_field,
+                                      answer_key=data.answer_field)
+    if data.boxed_instruction:
+        records = [boxed_instruction(r) for r in records]
     rendered = [(r, render_prompt(tokenizer, r)) for r in records]
     kept = [(r, ids) for r, ids in rendered if len(ids) <= rollout.max_prompt_tokens]
     if not kept:

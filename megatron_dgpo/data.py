@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -157,6 +159,28 @@ def builtin_prompts(families: Sequence[str] | None = None) -> list[PromptRecord]
 
 
 # --------------------------------------------------------------------------------- benchmarks
+
+
+# DAPO-Math-17k wraps every problem in an "Answer: $Answer" format instruction; the paper's
+# reward grades the last \\boxed{} instead (see ``boxed_instruction``).
+_DAPO_PREAMBLE = re.compile(r"^\s*Solve the following math problem step by step\. The last line of "
+                            r"your response should be of the form Answer: \$Answer \(without "
+                            r"quotes\) where \$Answer is the answer to the problem\.\s*")
+_DAPO_REMINDER = re.compile(r"\s*Remember to put your answer on its own line after "
+                            r"\"Answer:\"\.?\s*$")
+
+
+def boxed_instruction(record: PromptRecord) -> PromptRecord:
+    """``record`` asking for a ``\\boxed{}`` answer: DAPO-Math-17k's "Answer: $Answer"
+    preamble and closing reminder are removed from the last user message and
+    ``BOXED_INSTRUCTION`` appended (unless the text already asks for \\boxed{})."""
+    messages = [dict(m) for m in record.messages]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last is None:
+        raise ValueError(f"prompt {record.id!r} has no user message to rewrite")
+    problem = _DAPO_REMINDER.sub("", _DAPO_PREAMBLE.sub("", messages[last]["content"]))
+    messages[last]["content"] = _with_instruction(problem)
+    return dataclasses.replace(record, messages=tuple(messages))
 
 
 def _with_instruction(problem: str) -> str:

@@ -194,6 +194,10 @@ class DataConfig:
     """Dotted field holding the prompt (a string or chat messages)."""
     answer_field: str = "reward_model.ground_truth"
     """Dotted field holding the ground-truth answer."""
+    boxed_instruction: bool = False
+    """Rewrite each prompt to ask for a \\boxed{} answer, which is what the reward grades:
+    DAPO-Math-17k's "Answer: $Answer" preamble and reminder are removed
+    (``megatron_dgpo.data.boxed_instruction``). Set it for DAPO-Math-17k."""
 
 
 @dataclass

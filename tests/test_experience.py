@@ -1,0 +1,92 @@
+"""The trainer's plumbing: prompt order, mini-batch/DP plans, packed mismatch metrics, prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_dgpo.components import mismatch_metrics, prompts
+from megatron_dgpo.data import boxed_instruction, PromptRecord
+from megatron_dgpo.experience import Experience, pack_update, plan_updates, prompt_order
+from megatron_dgpo.recipe import DataConfig, RolloutConfig
+from megatron_dgpo.rollout import logprob_mismatch
+
+DAPO = ("Solve the following math problem step by step. The last line of your response should "
+        "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+        "problem.\n\n{problem}\n\nRemember to put your answer on its own line after \"Answer:\".")
+
+
+def test_prompt_order_visits_every_prompt_once_per_epoch_and_resumes():
+    stream = prompt_order(7, seed=3, start=0, count=21)
+    for epoch in range(3):
+        assert sorted(stream[7 * epoch:7 * epoch + 7]) == list(range(7))
+    assert stream[:7] != stream[7:14]  # reshuffled per epoch
+    assert prompt_order(7, seed=3, start=5, count=9) == stream[5:14]  # a resumed run's view
+
+
+def test_plan_updates_partitions_the_batch_over_updates_and_ranks():
+    lengths = [5 + (i * 7) % 23 for i in range(48)]
+    plans = [plan_updates(48, 4, rank, 3, seed=1, step=2, lengths=lengths) for rank in range(3)]
+    everything = sorted(i for plan in plans for update in plan for i in update)
+    assert everything == list(range(48))
+    for u in range(4):
+        tokens = [sum(lengths[i] for i in plans[r][u]) for r in range(3)]
+        assert min(len(plans[r][u]) for r in range(3)) == 4
+        assert max(tokens) - min(tokens) <= max(lengths)  # longest-first dealing balances
+    assert plan_updates(48, 4, 0, 3, seed=1, step=3, lengths=lengths) != plans[0]
+    with pytest.raises(ValueError, match="cannot feed 16 data-parallel"):
+        plan_updates(48, 4, 0, 16, seed=1, step=2, lengths=lengths)
+
+
+def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
+    gen = torch.Generator().manual_seed(0)
+    batch = Experience(prompt_tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+                       response_tokens=[[10, 11], [12, 13, 14, 15], [16]],
+                       rollout_logprobs=[[-1.0, -2.0], [-0.5, -0.1, -3.0, -1.5], [-0.2]],
+                       rewards=[1.0, -1.0, 1.0], truncated=[False] * 3,
+                       advantages=torch.tensor([1.0, -1.0, 0.5]))
+    trainer = [torch.tensor(lp) + 0.05 * torch.randn(len(lp), generator=gen)
+               for lp in batch.rollout_logprobs]
+    rows = pack_update(batch, [0, 1, 2], budget=12, pad_multiple=2)
+    assert len(rows) == 2
+    for row in rows:  # put the "trainer" log-probs where the trainer's forward pass puts them
+        old = torch.zeros(len(row.tokens))
+        ends = row.cu_seqlens.tolist()
+        for k, sample in enumerate(row.sample_indices):
+            start = ends[k] + len(batch.prompt_tokens[sample]) - 1
+            old[start:start + len(trainer[sample])] = trainer[sample]
+        row.per_token["old_logprobs"] = old
+    got = mismatch_metrics(rows)
+    width = max(len(t) for t in trainer)
+    pad = lambda xs: torch.stack([torch.cat([torch.tensor(x, dtype=torch.float64).reshape(-1),
+                                             torch.zeros(width - len(x))]) for x in xs])
+    mask = pad([[1.0] * len(t) for t in trainer]) > 0
+    want = logprob_mismatch(pad(batch.rollout_logprobs), pad([t.tolist() for t in trainer]), mask)
+    for key, value in want.as_dict().items():
+        if key != "mismatch/num_tokens":
+            assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), key
+
+
+def test_boxed_instruction_rewrites_dapo_prompts():
+    record = PromptRecord(({"role": "user", "content": DAPO.format(problem="Find $x$: $2x=4$.")},), "2")
+    text = boxed_instruction(record).messages[0]["content"]
+    assert text.startswith("Find $x$: $2x=4$.") and text.endswith("within \\boxed{}.")
+    assert "Answer:" not in text
+    boxed = PromptRecord(({"role": "user", "content": "Put 3 in \\boxed{}."},), "3")
+    assert boxed_instruction(boxed).messages[0]["content"] == "Put 3 in \\boxed{}."
+
+
+def test_prompts_from_a_dapo_file_are_rewritten_rendered_and_length_filtered(tmp_path, tiny_model_dir):
+    rows = [{"prompt": [{"role": "user", "content": DAPO.format(problem=p)}],
+             "reward_model": {"ground_truth": a}}
+            for p, a in (("What is 2+3?", "5"), ("Long " * 300 + "problem?", "1"))]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept, tokenizer = prompts(DataConfig(source=str(path), boxed_instruction=True),
+                              RolloutConfig(max_prompt_tokens=200), tiny_model_dir)
+    assert [record.ground_truth for record, _ in kept] == ["5"]  # the long one is dropped
+    text = tokenizer.decode(kept[0][1])
+    assert "\\boxed{}" in text and "Answer:" not in text and text.endswith("assistant\n")
