@@ -149,3 +149,34 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
                          {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
     assert got["mismatch/mean_abs_diff"] < 1e-5
     assert (run_dir / "hf" / "config.json").is_file()
+
+
+def test_baseline_by_one_override_and_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
+    """GRPO by `algorithm.method=grpo`; SIGINT (Ctrl-C) in the middle of the run: the process
+    exits promptly (engine and workers shut down) and `latest` names a complete checkpoint."""
+    import time
+
+    run_dir = tmp_path / "grpo"
+    cmd = [sys.executable, "-m", "megatron_dgpo.train", str(RECIPE), f"run_dir={run_dir}", *QUIET,
+           "algorithm.method=grpo", "train.steps=200", "checkpoint.save_every=1",
+           "checkpoint.keep_last=3"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    records = read_metrics(run_dir)
+    assert len(records) >= 3 and all(r["train/skipped_updates"] == 0 for r in records)
+    from megatron_dgpo.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    state = json.loads((latest / "trainer_state.json").read_text())
+    assert state["step"] >= 2 and (latest / "dgpo_convert.json").is_file()
+    assert state["extra"]["config"]["algorithm"]["method"] == "grpo"

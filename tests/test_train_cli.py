@@ -1,0 +1,51 @@
+"""dgpo-train's command line: config errors name the key, --describe documents every key."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dgpo.config import describe
+from megatron_dgpo.recipe import RunConfig, load_recipe
+from megatron_dgpo.train import main
+
+RECIPE = "recipes/tiny_cpu.yaml"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.metod=grpo", "unknown key 'algorithm.metod'; did you mean 'algorithm.method'?"),
+    ("train.steps=many", "train.steps: expected an integer, got 'many'"),
+    ("algorithm.method=ppo", "method must be one of grpo, cispo, gppo, ce_gppo, aspo, dgpo"),
+    ("optimizer.lr=fast", "optimizer.lr: expected float | 'auto', got 'fast'"),
+    ("train.mini_batch_prompts=5", "rollout_batch_prompts (32) must be a multiple of mini_batch_prompts (5)"),
+    ("algorithm.loss.n=0", "algorithm.loss: n must be a positive integer, got 0"),
+    ("rollout.max_response_tokens=4096", "train.micro_batch_tokens (1024) must exceed rollout.max_response_tokens"),
+])
+def test_bad_overrides_fail_before_anything_starts_and_name_the_key(override, message, capsys):
+    assert main([RECIPE, override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_recipe_and_misplaced_override_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["train.steps=3"])
+    assert "must be a recipe file" in capsys.readouterr().err
+    assert main(["recipes/nope.yaml"]) == 2
+    assert "recipes/nope.yaml does not exist" in capsys.readouterr().err
+
+
+def test_describe_documents_every_key(capsys):
+    assert main(["--describe"]) == 0
+    out = capsys.readouterr().out
+    rows = describe(RunConfig)
+    assert len(rows) > 50
+    for key, _, doc in rows:
+        assert doc, f"{key} has no documentation under its declaration"
+        assert f"{key}  (" in out
+
+
+def test_the_tiny_recipe_loads_with_its_documented_values():
+    cfg = load_recipe(RECIPE)
+    assert (cfg.algorithm.method, cfg.algorithm.loss.n, cfg.algorithm.loss.m) == ("dgpo", 1, 2)
+    assert cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts == 4
+    assert cfg.data.builtin_families == ["repeat"] and cfg.model.tiny is not None
+
