@@ -39,8 +39,9 @@ returns the same numbers.
 Micro-batch rows are right-padded or packed. Megatron's RoPE uses positions 0..S-1 of each row
 (``position_ids`` only matter for learned absolute embeddings), so rows must be right-padded,
 and packed segments rely on RoPE being relative; a packed row carries ``segment_ids`` and gets a
-block-diagonal causal mask (with the local spec; with Transformer-Engine a causal kernel ignores
-arbitrary masks: packed rows there need THD ``PackedSeqParams``, not implemented yet).
+block-diagonal causal mask with the local spec; with Transformer-Engine (GPU) a packed row goes
+in as THD ``PackedSeqParams`` (cu_seqlens from the segment ids), because TE's causal kernel
+ignores arbitrary masks. The THD path needs a GPU with TE and is not exercised by the CPU tests.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dgpo.losses import merge_metrics, policy_loss, reduce_metrics, summarize_metrics
+from megatron_dgpo.model import use_transformer_engine
 from megatron_dgpo.packing import block_causal_mask
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
 
@@ -189,6 +191,26 @@ def _attention_mask(mb: MicroBatch) -> Tensor:
     return block_causal_mask(mb.segment_ids)
 
 
+def _packed_seq_params(segment_ids: Tensor):
+    """THD ``PackedSeqParams`` of one packed row [1, S]: cu_seqlens at the segment boundaries.
+
+    Transformer-Engine's fused attention ignores arbitrary masks (its causal kernel would let a
+    segment see the previous one); with cu_seqlens each segment is its own causal sequence.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if segment_ids.shape[0] != 1:
+        raise ValueError(f"THD packing needs one packed row per micro-batch, got "
+                         f"{segment_ids.shape[0]} rows")
+    row = segment_ids[0]
+    starts = torch.nonzero(row[1:] != row[:-1]).flatten() + 1
+    edges = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), row.numel())])
+    cu_seqlens = edges.to(torch.int32)
+    longest = int((edges[1:] - edges[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def _positions(mb: MicroBatch) -> Tensor:
     if mb.position_ids is not None:
         return mb.position_ids
@@ -216,9 +238,15 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
         raise ValueError("micro_batches is empty")
     device = _device(models)
 
+    thd = use_transformer_engine()
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
-        output = model(mb.tokens, _positions(mb), _attention_mask(mb))
+        if thd and mb.segment_ids is not None and mb.attention_mask is None:
+            output = model(mb.tokens, _positions(mb), None,
+                           packed_seq_params=_packed_seq_params(mb.segment_ids))
+        else:
+            output = model(mb.tokens, _positions(mb), _attention_mask(mb))
         return output, partial(loss_fn, mb)
 
     iterators = [iter(micro_batches) for _ in models]

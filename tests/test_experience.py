@@ -90,3 +90,16 @@ def test_prompts_from_a_dapo_file_are_rewritten_rendered_and_length_filtered(tmp
     assert [record.ground_truth for record, _ in kept] == ["5"]  # the long one is dropped
     text = tokenizer.decode(kept[0][1])
     assert "\\boxed{}" in text and "Answer:" not in text and text.endswith("assistant\n")
+
+
+def test_thd_cu_seqlens_from_segment_ids_equal_the_packers():
+    from megatron_dgpo.train_step import _packed_seq_params
+
+    batch = Experience(prompt_tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+                       response_tokens=[[10, 11], [12, 13, 14, 15], [16]],
+                       rollout_logprobs=[[0.0] * 2, [0.0] * 4, [0.0]], rewards=[0.0] * 3,
+                       truncated=[False] * 3, advantages=torch.zeros(3))
+    (row,) = pack_update(batch, [0, 1, 2], budget=64, pad_multiple=4)
+    params = _packed_seq_params(row.segment_ids()[None])
+    assert torch.equal(params.cu_seqlens_q, row.cu_seqlens) and params.qkv_format == "thd"
+    assert params.max_seqlen_q == int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max())
