@@ -1,5 +1,8 @@
-"""Run the trainer, SIGKILL-ing the process in the middle of saving checkpoint ``step_<N>``
-(after every rank's shards are written, before the folder is renamed into place).
+"""Run the trainer, SIGKILL-ing it in the middle of saving checkpoint ``step_<N>`` (after every
+rank's shards are written, before the folder is renamed into place).
+
+The whole process group dies at once (start this in a new session), as when a scheduler kills
+a job: the trainer, its vLLM engine processes and its reward workers.
 
     python tests/_train_killed_during_save.py N RECIPE [key=value ...]
 """
@@ -18,7 +21,7 @@ def main() -> int:
     def save_then_die(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         result = real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         if checkpoint_dir.endswith(f"step_{kill_step:06d}"):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         return result
 
     dist_checkpointing.save = save_then_die

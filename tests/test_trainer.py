@@ -31,9 +31,11 @@ VARYING = ("time", "time/", "throughput/")
 
 
 def _run(args: list[str], *, launcher: list[str] | None = None, timeout: int = 900):
+    """Run a job in its own session (process group), so that a kill reaches all its processes."""
     cmd = (launcher or [sys.executable]) + args
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True)
 
 
 def _train(run_dir: Path, *overrides: str, resume: bool = False):
