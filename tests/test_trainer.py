@@ -111,6 +111,9 @@ def test_checkpoint_and_hf_export(full_run):
 
     assert plot_main([str(full_run)]) in (0, None)
     assert (full_run / "dynamics.png").stat().st_size > 10_000
+    from benchmarks.step_breakdown import main as breakdown_main
+
+    assert breakdown_main([str(full_run)]) == 0
 
 
 def test_killed_mid_save_then_resumed_equals_uninterrupted(full_run, tmp_path):
