@@ -28,7 +28,8 @@ def main(argv=None) -> int:
         print(f"error: no steps after skipping {args.skip} in {args.run}", file=sys.stderr)
         return 2
     steps = len(records)
-    total = sum(r["time/step"] for r in records) / steps
+    # A line's time/checkpoint is the save after the previous step (logged before saving).
+    total = sum(r["time/step"] + r.get("time/checkpoint", 0.0) for r in records) / steps
     print(f"{steps} steps, {total:.3f} s/step on average\n")
     print("| phase | s/step | share |")
     print("| --- | --- | --- |")

@@ -62,7 +62,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
         logger.truncate_after(state.step)
         if state.step:  # resumed: the engine starts from the initial weights
             _refit(models, engine)
-        bar = components.progress_bar(cfg, state.step, enabled=rank0)
+        bar, save_time = components.progress_bar(cfg, state.step, enabled=rank0), {}
         for step in range(state.step + 1, cfg.train.steps + 1):
             timer = _PhaseTimer()
             with timer("rollout"):
@@ -106,18 +106,22 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 _refit(models, engine)
             state.step, state.prompts_consumed = step, state.prompts_consumed + cfg.train.rollout_batch_prompts
 
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps:
-                with timer("checkpoint"):
-                    save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                                    hf_config=hf_config, padded_vocab_size=components.padded_vocab(models),
-                                    dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
-
+            # Logged before the checkpoint: a crash after the save cannot lose this step's line
+            # (a resumed run drops lines past its checkpoint). The save's time goes to the next line.
             metrics = {**rollout_metrics(batch, group), **adv_stats.as_dict(), **mismatch,
                        **components.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                        "train/skipped_updates_total": float(state.skipped_updates),
-                       **timer.metrics(batch, trained_tokens, dp_size)}
+                       **timer.metrics(batch, trained_tokens, dp_size), **save_time}
             logger.log(step, metrics)
             components.advance(bar, metrics)
+
+            save_time = {}
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps:
+                begin = time.perf_counter()
+                save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
+                                hf_config=hf_config, padded_vocab_size=components.padded_vocab(models),
+                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
+                save_time = {"time/checkpoint": time.perf_counter() - begin}
 
         if cfg.checkpoint.export_hf and rank0:
             components.export_final(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",

@@ -124,12 +124,12 @@ def test_killed_mid_save_then_resumed_equals_uninterrupted(full_run, tmp_path):
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_000002"
     assert (checkpoints / ".incomplete-step_000004").is_dir()  # the torn save, never read
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]  # logged before saving
 
     resumed = _train(run_dir, "train.steps=4", "checkpoint.save_every=2", resume=True)
     _check(resumed)
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]  # step 3 of the killed run replaced
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # steps 3-4 of the killed run replaced
     reference = read_metrics(full_run)[:4]
     for got, want in zip(records, reference):
         _assert_same_metrics(got, want)
