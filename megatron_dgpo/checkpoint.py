@@ -68,11 +68,10 @@ def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    chunks = [_unwrap(m) for m in models]
-    if len(chunks) == 1:
-        model_sd = chunks[0].sharded_state_dict()
-    else:
-        model_sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    from megatron_dgpo.convert.loading import model_sharded_state_dict
+    from megatron_dgpo.model import unwrap_model
+
+    model_sd = model_sharded_state_dict([unwrap_model(m) for m in models])
     state = dict(model_sd)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     # One RNG state per (PP, TP) rank, replicated over DP (as Megatron's training loop does).
@@ -147,7 +146,9 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
     if not same_layout:
         sharded.pop("rng_state")
     loaded = dist_checkpointing.load(sharded, str(path))
-    chunks = [_unwrap(m) for m in models]
+    from megatron_dgpo.model import unwrap_model
+
+    chunks = [unwrap_model(m) for m in models]
     if len(chunks) == 1:
         chunks[0].load_state_dict({k: v for k, v in loaded.items()
                                    if k not in ("optimizer", "rng_state")}, strict=True)
@@ -163,12 +164,6 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return TrainerState(**saved)
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -93,10 +93,9 @@ def count_parameters(hf_dir: Path) -> float:
 
 
 def padded_vocab(models: list) -> int:
-    chunk = models[0]
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return int(chunk.vocab_size)
+    from megatron_dgpo.model import unwrap_model
+
+    return int(unwrap_model(models[0]).vocab_size)
 
 
 # --------------------------------------------------------------------------------- rank 0 only

@@ -214,6 +214,14 @@ def transformer_config_from_hf(hf_config: Any, **overrides):
     return TransformerConfig(**kwargs), spec
 
 
+def unwrap_model(model):
+    """The ``GPTModel`` inside Megatron's wrappers (``DistributedDataParallel``,
+    ``Float16Module``): every wrapper keeps what it wraps in ``.module``; GPTModel has none."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def use_transformer_engine() -> bool:
     """True when Transformer-Engine is importable and a GPU is present."""
     if not torch.cuda.is_available():

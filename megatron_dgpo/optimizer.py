@@ -14,6 +14,8 @@ catch it).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -90,7 +92,7 @@ def step_if_finite(optimizer, models: list, loss: float) -> tuple[bool, float]:
     Returns (stepped, grad_norm before clipping; NaN when skipped). ``loss`` is the mini-batch
     loss every rank agrees on (``train_step`` returns it reduced).
     """
-    finite = gradients_finite(models) and bool(torch.isfinite(torch.tensor(loss)))
+    finite = gradients_finite(models) and math.isfinite(loss)
     if not finite:
         optimizer.zero_grad()
         for model in models:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_dgpo.config import ConfigError, load_config
+from megatron_dgpo.config import load_config
 from megatron_dgpo.losses import METHODS, LossHyperparams
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.telemetry import LoggingConfig
@@ -242,9 +242,4 @@ class RunConfig:
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """``RunConfig`` from a recipe YAML and dotted ``key=value`` overrides (errors name the key)."""
-    try:
-        return load_config(RunConfig, path, overrides)
-    except ConfigError:
-        raise
-    except ValueError as exc:  # a section's own validation, raised outside from_dict
-        raise ConfigError(str(exc)) from None
+    return load_config(RunConfig, path, overrides)  # sections' own checks become ConfigError

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dgpo.losses import merge_metrics, policy_loss, reduce_metrics, summarize_metrics
-from megatron_dgpo.model import use_transformer_engine
+from megatron_dgpo.model import unwrap_model, use_transformer_engine
 from megatron_dgpo.packing import block_causal_mask
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
 
@@ -176,12 +176,6 @@ def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_red
                                     disable_bucketing=i > 0) for i, m in enumerate(models)]
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _attention_mask(mb: MicroBatch) -> Tensor:
     """[B or 1, 1, S, S] bool, True = masked: causal, block-diagonal within segments."""
     if mb.attention_mask is not None:
@@ -219,7 +213,7 @@ def _positions(mb: MicroBatch) -> Tensor:
 
 
 def _device(models) -> torch.device:
-    return next(_unwrap(models[0]).parameters()).device
+    return next(unwrap_model(models[0]).parameters()).device
 
 
 def _pp_info():
@@ -291,7 +285,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
     """
     from megatron.core.distributed import finalize_model_grads
 
-    config = _unwrap(models[0]).config
+    config = unwrap_model(models[0]).config
     if not config.calculate_per_token_loss:
         raise ValueError("the model config must have calculate_per_token_loss=True (the train "
                          "step's 1/N normalisation relies on it); build it with "
@@ -300,7 +294,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         raise TypeError("train_step needs models wrapped by train_step.wrap_ddp")
     for i, mb in enumerate(micro_batches):
         _check_micro_batch(mb, i, need_loss_inputs=True)
-    vocab_size = vocab_size or _unwrap(models[0]).hf_spec.vocab_size
+    vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
     device = _device(models)
 
     local_tokens = sum(int(mb.loss_mask.bool().sum()) for mb in micro_batches)
@@ -372,7 +366,7 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
     ``all_stages=False`` (then other stages get None). Models may be DDP-wrapped or not.
     """
     if vocab_size is None:
-        vocab_size = _unwrap(models[0]).hf_spec.vocab_size
+        vocab_size = unwrap_model(models[0]).hf_spec.vocab_size
     outputs: list[tuple[Tensor, Tensor]] = []
 
     def loss_fn(mb: MicroBatch, logits: Tensor):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_dgpo.convert.families import Family, ParamMap, family_for, megatron_param_key
 from megatron_dgpo.convert.safetensors_io import (LazyHFReader, TensorBlocks, copy_side_files,
                                                   read_hf_config, write_hf_checkpoint)
+from megatron_dgpo.model import unwrap_model
 from megatron_dgpo.convert.transforms import (Dims, hf_from_megatron, hf_shapes, megatron_box,
                                               megatron_shape, tp_shard_boxes, tp_unshard)
 
@@ -208,7 +209,9 @@ def _split_large(sharded: dict, max_bytes: int) -> dict:
     return out
 
 
-def _sharded_state_dict(chunks) -> dict:
+def model_sharded_state_dict(chunks) -> dict:
+    """The model's sharded state dict in the layout every checkpoint of this project uses:
+    one chunk's keys at the top level, or ``model0``, ``model1``, ... under VPP."""
     if len(chunks) == 1:
         return chunks[0].sharded_state_dict()
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
@@ -241,7 +244,7 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
         if dist.get_rank() == 0:
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(_split_large(_sharded_state_dict(chunks), _CHUNK_BYTES), out_dir,
+        dist_checkpointing.save(_split_large(model_sharded_state_dict(chunks), _CHUNK_BYTES), out_dir,
                                 sharded_strategy=_streaming_save_strategy(
                                     source, progress and dist.get_rank() == 0))
         if dist.get_rank() == 0:
@@ -469,12 +472,6 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None
 
 # ----------------------------------------------------------------------------- live models
 
-def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _model_hf_config(chunk) -> dict:
     """The family-relevant HF fields of a model built by ``megatron_dgpo.model.build_model``."""
     spec, config = chunk.hf_spec, chunk.config
@@ -506,7 +503,7 @@ def load_hf_into(chunks, hf_dir: str) -> None:
     """Copy an HF checkpoint into this rank's model chunks (its TP shards, its PP layers)."""
     from megatron.core import parallel_state
 
-    chunks = [_unwrap(c) for c in chunks]
+    chunks = [unwrap_model(c) for c in chunks]
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     padded = chunks[0].vocab_size
@@ -545,7 +542,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, **overrides) ->
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
         meta = read_metadata(path)
         chunks = build_model(meta["hf_config"], dtype=dtype, **overrides)
-        state = dist_checkpointing.load(_sharded_state_dict(chunks), path)
+        state = dist_checkpointing.load(model_sharded_state_dict(chunks), path)
         if len(chunks) == 1:
             state = {"model0": state}
         for i, chunk in enumerate(chunks):
@@ -577,7 +574,7 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
 
     if consumer not in ("all", "first"):
         raise ValueError(f"consumer must be 'all' or 'first', got {consumer!r}")
-    chunks = [_unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple))
+    chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple))
                                    else [model_chunks])]
     cfg = hf_config or _model_hf_config(chunks[0])
     family = family_for(cfg)
