@@ -58,16 +58,17 @@ def _synthesize(hf_dir: str, layers: int) -> tuple[int, int]:
     import torch
 
     from megatron_dgpo.convert import ShardedSafetensorsWriter, copy_side_files
-    from megatron_dgpo.convert.families import QWEN2
     from megatron_dgpo.convert.loading import iter_params
-    from megatron_dgpo.convert.transforms import Dims, hf_shapes
+    from megatron_dgpo.convert.transforms import hf_shapes
+    from megatron_dgpo.models import describe
 
     cfg = dict(SHAPES, num_hidden_layers=layers)
-    dims = Dims.from_hf_config(cfg, cfg["vocab_size"])
+    description = describe(cfg, padded_vocab=cfg["vocab_size"])
+    dims = description.dims
     writer = ShardedSafetensorsWriter(hf_dir)
     generator = torch.Generator().manual_seed(0)
     largest = 0
-    for pm, layer in iter_params(QWEN2.active(cfg), layers):
+    for pm, layer in iter_params(description.family.active(cfg), layers):
         for name, shape in zip(pm.hf_names(layer), hf_shapes(pm, dims)):
             tensor = torch.randn(shape, generator=generator).to(torch.bfloat16)
             largest = max(largest, tensor.numel() * 2)

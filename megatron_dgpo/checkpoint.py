@@ -68,7 +68,7 @@ def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_dgpo.convert.loading import model_sharded_state_dict
+    from megatron_dgpo.convert import model_sharded_state_dict
     from megatron_dgpo.model import unwrap_model
 
     model_sd = model_sharded_state_dict([unwrap_model(m) for m in models])

@@ -61,7 +61,7 @@ def policy(config: ModelConfig, hf_dir: Path, optimizer: OptimizerConfig):
     """Collective: this rank's DDP-wrapped model chunks loaded from ``hf_dir``, the HF config
     and the parameter dtype. bf16 models get Megatron's Float16Module (fp32 logits out)."""
     from megatron_dgpo.convert.safetensors_io import read_hf_config
-    from megatron_dgpo.model import load_model
+    from megatron_dgpo.convert import load_model
     from megatron_dgpo.optimizer import use_distributed_optimizer
     from megatron_dgpo.train_step import wrap_ddp
 

@@ -1,17 +1,13 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config: Qwen2 (DeepSeek-R1-Distill-Qwen) and Llama.
+"""Megatron-Core ``GPTModel`` from a Hugging Face config of a registered family (Qwen2, Llama).
 
-Architecture mapping (HF field -> Megatron ``TransformerConfig`` / ``GPTModel`` argument):
+The HF config is read once, by ``megatron_dgpo.models.describe`` (family quirks, dimensions,
+RoPE; see ``megatron_dgpo/models``). This module maps that description onto Megatron:
 
-    num_hidden_layers -> num_layers           hidden_size -> hidden_size
-    num_attention_heads -> num_attention_heads num_key_value_heads -> num_query_groups (GQA)
-    head_dim (or hidden/heads) -> kv_channels  intermediate_size -> ffn_hidden_size
-    rms_norm_eps -> layernorm_epsilon (normalization="RMSNorm")
-    hidden_act "silu" -> gated_linear_unit=True, activation_func=F.silu (SwiGLU)
-    Qwen2: QKV bias, no other bias; Llama: attention_bias -> add_qkv_bias, mlp_bias must be False
-    rope theta (``rope_theta`` or ``rope_parameters["rope_theta"]``) -> rotary_base
-    rope scaling: none/"default", or Llama-3 ("llama3") with Megatron's fixed constants
-        (low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192);
-        anything else is refused
+    dims.layers / hidden / heads / kv_heads / head_dim / ffn -> num_layers / hidden_size /
+        num_attention_heads / num_query_groups (GQA) / kv_channels / ffn_hidden_size
+    norm_eps -> layernorm_epsilon (normalization="RMSNorm"); SwiGLU: gated_linear_unit=True,
+        activation_func=F.silu; qkv_bias -> add_qkv_bias, no other bias
+    rope.theta / scaling / factor -> rotary_base / rope_scaling / rope_scaling_factor
     tie_word_embeddings -> share_embeddings_and_output_weights
     vocab_size -> padded_vocab_size(vocab_size, TP) (rows past vocab_size are padding)
 
@@ -33,45 +29,13 @@ in sync by summing their gradients over the embedding group).
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHITECTURES = {
-    "qwen2": ("Qwen2ForCausalLM",),
-    "llama": ("LlamaForCausalLM",),
-}
-_VOCAB_DIVISOR = 128  # Megatron's default --make-vocab-size-divisible-by
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = _VOCAB_DIVISOR) -> int:
-    """Smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size`` (Megatron's rule)."""
-    if vocab_size < 1 or tp < 1 or divisible_by < 1:
-        raise ValueError(f"vocab_size, tp and divisible_by must be positive, got "
-                         f"{vocab_size}, {tp}, {divisible_by}")
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def hf_config_dict(hf_config: Any) -> dict:
-    """A plain dict from a transformers ``PretrainedConfig``, a dict, a config.json or its folder."""
-    if isinstance(hf_config, dict):
-        return dict(hf_config)
-    if isinstance(hf_config, (str, os.PathLike)):
-        path = os.fspath(hf_config)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    if hasattr(hf_config, "to_dict"):
-        return hf_config.to_dict()
-    raise TypeError(f"hf_config must be a PretrainedConfig, a dict or a path to config.json, got "
-                    f"{type(hf_config).__name__}")
+from megatron_dgpo.models import describe, hf_config_dict, padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -87,51 +51,13 @@ class ModelSpec:
     rope_scaling: bool
     rope_scaling_factor: float
     tie_word_embeddings: bool
-
-
-def _family(cfg: dict) -> str:
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if model_type in SUPPORTED_ARCHITECTURES:
-        return model_type
-    for family, names in SUPPORTED_ARCHITECTURES.items():
-        if any(a in names for a in archs):
-            return family
-    supported = ", ".join(f"{k} ({', '.join(v)})" for k, v in SUPPORTED_ARCHITECTURES.items())
-    raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures="
-                     f"{archs!r}; supported model_type (architectures): {supported}")
-
-
-def _rope(cfg: dict) -> tuple[float, bool, float]:
-    """(theta, llama3 scaling on/off, factor) from legacy or transformers>=5 rope fields."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or params.get("type") or scaling.get("rope_type") \
-        or scaling.get("type") or "default"
-    fields = {**scaling, **params}
-    if rope_type == "default":
-        return float(theta), False, 1.0
-    if rope_type == "llama3":
-        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
-        for key, value in fixed.items():
-            if key in fields and float(fields[key]) != value:
-                raise ValueError(f"rope_scaling.{key}={fields[key]!r} is not supported: "
-                                 f"Megatron-Core's llama3 RoPE scaling fixes it to {value}")
-        return float(theta), True, float(fields.get("factor", 8.0))
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: supported are 'default' "
-                     f"(none) and 'llama3'")
-
-
-def _require(cfg: dict, key: str):
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"HF config lacks the field {key!r}")
-    return cfg[key]
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+    """The HF config the model was built from (the converter's export reads its family map)."""
 
 
 def transformer_config_from_hf(hf_config: Any, **overrides):
-    """``(TransformerConfig, ModelSpec)`` for a Qwen2 or Llama HF config.
+    """``(TransformerConfig, ModelSpec)`` for an HF config of a family in
+    ``megatron_dgpo.models.FAMILIES`` (dimensions and quirks come from ``models.describe``).
 
     Defaults chosen for RL training: no dropout, ``calculate_per_token_loss=True`` (the train
     step's normalisation relies on it), ``variable_seq_lengths=True`` (micro-batches of unequal
@@ -143,18 +69,8 @@ def transformer_config_from_hf(hf_config: Any, **overrides):
     from megatron.core.transformer import TransformerConfig
 
     cfg = hf_config_dict(hf_config)
-    family = _family(cfg)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=True is not supported")
-    if family == "llama" and cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
-    head_dim = cfg.get("head_dim") or hidden // heads
-    qkv_bias = True if family == "qwen2" else bool(cfg.get("attention_bias", False))
-    theta, rope_scaling, rope_factor = _rope(cfg)
+    desc = describe(cfg)
+    dims = desc.dims
     gpu = torch.cuda.is_available()
 
     tp = overrides.get("tensor_model_parallel_size")
@@ -167,21 +83,21 @@ def transformer_config_from_hf(hf_config: Any, **overrides):
 
     dtype = overrides.get("params_dtype", torch.float32)
     kwargs = dict(
-        num_layers=int(_require(cfg, "num_hidden_layers")),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
-        kv_channels=int(head_dim),
-        ffn_hidden_size=int(_require(cfg, "intermediate_size")),
+        num_layers=dims.layers,
+        hidden_size=dims.hidden,
+        num_attention_heads=dims.heads,
+        num_query_groups=dims.kv_heads,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.ffn,
         normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        layernorm_epsilon=desc.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
+        add_qkv_bias=desc.qkv_bias,
         hidden_dropout=0.0,
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        attention_dropout=desc.attention_dropout,
+        init_method_std=desc.init_std,
         tensor_model_parallel_size=tp or 1,
         pipeline_model_parallel_size=pp or 1,
         virtual_pipeline_model_parallel_size=vpp,
@@ -203,13 +119,14 @@ def transformer_config_from_hf(hf_config: Any, **overrides):
     )
     kwargs.update(overrides)
     spec = ModelSpec(
-        family=family,
-        vocab_size=int(_require(cfg, "vocab_size")),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        rotary_base=theta,
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=rope_factor,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        family=desc.family.name,
+        vocab_size=dims.vocab,
+        max_position_embeddings=desc.max_position_embeddings,
+        rotary_base=desc.rope.theta,
+        rope_scaling=desc.rope.scaling,
+        rope_scaling_factor=desc.rope.factor,
+        tie_word_embeddings=desc.tie_word_embeddings,
+        hf_config=cfg,
     )
     return TransformerConfig(**kwargs), spec
 
@@ -227,7 +144,7 @@ def use_transformer_engine() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine
     except ImportError:
         return False
     return True
@@ -297,11 +214,3 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         chunks.append(model)
     return chunks
 
-
-def load_model(path, **kwargs) -> list:
-    """Build the model on the current parallel state and load an HF directory or a converted
-    (torch_dist) checkpoint into it, resharding to the current TP/PP/VPP; see
-    ``megatron_dgpo.convert.loading.load_model`` for the arguments."""
-    from megatron_dgpo.convert.loading import load_model as _load  # convert imports this module
-
-    return _load(path, **kwargs)

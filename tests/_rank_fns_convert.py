@@ -88,7 +88,7 @@ def tp2pp2_fn(rank, world_size, dirs: dict):
 
 def tp2_fn(rank, world_size, dirs: dict, tokens):
     """TP2 (PP1): logits from the TP2xPP2 checkpoints and from the TP2 x PP1 one."""
-    from megatron_dgpo.model import load_model  # the public entry point
+    from megatron_dgpo.convert import load_model  # the public entry point
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=2))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_dgpo.model import (_rope, hf_config_dict, padded_vocab_size,
-                                 transformer_config_from_hf)
+from megatron_dgpo.model import hf_config_dict, padded_vocab_size, transformer_config_from_hf
+from megatron_dgpo.models.describe import rope_of
 from tests._rank_fns_model import TINY_QWEN2, parity_fn
 from tests.distributed import run_ranks
 
@@ -41,9 +41,9 @@ def test_config_mapping_and_refusals():
     assert not tc.add_qkv_bias
 
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
-        _rope({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        rope_of({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="high_freq_factor"):
-        _rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}})
+        rope_of({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}})
     with pytest.raises(ValueError, match="supported model_type.*qwen2.*llama"):
         transformer_config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="hidden_size"):

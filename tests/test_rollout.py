@@ -111,7 +111,7 @@ def test_refit_from_dir_and_from_stream(vllm_engine, prompts, tiny_model_dir, ti
 def test_refit_from_a_live_megatron_model(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
     """The trainer's refit path: a Megatron model (loaded from B) -> export_hf_weights -> vLLM."""
     from megatron_dgpo.convert import export_hf_weights, single_process_group
-    from megatron_dgpo.model import load_model
+    from megatron_dgpo.convert import load_model
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     model_a, model_b = _hf_model(tiny_model_dir), _hf_model(tiny_model_dir_b)

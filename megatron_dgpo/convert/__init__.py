@@ -11,15 +11,15 @@ Public API:
                                                                   readable by the above
 """
 
-from megatron_dgpo.convert.families import FAMILIES, family_for, supported_architectures
 from megatron_dgpo.convert.loading import (export_from_checkpoint, export_hf_weights,
                                            hf_to_megatron, load_hf_into, load_model,
-                                           megatron_to_hf, read_metadata, single_process_group,
-                                           write_metadata)
+                                           megatron_to_hf, model_sharded_state_dict,
+                                           read_metadata, single_process_group, write_metadata)
 from megatron_dgpo.convert.safetensors_io import (LazyHFReader, ShardedSafetensorsWriter,
                                                   copy_side_files, write_hf_checkpoint)
+from megatron_dgpo.models import FAMILIES, family_for, supported_architectures
 
 __all__ = ["FAMILIES", "family_for", "supported_architectures", "export_from_checkpoint",
            "export_hf_weights", "hf_to_megatron", "load_hf_into", "load_model", "megatron_to_hf",
-           "read_metadata", "single_process_group", "write_metadata", "LazyHFReader", "ShardedSafetensorsWriter",
+           "model_sharded_state_dict", "read_metadata", "single_process_group", "write_metadata", "LazyHFReader", "ShardedSafetensorsWriter",
            "copy_side_files", "write_hf_checkpoint"]

@@ -27,12 +27,13 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.convert.families import Family, ParamMap, family_for, megatron_param_key
 from megatron_dgpo.convert.safetensors_io import (LazyHFReader, TensorBlocks, copy_side_files,
                                                   read_hf_config, write_hf_checkpoint)
-from megatron_dgpo.model import unwrap_model
-from megatron_dgpo.convert.transforms import (Dims, hf_from_megatron, hf_shapes, megatron_box,
+from megatron_dgpo.convert.transforms import (hf_from_megatron, hf_shapes, megatron_box,
                                               megatron_shape, tp_shard_boxes, tp_unshard)
+from megatron_dgpo.model import unwrap_model
+from megatron_dgpo.models import (Family, ParamMap, describe, family_for, hf_config_dict,
+                                   megatron_param_key)
 
 METADATA_FILE = "dgpo_convert.json"
 ASSETS_DIR = "hf_assets"
@@ -47,14 +48,11 @@ class HFSource:
     """An HF checkpoint folder seen as global Megatron tensors (validated against its config)."""
 
     def __init__(self, hf_dir: str, padded_vocab: int | None = None, tp: int = 1):
-        from megatron_dgpo.model import padded_vocab_size
-
         self.hf_dir = hf_dir
         self.config = read_hf_config(hf_dir)
-        self.family = family_for(self.config)
+        description = describe(self.config, tp=tp, padded_vocab=padded_vocab)
+        self.family, self.dims = description.family, description.dims
         self.reader = LazyHFReader(hf_dir)
-        vocab = int(self.config["vocab_size"])
-        self.dims = Dims.from_hf_config(self.config, padded_vocab or padded_vocab_size(vocab, tp))
         self.params = self.family.active(self.config)
         self._validate()
 
@@ -65,7 +63,7 @@ class HFSource:
 
         transformer_config_from_hf(self.config)  # the builder's refusals (RoPE scaling, act, ...)
         consumed = set()
-        for pm, layer in iter_params(self.params, self.dims.num_layers):
+        for pm, layer in iter_params(self.params, self.dims.layers):
             for name, expected in zip(pm.hf_names(layer), hf_shapes(pm, self.dims)):
                 consumed.add(name)
                 if name not in self.reader:
@@ -317,8 +315,6 @@ def write_metadata(ckpt_dir: str, hf_config, padded_vocab_size: int, dtype: torc
     """Write ``dgpo_convert.json`` (+ tokenizer / generation-config files from ``hf_dir`` under
     ``hf_assets/``) next to a torch_dist model checkpoint, e.g. one saved by training, so that
     ``megatron_to_hf`` and ``load_model`` can read it. Call on one rank."""
-    from megatron_dgpo.model import hf_config_dict
-
     cfg = hf_config_dict(hf_config)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": family_for(cfg).name,
             "vocab_size": int(cfg["vocab_size"]), "padded_vocab_size": int(padded_vocab_size),
@@ -409,15 +405,15 @@ def export_from_checkpoint(ckpt_dir: str, *, row_blocks: bool = False
     meta = read_metadata(ckpt_dir)
     cfg = meta["hf_config"]
     family = family_for(cfg)
-    dims = Dims.from_hf_config(cfg, meta["padded_vocab_size"])
+    dims = describe(cfg, padded_vocab=meta["padded_vocab_size"]).dims
     reader = FileSystemReader(ckpt_dir)
     stored = reader.read_metadata().state_dict_metadata
-    for pm, layer in iter_params(family.active(cfg), dims.num_layers):
+    for pm, layer in iter_params(family.active(cfg), dims.layers):
         key = pm.key()
         if key not in stored or not isinstance(stored[key], TensorStorageMetadata):
             raise KeyError(f"tensor {key!r} is missing from the checkpoint {ckpt_dir}")
         shape = megatron_shape(pm, dims)
-        full = ((dims.num_layers,) if pm.per_layer else ()) + shape
+        full = ((dims.layers,) if pm.per_layer else ()) + shape
         if tuple(stored[key].size) != full:
             raise ValueError(f"shape mismatch for tensor {key!r}: the checkpoint has "
                              f"{tuple(stored[key].size)}, its config implies {full}")
@@ -471,17 +467,6 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None
 
 
 # ----------------------------------------------------------------------------- live models
-
-def _model_hf_config(chunk) -> dict:
-    """The family-relevant HF fields of a model built by ``megatron_dgpo.model.build_model``."""
-    spec, config = chunk.hf_spec, chunk.config
-    return {"model_type": spec.family, "hidden_size": config.hidden_size,
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
-            "intermediate_size": config.ffn_hidden_size, "vocab_size": spec.vocab_size,
-            "num_hidden_layers": config.num_layers, "tie_word_embeddings": spec.tie_word_embeddings,
-            "attention_bias": bool(config.add_qkv_bias)}
-
 
 def _local_params(chunks, family: Family, tied: bool):
     """{(checkpoint key, global layer or None): parameter} of this rank's chunks."""
@@ -576,17 +561,17 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
         raise ValueError(f"consumer must be 'all' or 'first', got {consumer!r}")
     chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple))
                                    else [model_chunks])]
-    cfg = hf_config or _model_hf_config(chunks[0])
-    family = family_for(cfg)
+    cfg = hf_config or chunks[0].hf_spec.hf_config
+    description = describe(cfg, padded_vocab=chunks[0].vocab_size)
+    family, dims = description.family, description.dims
     tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     tp_size = dist.get_world_size(tp_group)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     pp_ranks = dist.get_process_group_ranks(pp_group)
     first = parallel_state.get_tensor_model_parallel_rank() == 0 and pp_rank == 0
-    dims = Dims.from_hf_config(cfg, chunks[0].vocab_size)
     params = family.active(cfg)
-    local = _local_params(chunks, family, bool(cfg.get("tie_word_embeddings")))
+    local = _local_params(chunks, family, description.tie_word_embeddings)
     owned = [None] * pp_size
     mine = sorted((key, str(param.dtype)) for key, (_, param) in local.items())
     dist.all_gather_object(owned, mine, group=pp_group)
@@ -596,7 +581,7 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
             owner.setdefault(tuple(key), stage)
             dtypes[tuple(key)] = getattr(torch, dtype_name.replace("torch.", ""))
     device = next(iter(local.values()))[1].device
-    for pm, layer in iter_params(params, dims.num_layers):
+    for pm, layer in iter_params(params, dims.layers):
         src = owner.get((pm.key(), layer))
         if src is None:
             raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")

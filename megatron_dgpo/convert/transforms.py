@@ -14,50 +14,22 @@ Layouts (global Megatron tensor, for one layer):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from megatron_dgpo.convert.families import ParamMap
+from megatron_dgpo.models import ModelDims, ParamMap
 
 Box = tuple[tuple[int, int], ...]
 Reader = Callable[[str, Box], torch.Tensor]
 """``read(hf_name, box)``: the sub-tensor ``hf[box]`` of an HF tensor."""
 
 
-@dataclass(frozen=True)
-class Dims:
-    """Model dimensions from the HF config, plus the padded vocabulary."""
-
-    hidden: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    padded_vocab: int
-    num_layers: int
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, padded_vocab: int) -> "Dims":
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        return cls(hidden=hidden, heads=heads, groups=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or hidden // heads),
-                   ffn=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]),
-                   padded_vocab=int(padded_vocab), num_layers=int(cfg["num_hidden_layers"]))
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.heads // self.groups
-
-
-def hf_shapes(pm: ParamMap, dims: Dims) -> tuple[tuple[int, ...], ...]:
+def hf_shapes(pm: ParamMap, dims: ModelDims) -> tuple[tuple[int, ...], ...]:
     """Expected shape of each HF tensor of ``pm`` (used to refuse mismatched checkpoints)."""
     h, d = dims.hidden, dims.head_dim
     if pm.kind == "qkv":
-        rows = (dims.heads * d, dims.groups * d, dims.groups * d)
+        rows = (dims.heads * d, dims.kv_heads * d, dims.kv_heads * d)
         return tuple((r, h) if pm.megatron.endswith("weight") else (r,) for r in rows)
     if pm.kind == "gate_up":
         return ((dims.ffn, h), (dims.ffn, h))
@@ -66,14 +38,14 @@ def hf_shapes(pm: ParamMap, dims: Dims) -> tuple[tuple[int, ...], ...]:
     return (megatron_shape(pm, dims),)
 
 
-def megatron_shape(pm: ParamMap, dims: Dims) -> tuple[int, ...]:
+def megatron_shape(pm: ParamMap, dims: ModelDims) -> tuple[int, ...]:
     """Global Megatron shape of one tensor (one layer: without the checkpoint's layer axis)."""
     h, d = dims.hidden, dims.head_dim
     name = pm.megatron
     if pm.kind == "vocab":
         return (dims.padded_vocab, h)
     if pm.kind == "qkv":
-        rows = (dims.heads + 2 * dims.groups) * d
+        rows = (dims.heads + 2 * dims.kv_heads) * d
         return (rows, h) if name.endswith("weight") else (rows,)
     if pm.kind == "gate_up":
         return (2 * dims.ffn, h)
@@ -88,7 +60,7 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, n) for n in shape)
 
 
-def megatron_box(pm: ParamMap, layer: int | None, box: Box, read: Reader, dims: Dims) -> torch.Tensor:
+def megatron_box(pm: ParamMap, layer: int | None, box: Box, read: Reader, dims: ModelDims) -> torch.Tensor:
     """``M[box]`` where M is the global Megatron tensor of ``pm`` (at ``layer``), from HF tensors.
 
     Only the HF rows that intersect the box are read. Returns a new contiguous tensor in the
@@ -134,7 +106,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def hf_from_megatron(pm: ParamMap, layer: int | None, tensor: torch.Tensor,
-                     dims: Dims) -> list[tuple[str, torch.Tensor]]:
+                     dims: ModelDims) -> list[tuple[str, torch.Tensor]]:
     """The HF ``(name, tensor)`` pairs of one global Megatron tensor (inverse of ``megatron_box``).
 
     Returned tensors are views of ``tensor`` where the layout allows (rows of it).
@@ -148,12 +120,12 @@ def hf_from_megatron(pm: ParamMap, layer: int | None, tensor: torch.Tensor,
         return [(names[0], tensor[: dims.ffn]), (names[1], tensor[dims.ffn:])]
     if pm.kind == "qkv":
         d, hpg = dims.head_dim, dims.heads_per_group
-        grouped = tensor.reshape((dims.groups, (hpg + 2) * d) + tuple(tensor.shape[1:]))
+        grouped = tensor.reshape((dims.kv_heads, (hpg + 2) * d) + tuple(tensor.shape[1:]))
         q, k, v = torch.split(grouped, [hpg * d, d, d], dim=1)
         tail = tuple(tensor.shape[1:])
         return [(names[0], q.reshape((dims.heads * d,) + tail)),
-                (names[1], k.reshape((dims.groups * d,) + tail)),
-                (names[2], v.reshape((dims.groups * d,) + tail))]
+                (names[1], k.reshape((dims.kv_heads * d,) + tail)),
+                (names[2], v.reshape((dims.kv_heads * d,) + tail))]
     raise ValueError(f"unknown transform kind {pm.kind!r} for {pm.megatron}")
 
 

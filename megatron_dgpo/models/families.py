@@ -1,4 +1,10 @@
-"""Declarative HF <-> Megatron-Core name maps, one per model family.
+"""The model-family registry: one ``Family`` entry per supported HF decoder family.
+
+A family says which HF architectures it covers, its quirks (QKV bias, fields the Megatron
+builder cannot honour, the norm-epsilon field, tying default) and its declarative
+HF <-> Megatron-Core tensor name map. The builder (``megatron_dgpo.model``), the converter
+(``megatron_dgpo.convert``) and the planner (``megatron_dgpo.plan``) all read it through
+``megatron_dgpo.models.describe``; adding a family is one entry in ``FAMILIES`` below.
 
 Each ``ParamMap`` ties one Megatron tensor to the HF tensor(s) it is made of and names the
 transform between them (``transforms.py``). Names on the Megatron side are the
@@ -58,9 +64,26 @@ class ParamMap:
 
 @dataclass(frozen=True)
 class Family:
+    """One HF decoder family, its quirks and its tensor map."""
+
     name: str
+    """HF ``model_type``."""
     architectures: tuple[str, ...]
-    params: tuple[ParamMap, ...]
+    """HF ``architectures`` entries that mean this family."""
+    qkv_bias: Callable[[dict], bool]
+    """Whether the Q, K, V projections carry biases, for an HF config."""
+    refused_fields: tuple[str, ...] = ()
+    """HF fields the builder cannot honour: a truthy value is refused (e.g. Llama's mlp_bias)."""
+    norm_eps_field: str = "rms_norm_eps"
+    """HF field of the RMSNorm epsilon."""
+    tied_by_default: bool = False
+    """``tie_word_embeddings`` when the config omits it (the family's config class default)."""
+    params: tuple[ParamMap, ...] = ()
+    """HF <-> Megatron tensor map; empty: the Llama-style decoder (``_decoder_params``)."""
+
+    def __post_init__(self):
+        if not self.params:
+            object.__setattr__(self, "params", _decoder_params(self.qkv_bias))
 
     def active(self, cfg: dict) -> tuple[ParamMap, ...]:
         """The maps that exist for this HF config."""
@@ -72,7 +95,7 @@ def _untied(cfg: dict) -> bool:
 
 
 def _decoder_params(qkv_bias: Callable[[dict], bool]) -> tuple[ParamMap, ...]:
-    """The Llama-style decoder shared by Qwen2 and Llama; they differ in the QKV bias only."""
+    """The Llama-style decoder's tensor map (Qwen2, Llama); families differ in the QKV bias."""
     layer = "model.layers.{i}."
     attn = layer + "self_attn."
     mlp = layer + "mlp."
@@ -98,9 +121,13 @@ def _decoder_params(qkv_bias: Callable[[dict], bool]) -> tuple[ParamMap, ...]:
     )
 
 
-QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), _decoder_params(lambda cfg: True))
-LLAMA = Family("llama", ("LlamaForCausalLM",),
-               _decoder_params(lambda cfg: bool(cfg.get("attention_bias", False))))
+def _attention_bias(cfg: dict) -> bool:
+    return bool(cfg.get("attention_bias", False))
+
+
+QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=lambda cfg: True)
+LLAMA = Family("llama", ("LlamaForCausalLM",), qkv_bias=_attention_bias,
+               refused_fields=("mlp_bias",))
 FAMILIES = {f.name: f for f in (QWEN2, LLAMA)}
 
 

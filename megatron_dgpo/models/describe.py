@@ -1,0 +1,163 @@
+"""HF ``config.json`` -> one ``ModelDescription``: family, dimensions, RoPE, norm, tying.
+
+The only place that reads architecture fields of an HF config. Field mapping (HF -> here):
+
+    num_hidden_layers -> layers        hidden_size -> hidden     intermediate_size -> ffn
+    num_attention_heads -> heads       num_key_value_heads (default: heads) -> kv_heads (GQA)
+    head_dim (default: hidden / heads) -> head_dim                vocab_size -> vocab
+    padded_vocab_size(vocab, tp) -> padded_vocab (Megatron's embedding / output-layer rows)
+    rope theta (``rope_theta`` or transformers>=5 ``rope_parameters["rope_theta"]``) -> rope.theta
+    rope scaling: none/"default", or Llama-3 ("llama3") with Megatron's fixed constants
+        (low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)
+    ``family.norm_eps_field`` (rms_norm_eps) -> norm_eps; tie_word_embeddings -> tied
+    family.qkv_bias(cfg) -> qkv_bias; fields in ``family.refused_fields`` must be falsy
+
+Pure Python (no torch): the planner imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dgpo.models.families import Family, family_for
+
+VOCAB_DIVISOR = 128
+"""Megatron's default ``--make-vocab-size-divisible-by``."""
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+"""The Llama-3 RoPE-scaling constants Megatron-Core 0.16 hard-codes (only ``factor`` is free)."""
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISOR) -> int:
+    """Smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size`` (Megatron's rule)."""
+    if vocab_size < 1 or tp < 1 or divisible_by < 1:
+        raise ValueError(f"vocab_size, tp and divisible_by must be positive, got "
+                         f"{vocab_size}, {tp}, {divisible_by}")
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def hf_config_dict(hf_config: Any) -> dict:
+    """A plain dict from a transformers ``PretrainedConfig``, a dict, a config.json or its folder."""
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    if isinstance(hf_config, (str, os.PathLike)):
+        path = os.fspath(hf_config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"hf_config must be a PretrainedConfig, a dict or a path to config.json, got "
+                    f"{type(hf_config).__name__}")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Tensor dimensions of a dense decoder (Megatron names in parentheses)."""
+
+    hidden: int
+    """h (hidden_size)."""
+    layers: int
+    """L (num_layers)."""
+    heads: int
+    """a, query heads (num_attention_heads)."""
+    kv_heads: int
+    """g, KV groups (num_query_groups); g = a without GQA."""
+    head_dim: int
+    """d (kv_channels)."""
+    ffn: int
+    """f, SwiGLU width (ffn_hidden_size): fc1 is [2f, h], fc2 [h, f]."""
+    vocab: int
+    """V as the HF config states it."""
+    padded_vocab: int
+    """Rows of the embedding / output layer: ``padded_vocab_size(V, TP)`` or as stored."""
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    scaling: bool
+    """Llama-3 RoPE scaling on (Megatron's ``rope_scaling``)."""
+    factor: float
+    """Megatron's ``rope_scaling_factor`` (1.0 without scaling)."""
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Everything the builder, converter and planner need to know about one HF config."""
+
+    family: Family
+    dims: ModelDims
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    rope: Rope
+    norm_eps: float
+    max_position_embeddings: int
+    init_std: float
+    attention_dropout: float
+
+
+def _require(cfg: dict, key: str) -> int:
+    if cfg.get(key) is None:
+        raise ValueError(f"HF config lacks the field {key!r}")
+    return int(cfg[key])
+
+
+def rope_of(cfg: dict) -> Rope:
+    """RoPE from legacy (``rope_theta``, ``rope_scaling``) or transformers>=5
+    (``rope_parameters``) fields; ``ValueError`` on a scaling Megatron-Core cannot reproduce."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or scaling.get("rope_type") \
+        or scaling.get("type") or "default"
+    fields = {**scaling, **params}
+    if rope_type == "default":
+        return Rope(theta, False, 1.0)
+    if rope_type == "llama3":
+        for key, value in _LLAMA3_ROPE.items():
+            if key in fields and float(fields[key]) != value:
+                raise ValueError(f"rope_scaling.{key}={fields[key]!r} is not supported: "
+                                 f"Megatron-Core's llama3 RoPE scaling fixes it to {value}")
+        return Rope(theta, True, float(fields.get("factor", 8.0)))
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: supported are 'default' "
+                     f"(none) and 'llama3'")
+
+
+def describe(hf_config: Any, *, tp: int = 1, padded_vocab: int | None = None) -> ModelDescription:
+    """The model an HF config describes; ``ValueError`` naming the field on anything the
+    Megatron builder here cannot reproduce. ``padded_vocab`` defaults to
+    ``padded_vocab_size(vocab_size, tp)``."""
+    cfg = hf_config_dict(hf_config)
+    family = family_for(cfg)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
+    for key in ("use_sliding_window",) + family.refused_fields:
+        if cfg.get(key):
+            raise ValueError(f"{key}={cfg[key]!r} is not supported")
+    hidden = _require(cfg, "hidden_size")
+    heads = _require(cfg, "num_attention_heads")
+    vocab = _require(cfg, "vocab_size")
+    dims = ModelDims(
+        hidden=hidden, layers=_require(cfg, "num_hidden_layers"), heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        ffn=_require(cfg, "intermediate_size"), vocab=vocab,
+        padded_vocab=int(padded_vocab or padded_vocab_size(vocab, tp)))
+    return ModelDescription(
+        family=family, dims=dims, qkv_bias=family.qkv_bias(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
+        rope=rope_of(cfg), norm_eps=float(cfg.get(family.norm_eps_field, 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        init_std=float(cfg.get("initializer_range", 0.02)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)))
