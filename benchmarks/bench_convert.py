@@ -58,7 +58,7 @@ def _synthesize(hf_dir: str, layers: int) -> tuple[int, int]:
     import torch
 
     from megatron_dgpo.convert import ShardedSafetensorsWriter, copy_side_files
-    from megatron_dgpo.convert.loading import iter_params
+    from megatron_dgpo.convert.hf_source import iter_params
     from megatron_dgpo.convert.transforms import hf_shapes
     from megatron_dgpo.models import describe
 

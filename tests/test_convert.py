@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_dgpo.convert import (LazyHFReader, ShardedSafetensorsWriter, hf_to_megatron,
                                    megatron_to_hf)
-from megatron_dgpo.convert.loading import export_from_checkpoint
+from megatron_dgpo.convert import export_from_checkpoint
 from megatron_dgpo.convert.safetensors_io import TensorBlocks, iter_hf_tensors
 from tests import _rank_fns_convert as fns
 from tests.distributed import run_ranks
@@ -193,13 +195,13 @@ def test_refusals(converted, tmp_path):
 def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, monkeypatch):
     """tp=pp=1 converts in this process, here with the embedding stored as several chunks;
     Megatron's own loader reads it back; the writer's files load with safetensors itself."""
-    from megatron_dgpo.convert import (export_hf_weights, load_model, loading, single_process_group,
-                                       write_metadata)
+    from megatron_dgpo.convert import (export_hf_weights, load_model, single_process_group,
+                                       write_metadata, writing)
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     hf_dir = converted["dirs"]["qwen2_tied"][0]
     want = _hf_state(hf_dir)
-    monkeypatch.setattr(loading, "_CHUNK_BYTES", 40_000)  # embedding 384 x 128 fp32 = 196 kB
+    monkeypatch.setattr(writing, "_CHUNK_BYTES", 40_000)  # embedding 384 x 128 fp32 = 196 kB
     hf_to_megatron(hf_dir, str(tmp_path / "mg"))
     stored = [f for f in os.listdir(tmp_path / "mg") if f.endswith(".distcp")]
     assert len(stored) == 1
@@ -262,3 +264,37 @@ def test_dgpo_convert_cli_round_trip(converted, tmp_path):
     assert missing.returncode == 2
     assert "dgpo-convert: error: missing file:" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_private_api_adapter_names_package_version_and_api(monkeypatch):
+    """Every private DCP / Megatron-Core call goes through convert/_megatron_compat: a missing
+    API fails naming the package, its version and the API; an untested version warns."""
+    import importlib.metadata
+
+    from megatron_dgpo.convert import _megatron_compat as compat
+
+    mcore = importlib.metadata.version("megatron-core")
+    with pytest.raises(compat.IncompatibleDependency,
+                       match=rf"megatron-core {re.escape(mcore)} lacks "
+                             r"megatron\.core\.dist_checkpointing\.strategies\.torch\.NoSuchPlanner"):
+        compat.api("megatron-core", "megatron.core.dist_checkpointing.strategies.torch",
+                   "NoSuchPlanner")
+    assert compat.mcore_save_planner_class().__name__ == "MCoreSavePlanner"  # tested version
+    monkeypatch.setattr(compat, "_installed", lambda package: "99.1.0")
+    with pytest.warns(UserWarning, match="tested with torch 2.13, found 99.1.0"):
+        compat.check_versions.__wrapped__()
+    monkeypatch.setattr(compat, "_installed", lambda package: {"torch": "2.13.0+cpu",
+                                                              "megatron-core": "0.16.1"}[package])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.check_versions.__wrapped__()  # the tested versions: silent
+    # nothing else in the converter imports the private modules
+    root = os.path.join(os.path.dirname(compat.__file__))
+    for name in os.listdir(root):
+        if name.endswith(".py") and name != "_megatron_compat.py":
+            text = open(os.path.join(root, name)).read()
+            imports = re.findall(r"^\s*(?:from|import) (\S+)", text, re.M)
+            assert not [m for m in imports if m.startswith(("torch.distributed.checkpoint",
+                                                            "megatron.core.dist_checkpointing."))
+                        ], (name, imports)
+            assert "_create_read_items" not in text and "__create_chunk_list__" not in text

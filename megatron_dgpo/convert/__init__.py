@@ -1,4 +1,16 @@
-"""HF <-> Megatron-Core checkpoint conversion: declarative per-family name maps, streaming I/O.
+"""HF <-> Megatron-Core checkpoint conversion: streaming I/O over the family maps of
+``megatron_dgpo.models``.
+
+Modules (one job each):
+    hf_source.py          an HF folder as global Megatron tensors, validated
+    transforms.py         the HF <-> Megatron tensor layouts (QKV, gate/up, vocab padding, TP)
+    writing.py            HF -> torch_dist checkpoint, streaming (``hf_to_megatron``)
+    reading.py            torch_dist checkpoint -> HF, box by box (``megatron_to_hf``)
+    checkpoint_format.py  dgpo_convert.json + the model's sharded-state-dict layout
+    live_load.py          HF folder / checkpoint -> live model chunks (``load_model``)
+    live_export.py        live model -> HF pairs for refit / export (``export_hf_weights``)
+    safetensors_io.py     lazy safetensors reads, sharded writes, side files
+    _megatron_compat.py   every private DCP / Megatron-Core API, behind version checks
 
 Public API:
     hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, *, dtype=None)   HF folder -> torch_dist checkpoint
@@ -11,15 +23,17 @@ Public API:
                                                                   readable by the above
 """
 
-from megatron_dgpo.convert.loading import (export_from_checkpoint, export_hf_weights,
-                                           hf_to_megatron, load_hf_into, load_model,
-                                           megatron_to_hf, model_sharded_state_dict,
-                                           read_metadata, single_process_group, write_metadata)
+from megatron_dgpo.convert.checkpoint_format import (model_sharded_state_dict, read_metadata,
+                                                     write_metadata)
+from megatron_dgpo.convert.live_export import export_hf_weights
+from megatron_dgpo.convert.live_load import load_hf_into, load_model
+from megatron_dgpo.convert.reading import export_from_checkpoint, megatron_to_hf
 from megatron_dgpo.convert.safetensors_io import (LazyHFReader, ShardedSafetensorsWriter,
                                                   copy_side_files, write_hf_checkpoint)
+from megatron_dgpo.convert.writing import hf_to_megatron, single_process_group
 from megatron_dgpo.models import FAMILIES, family_for, supported_architectures
 
 __all__ = ["FAMILIES", "family_for", "supported_architectures", "export_from_checkpoint",
            "export_hf_weights", "hf_to_megatron", "load_hf_into", "load_model", "megatron_to_hf",
-           "model_sharded_state_dict", "read_metadata", "single_process_group", "write_metadata", "LazyHFReader", "ShardedSafetensorsWriter",
-           "copy_side_files", "write_hf_checkpoint"]
+           "model_sharded_state_dict", "read_metadata", "single_process_group", "write_metadata",
+           "LazyHFReader", "ShardedSafetensorsWriter", "copy_side_files", "write_hf_checkpoint"]

@@ -1,0 +1,75 @@
+"""An HF checkpoint folder seen as global Megatron-Core tensors, validated against its config.
+
+``HFSource(hf_dir).box(pm, layer, box)`` is ``M[box]`` of the global (TP-unsharded) Megatron
+tensor of map ``pm`` (``transforms.megatron_box``), read lazily from the safetensors. Used by
+the HF -> Megatron writer and by the HF -> live-model load.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
+from megatron_dgpo.convert.transforms import hf_shapes, megatron_box
+from megatron_dgpo.model import transformer_config_from_hf
+from megatron_dgpo.models import ParamMap, describe
+
+
+class HFSource:
+    """An HF checkpoint folder seen as global Megatron tensors (validated against its config)."""
+
+    def __init__(self, hf_dir: str, padded_vocab: int | None = None, tp: int = 1):
+        self.hf_dir = hf_dir
+        self.config = read_hf_config(hf_dir)
+        description = describe(self.config, tp=tp, padded_vocab=padded_vocab)
+        self.family, self.dims = description.family, description.dims
+        self.reader = LazyHFReader(hf_dir)
+        self.params = self.family.active(self.config)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Refuse unsupported configs, missing or unmapped tensors and shape mismatches before
+        anything is written."""
+        transformer_config_from_hf(self.config)  # the builder's refusals (RoPE scaling, act, ...)
+        consumed = set()
+        for pm, layer in iter_params(self.params, self.dims.layers):
+            for name, expected in zip(pm.hf_names(layer), hf_shapes(pm, self.dims)):
+                consumed.add(name)
+                if name not in self.reader:
+                    raise KeyError(f"tensor {name!r} is missing from the HF checkpoint "
+                                   f"{self.hf_dir}")
+                shape, _ = self.reader.shape_dtype(name)
+                if tuple(shape) != tuple(expected):
+                    raise ValueError(f"shape mismatch for tensor {name!r}: the checkpoint has "
+                                     f"{tuple(shape)}, config.json implies {tuple(expected)}")
+        # Tensors nothing maps would be dropped silently (e.g. mlp biases): refuse them. Tolerated:
+        # RoPE caches, and a redundant lm_head.weight in checkpoints with tied embeddings.
+        ignorable = ("lm_head.weight",) if self.config.get("tie_word_embeddings") else ()
+        unmapped = sorted(n for n in self.reader.names() if n not in consumed
+                          and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
+        if unmapped:
+            raise ValueError(f"the HF checkpoint {self.hf_dir} has {len(unmapped)} tensor(s) the "
+                             f"{self.family.name} map does not convert, e.g. {unmapped[:5]}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reader.shape_dtype(self.params[0].hf_names(None)[0])[1]
+
+    def box(self, pm: ParamMap, layer: int | None, box) -> torch.Tensor:
+        return megatron_box(pm, layer, box, self.reader.read, self.dims)
+
+
+def iter_params(params: Sequence[ParamMap], num_layers: int):
+    """(map, global layer) in HF order: embeddings, layer 0 .. L-1, final norm, lm_head."""
+    for pm in params:
+        if not pm.per_layer and pm.megatron.startswith("embedding"):
+            yield pm, None
+    for layer in range(num_layers):
+        for pm in params:
+            if pm.per_layer:
+                yield pm, layer
+    for pm in params:
+        if not pm.per_layer and not pm.megatron.startswith("embedding"):
+            yield pm, None

@@ -1,0 +1,107 @@
+"""Live model -> HF ``(name, tensor)`` pairs (``export_hf_weights``): the vLLM refit and the
+HF export of a training run.
+
+Collective over the model-parallel group: per tensor, the owning pipeline stage all-gathers its
+TP shards, undoes the Megatron layouts (``transforms.hf_from_megatron``) and sends the result
+to the consumers. One full tensor in memory at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo.convert.hf_source import iter_params
+from megatron_dgpo.convert.transforms import hf_from_megatron, megatron_shape, tp_unshard
+from megatron_dgpo.model import unwrap_model
+from megatron_dgpo.models import Family, describe, megatron_param_key
+
+
+def _local_params(chunks, family: Family, tied: bool):
+    """{(checkpoint key, global layer or None): parameter} of this rank's chunks."""
+    out = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            found = megatron_param_key(family, name)
+            if found is None:
+                raise KeyError(f"parameter {name!r} has no HF mapping in family {family.name!r}")
+            pm, local = found
+            if tied and pm.megatron == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            layer = None if local is None else chunk.decoder.layers[local].layer_number - 1
+            out[(pm.key(), layer)] = (pm, param)
+    return out
+
+
+def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype | None = None,
+                      hf_config: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` pairs of a live model, in HF order, one tensor at a time.
+
+    Collective over the model-parallel group: *every* rank of it must exhaust the generator.
+    Per tensor, the pipeline stage that owns it all-gathers its TP shards (undoing the QKV /
+    gate-up / vocab-padding layouts via the family map) and, for ``consumer="all"``, broadcasts
+    it over the pipeline group: every model-parallel rank then receives every pair. With
+    ``consumer="first"`` only model-parallel rank 0 (TP 0, PP 0) receives pairs (a point-to-point
+    send from the owning stage); the others yield nothing. Tensors are on the model's device,
+    in each parameter's dtype unless ``dtype`` is given (floating tensors are cast to it).
+    They may be views of per-step buffers: copy what you keep.
+    ``hf_config`` is only needed for models not built by ``megatron_dgpo.model.build_model``.
+    """
+    from megatron.core import parallel_state
+
+    if consumer not in ("all", "first"):
+        raise ValueError(f"consumer must be 'all' or 'first', got {consumer!r}")
+    chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple))
+                                   else [model_chunks])]
+    cfg = hf_config or chunks[0].hf_spec.hf_config
+    description = describe(cfg, padded_vocab=chunks[0].vocab_size)
+    family, dims = description.family, description.dims
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    tp_size = dist.get_world_size(tp_group)
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    first = parallel_state.get_tensor_model_parallel_rank() == 0 and pp_rank == 0
+    params = family.active(cfg)
+    local = _local_params(chunks, family, description.tie_word_embeddings)
+    owned = [None] * pp_size
+    mine = sorted((key, str(param.dtype)) for key, (_, param) in local.items())
+    dist.all_gather_object(owned, mine, group=pp_group)
+    owner, dtypes = {}, {}
+    for stage, keys in enumerate(owned):
+        for key, dtype_name in keys:
+            owner.setdefault(tuple(key), stage)
+            dtypes[tuple(key)] = getattr(torch, dtype_name.replace("torch.", ""))
+    device = next(iter(local.values()))[1].device
+    for pm, layer in iter_params(params, dims.layers):
+        src = owner.get((pm.key(), layer))
+        if src is None:
+            raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")
+        full = None
+        if pp_rank == src:
+            shard = local[(pm.key(), layer)][1].detach().contiguous()
+            if tp_size > 1:
+                shards = [torch.empty_like(shard) for _ in range(tp_size)]
+                dist.all_gather(shards, shard, group=tp_group)
+            else:
+                shards = [shard]
+            full = tp_unshard(pm, shards)
+        if pp_size > 1 and consumer == "all":
+            if full is None:
+                full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
+                                   device=device)
+            dist.broadcast(full, src=pp_ranks[src], group=pp_group)
+        elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            if pp_rank == src:
+                dist.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
+            elif pp_rank == 0:
+                full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
+                                   device=device)
+                dist.recv(full, src=pp_ranks[src], group=pp_group)
+        if consumer == "all" or first:
+            for name, tensor in hf_from_megatron(pm, layer, full, dims):
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield name, tensor

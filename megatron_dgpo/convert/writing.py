@@ -1,0 +1,196 @@
+"""HF -> Megatron-Core: write an HF checkpoint folder as a ``torch_dist`` checkpoint, streaming.
+
+The model is built on the ``meta`` device (no weights in memory), and a save planner computes
+each checkpoint chunk when the writer asks for it, from the few HF rows it needs
+(``hf_source.HFSource.box``). Peak memory: about one chunk. Big non-layer tensors are stored as
+row chunks of <= 64 MiB so that reading them back is bounded too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo.convert import _megatron_compat as compat
+from megatron_dgpo.convert.checkpoint_format import model_sharded_state_dict, write_metadata
+from megatron_dgpo.convert.hf_source import HFSource
+from megatron_dgpo.cpu import cpu_only
+from megatron_dgpo.model import build_model
+from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+_CHUNK_BYTES = 64 * 1024**2  # largest stored chunk of embeddings / lm_head written by us
+
+
+def _streaming_save_strategy(source: HFSource, progress: bool = False):
+    """A ``torch_dist`` save strategy whose tensor data come from ``source`` chunk by chunk."""
+    by_key = {pm.key(): pm for pm in source.params}
+
+    def chunk(fqn: str, offsets, sizes, dtype) -> torch.Tensor:
+        if fqn not in by_key:
+            raise KeyError(f"Megatron tensor {fqn!r} has no HF mapping in family "
+                           f"{source.family.name!r}")
+        pm = by_key[fqn]
+        box = tuple((o, o + s) for o, s in zip(offsets, sizes))
+        if pm.per_layer:  # leading checkpoint axis = global layer
+            (layer, stop), box = box[0], box[1:]
+            assert stop == layer + 1, (fqn, offsets, sizes)
+            return source.box(pm, layer, box).to(dtype).unsqueeze(0)
+        return source.box(pm, None, box).to(dtype)
+
+    class _LazyPlanner(compat.mcore_save_planner_class()):
+        bar = None
+        previous = None
+
+        def resolve_data(self, write_item):
+            if compat.is_bytes_item(write_item):
+                return super().resolve_data(write_item)
+            # torch's FileSystemWriter keeps every written tensor referenced until the file is
+            # done; the previous chunk is on disk by now, so release its memory ourselves.
+            if self.previous is not None:
+                self.previous.untyped_storage().resize_(0)
+                self.previous = None
+            if progress and self.bar is None:
+                from tqdm import tqdm
+
+                total = sum(not compat.is_bytes_item(i) for i in self.plan.items)
+                self.bar = tqdm(total=total, desc=f"hf-to-megatron rank {dist.get_rank()}",
+                                unit="chunk")
+            meta = write_item.tensor_data
+            data = chunk(write_item.index.fqn, meta.chunk.offsets, meta.chunk.sizes,
+                         meta.properties.dtype)
+            storage = data.untyped_storage()
+            if storage.nbytes() != data.nbytes or not storage.resizable():
+                data = data.clone()  # own, exactly-sized storage (the writer would clone anyway)
+            self.previous = data
+            if self.bar is not None:
+                self.bar.update(1)
+            return data
+
+    class _Strategy(compat.torch_dist_save_strategy_class()):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            # One chunk resolved and written at a time (no copy-ahead, which a GPU would
+            # otherwise enable): _LazyPlanner relies on that order.
+            compat.save_serially(sharded_state_dict, checkpoint_dir, self.keep_only_main_replica,
+                                 _LazyPlanner(dedup_replicated_tensors=False,
+                                              flatten_state_dict=False))
+
+    return _Strategy("torch_dist", 1)
+
+
+def _split_large(sharded: dict, max_bytes: int) -> dict:
+    """Store big non-layer tensors (embeddings, lm_head) as several row chunks of <= max_bytes.
+
+    The stored chunking is invisible to loading (dist_checkpointing reads whatever chunks
+    overlap), but it bounds the memory of writing and of reading one chunk.
+    """
+    def split(sh):
+        rows = sh.local_shape[0]
+        row_bytes = sh.data.element_size() * (sh.data.numel() // max(rows, 1))
+        if rows * row_bytes <= max_bytes:
+            return sh
+        parts = next((k for k in range(2, rows + 1)
+                      if rows % k == 0 and rows // k * row_bytes <= max_bytes), 1)
+        return compat.split_rows(sh, parts)
+
+    out = {}
+    for key, value in sharded.items():
+        if isinstance(value, dict):
+            out[key] = _split_large(value, max_bytes)
+        elif compat.plain_row_sharded(value):
+            out[key] = split(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
+                        dtype: torch.dtype | None, progress: bool = False) -> None:
+    """HF -> torch_dist on the current process group (world = a multiple of tp * pp)."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    own_state = not parallel_state.model_parallel_is_initialized()
+    if own_state:
+        initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+    else:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"hf_to_megatron(tp={tp}, pp={pp}) called under an initialised "
+                             f"parallel state with (tp, pp) = {have}")
+    try:
+        source = HFSource(hf_dir, tp=tp)
+        dtype = dtype or source.dtype
+        # Weights never materialise on CPU: the planner produces every chunk on demand.
+        with torch.device("meta") if cpu_only() else contextlib.nullcontext():
+            chunks = build_model(source.config, dtype=dtype, perform_initialization=False)
+        if dist.get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(_split_large(model_sharded_state_dict(chunks), _CHUNK_BYTES), out_dir,
+                                sharded_strategy=_streaming_save_strategy(
+                                    source, progress and dist.get_rank() == 0))
+        if dist.get_rank() == 0:
+            write_metadata(out_dir, source.config, source.dims.padded_vocab, dtype, hf_dir=hf_dir,
+                           saved_tp=tp, saved_pp=pp)
+        dist.barrier()
+    finally:
+        if own_state:
+            destroy_parallel()
+
+
+def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, dtype, progress):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A private 1-rank gloo group when torch.distributed is not initialised (else a no-op)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *,
+                   dtype: torch.dtype | None = None, progress: bool = False) -> str:
+    """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp).
+
+    Under an initialised ``torch.distributed`` (e.g. torchrun) this is collective over the world
+    (a multiple of tp * pp ranks). Otherwise it runs in this process for tp * pp == 1 and spawns
+    tp * pp local gloo processes for larger layouts. The layout only decides which rank writes
+    which chunk: the checkpoint loads at any TP/PP. ``dtype`` defaults to the HF tensors' dtype.
+    Raises before writing anything on an unsupported architecture, a missing file or tensor, or
+    a tensor whose shape disagrees with config.json.
+    """
+    HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here, clearly
+    if dist.is_initialized():
+        _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
+    elif tp * pp == 1:
+        with single_process_group():
+            _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
+    else:
+        import torch.multiprocessing as mp
+
+        from megatron_dgpo.convert._spawn import free_port
+
+        mp.spawn(_spawned_convert,
+                 args=(tp * pp, free_port(), hf_dir, out_dir, tp, pp, dtype, progress),
+                 nprocs=tp * pp, join=True)
+    return out_dir
