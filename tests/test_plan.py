@@ -1,4 +1,4 @@
-"""dgpo-plan: memory terms computed by hand, parameter counts against Megatron-Core's built model
+"""dgpo-plan and its memory formulas (megatron_dgpo.memory): memory terms computed by hand, parameter counts against Megatron-Core's built model
 and the published totals, the published bytes-per-parameter figures, the paper's 14B recipe on
 8 x 80 GB, and the CLI's errors."""
 
@@ -9,10 +9,11 @@ import os
 
 import pytest
 
-from megatron_dgpo.plan import (GIB, PUBLISHED, Architecture, Cluster, Layout, Workload,
-                                activation_bytes, estimate, grad_bytes, main, make_plan,
-                                optimizer_bytes, padded_vocab, param_count, stage_params,
-                                vllm_bytes, weight_bytes)
+from megatron_dgpo.memory import (GIB, PUBLISHED, Architecture, Cluster, Layout, Workload,
+                                  activation_bytes, estimate, grad_bytes, optimizer_bytes,
+                                  padded_vocab, param_count, stage_params, vllm_bytes,
+                                  weight_bytes)
+from megatron_dgpo.plan import main, make_plan
 from tests._rank_fns_model import TINY_QWEN2
 from tests.distributed import run_ranks
 
@@ -244,6 +245,8 @@ def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
         assert terms == pytest.approx(row["gib"]["total"])
         assert row["fits"] == (row["gib"]["total"] <= 80)
     assert data["params"] == param_count(arch)
+    # only layouts the trainer can run: no context parallelism
+    assert {row["layout"]["cp"] for row in data["layouts"]} == {1}
 
 
 def test_14b_on_one_24gb_gpu_does_not_fit(capsys):

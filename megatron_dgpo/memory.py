@@ -1,0 +1,476 @@
+"""Per-GPU memory of a training layout: the planner's formulas, as pure functions.
+
+Each function's docstring states its formula; ``docs/planner.md`` collects them with their
+assumptions and the published figures they were checked against. ``megatron_dgpo.plan`` (the
+``dgpo-plan`` CLI) searches layouts with them.
+
+Notation: h hidden size, L layers, a attention heads, g KV groups, d head size, f FFN width,
+V vocabulary (padded to a multiple of 128 TP as Megatron does), t TP, p PP, c CP, D DP,
+s the tokens of one packed micro-batch row (``train.micro_batch_tokens``), b bytes per element
+of the training dtype (2 for bf16). Memory is in bytes (GIB = 2^30, the unit ``nvidia-smi``
+uses). CP (c) is kept in the formulas for what-if estimates only: the trainer has no context
+parallelism, so ``dgpo-plan`` searches c = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from megatron_dgpo.models import describe, padded_vocab_size
+
+GIB = 1 << 30
+
+
+# --------------------------------------------------------------------------- architecture
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shape of a dense decoder (Qwen2 / Llama): what the memory formulas need.
+
+    Built from an HF config with ``from_hf_config`` (through ``megatron_dgpo.models``), or by
+    hand for what-if estimates."""
+
+    name: str
+    hidden: int
+    """h."""
+    layers: int
+    """L."""
+    heads: int
+    """a (query heads)."""
+    kv_heads: int
+    """g (KV groups; g = a without GQA)."""
+    intermediate: int
+    """f (SwiGLU width: fc1 is [2f, h], fc2 is [h, f])."""
+    vocab: int
+    """V as the HF config states it (unpadded)."""
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    """Bias on the Q, K, V projections (Qwen2: yes; Llama: no)."""
+    head_dim: int = 0
+    """d; 0 means h / a."""
+
+    def __post_init__(self):
+        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"architecture {self.name}: {name} must be a positive int, "
+                                 f"got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"architecture {self.name}: heads ({self.heads}) must be a "
+                             f"multiple of kv_heads ({self.kv_heads})")
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def q_dim(self) -> int:
+        """a d (= h for all the published models)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """g d: the width of K (and of V)."""
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str = "") -> "Architecture":
+        """From an HF ``config.json`` dict of a registered family (``megatron_dgpo.models``:
+        the same dimensions and quirks the model builder and the converter use); errors name
+        the missing or unsupported field."""
+        try:
+            desc = describe(cfg)
+        except ValueError as exc:
+            raise ValueError(f"{name or 'the model'}: {exc}") from None
+        dims = desc.dims
+        return cls(
+            name=name or cfg.get("model_type") or "model",
+            hidden=dims.hidden, layers=dims.layers, heads=dims.heads, kv_heads=dims.kv_heads,
+            intermediate=dims.ffn, vocab=dims.vocab,
+            tie_word_embeddings=desc.tie_word_embeddings, qkv_bias=desc.qkv_bias,
+            head_dim=dims.head_dim,
+        )
+
+
+_QWEN2 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False)
+_LLAMA31_70B = dict(model_type="llama", hidden_size=8192, num_hidden_layers=80,
+                    num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
+                    vocab_size=128256, tie_word_embeddings=False, attention_bias=False)
+PUBLISHED_CONFIGS: dict[str, dict] = {
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": dict(
+        _QWEN2, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": dict(
+        _QWEN2, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, intermediate_size=18944),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B": dict(
+        _QWEN2, hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=13824),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B": dict(
+        _QWEN2, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=27648),
+    # Llama-3.3-70B-Instruct and DeepSeek-R1-Distill-Llama-70B (distilled from it) have the
+    # same config.json shape as Llama-3.1-70B
+    **{hub_id: _LLAMA31_70B for hub_id in (
+        "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct",
+        "meta-llama/Llama-3.3-70B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Llama-70B")},
+}
+"""The architecture fields of published config.json files
+(huggingface.co/<id>/blob/main/config.json)."""
+PUBLISHED: dict[str, Architecture] = {
+    hub_id: Architecture.from_hf_config(cfg, name=hub_id.split("/")[1])
+    for hub_id, cfg in PUBLISHED_CONFIGS.items()}
+"""The planner's built-in architectures by hub id; the family registry supplies the quirks
+(Qwen2: QKV bias; Llama: none)."""
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """V_pad = ceil(V / (128 t)) 128 t: the rows Megatron allocates for the embedding and output
+    layer (``megatron_dgpo.models.padded_vocab_size``, the rule the model builder uses)."""
+    return padded_vocab_size(vocab, tp)
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def layer_params(arch: Architecture, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one TP rank:
+
+        (h (a d + 2 g d)  [QKV]  + (a d + 2 g d) [QKV bias, if any]  + a d h [proj]
+         + 2 f h [fc1, gate and up] + f h [fc2]) / t   +   2 h [two RMSNorm weights, replicated]
+    """
+    qkv_out = arch.q_dim + 2 * arch.kv_dim
+    sharded = (arch.hidden * qkv_out + (qkv_out if arch.qkv_bias else 0)
+               + arch.q_dim * arch.hidden + 3 * arch.intermediate * arch.hidden)
+    return sharded // tp + 2 * arch.hidden
+
+
+def embedding_params(arch: Architecture, vocab_rows: int, tp: int = 1) -> int:
+    """One vocabulary matrix (input embedding or output layer) on one TP rank: V_rows h / t."""
+    return vocab_rows * arch.hidden // tp
+
+
+def param_count(arch: Architecture, vocab_rows: int | None = None) -> int:
+    """Unique parameters of the whole model:
+
+        V h [embedding] + L layer_params + h [final norm] + (0 if tied else V h) [output layer]
+
+    ``vocab_rows`` defaults to the HF vocabulary (what model cards count); pass
+    ``padded_vocab(V, t)`` for what Megatron builds.
+    """
+    rows = arch.vocab if vocab_rows is None else vocab_rows
+    vocab_mats = 1 if arch.tie_word_embeddings else 2
+    return vocab_mats * rows * arch.hidden + arch.layers * layer_params(arch) + arch.hidden
+
+
+def stage_params(arch: Architecture, tp: int, pp: int, stage: int) -> int:
+    """Parameters held by one GPU of pipeline stage ``stage`` (0 .. p-1) at TP t:
+
+        (L / p) layer_params(t)  + [stage 0] V_pad h / t
+        + [stage p-1] (h + V_pad h / t)    (output layer: untied, or tied with p > 1, where
+                                            Megatron keeps a copy on the last stage)
+
+    with V_pad = padded_vocab(V, t). Needs p | L.
+    """
+    if arch.layers % pp:
+        raise ValueError(f"pipeline_parallel {pp} does not divide {arch.layers} layers")
+    rows = padded_vocab(arch.vocab, tp)
+    count = arch.layers // pp * layer_params(arch, tp)
+    if stage == 0:
+        count += embedding_params(arch, rows, tp)
+    if stage == pp - 1:
+        count += arch.hidden
+        if not arch.tie_word_embeddings or pp > 1:
+            count += embedding_params(arch, rows, tp)
+    return count
+
+
+# --------------------------------------------------------------------------- memory terms
+
+
+def weight_bytes(params: int, dtype_bytes: int = 2) -> int:
+    """Model weights: b N (b = 2 for bf16 parameters)."""
+    return dtype_bytes * params
+
+
+def grad_bytes(params: int, grad_dtype_bytes: int = 4) -> int:
+    """Gradient buffer: 4 N. Megatron DDP with ``grad_reduce_in_fp32`` keeps an fp32
+    ``main_grad`` for every local parameter (not sharded by the distributed optimizer, which
+    reduce-scatters into it); 2 N with 16-bit gradients."""
+    return grad_dtype_bytes * params
+
+
+def optimizer_bytes(params: int, dp: int, distributed: bool) -> int:
+    """Adam with fp32 master weights: (4 master + 4 m + 4 v) N = 12 N, divided by ``dp`` when
+    the distributed optimizer shards it over the data-parallel ranks (ZeRO stage 1; Megatron
+    shards over D c, the data-parallel group with context parallelism)."""
+    return 12 * params // (dp if distributed else 1)
+
+
+def activation_elements_per_token_layer(arch: Architecture) -> int:
+    """Elements one layer saves for backward per token, without recompute (flash attention,
+    no dropout, SwiGLU, RMSNorm; sizes on one GPU are this divided by t with sequence
+    parallelism):
+
+        h [attn norm input] + h [QKV input] + a d [Q] + 2 g d [K, V] + a d [attention out = proj
+        input] + h [MLP norm input] + h [fc1 input] + 2 f [fc1 out = SwiGLU input] + f [fc2 in]
+        = 4 h + 2 a d + 2 g d + 3 f   (= 6 h + 2 g d + 3 f when a d = h)
+
+    The attention's softmax statistics (a fp32 floats per token) and RoPE tables are left out
+    (< 1%).
+    """
+    return 4 * arch.hidden + 2 * arch.q_dim + 2 * arch.kv_dim + 3 * arch.intermediate
+
+
+def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: int, tp: int,
+                     recompute: bool, dtype_bytes: int = 2) -> int:
+    """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch:
+
+        no recompute:   in_flight  layers  tokens  E b / t
+        full recompute: in_flight  layers  tokens  h b / t  [each layer's input]
+                        +          tokens  E b / t          [the one layer being recomputed]
+
+    E = activation_elements_per_token_layer; / t is sequence parallelism (Megatron requires it
+    with TP > 1 here; it also shards the norm inputs); ``in_flight`` micro-batches are alive at
+    once (1F1B: up to p on stage 0, 1 on the last stage).
+    """
+    per_token_layer = activation_elements_per_token_layer(arch) * dtype_bytes
+    if not recompute:
+        return in_flight * layers * tokens * per_token_layer // tp
+    checkpoints = in_flight * layers * tokens * arch.hidden * dtype_bytes // tp
+    return checkpoints + tokens * per_token_layer // tp
+
+
+def logits_bytes(tokens: int, vocab_rows: int, tp: int, dtype_bytes: int = 2) -> int:
+    """The logits shard and its gradient on the last stage: 2 tokens (V_pad / t) b.
+
+    The output layer returns logits [tokens, V_pad / t] in the training dtype; the log-prob
+    kernel saves them and its backward allocates a gradient of the same shape. For bf16 this
+    is 4 bytes per logit, the size of one fp32 copy.
+    """
+    return 2 * tokens * (vocab_rows // tp) * dtype_bytes
+
+
+def logprob_workspace_bytes(tokens: int, vocab_rows: int, tp: int,
+                            chunk_size: int | None) -> int:
+    """The chunked log-prob kernel's work buffers: 2 min(chunk, tokens) (V_pad / t) 4 bytes
+    (two float32 [chunk, V_local] buffers, V_local = V_pad / t on the first TP rank; chunk
+    defaults to 256 MiB / (4 V_local), ``vocab_parallel.default_chunk_size`` on GPU)."""
+    from megatron_dgpo.vocab_parallel import default_chunk_size
+
+    local = vocab_rows // tp
+    chunk = chunk_size or default_chunk_size(local, "cuda")
+    return 2 * min(chunk, tokens) * local * 4
+
+
+def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
+    """vLLM's KV cache per token (all layers, whole model): 2 [K, V] L g d b."""
+    return 2 * arch.layers * arch.kv_dim * dtype_bytes
+
+
+# --------------------------------------------------------------------------- a layout's peak
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The cluster shape: ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gb`` GiB each."""
+
+    gpus_per_node: int
+    nodes: int
+    gpu_memory_gb: float
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def gpu_bytes(self) -> int:
+        return int(self.gpu_memory_gb * GIB)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a recipe says that decides memory (see ``Workload.from_recipe``)."""
+
+    micro_batch_tokens: int
+    """s: tokens of one packed micro-batch row."""
+    responses_per_update: int
+    """mini_batch_prompts x group_size: the responses of one optimizer update."""
+    max_sequence: int
+    """max_prompt_tokens + max_response_tokens."""
+    recompute: bool = False
+    distributed_optimizer: bool = True
+    dtype_bytes: int = 2
+    grad_dtype_bytes: int = 4
+    log_prob_chunk_size: int | None = None
+    colocated_rollout: bool = True
+    """vLLM lives on the training GPUs (global rank 0 and its vLLM TP peers)."""
+    rollout_tp: int = 1
+    rollout_dtype_bytes: int = 2
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    overhead_bytes: int = 2 * GIB
+    """CUDA context, NCCL buffers and allocator fragmentation (a flat allowance per GPU)."""
+
+    @classmethod
+    def from_recipe(cls, run) -> "Workload":
+        """The memory-relevant fields of a ``RunConfig``. The distributed optimizer's ``None``
+        (on with a GPU) counts as on; bf16 unless ``model.dtype: float32``."""
+        dist_opt = run.optimizer.use_distributed_optimizer
+        return cls(
+            micro_batch_tokens=run.train.micro_batch_tokens,
+            responses_per_update=run.train.mini_batch_prompts * run.rollout.group_size,
+            max_sequence=run.rollout.max_prompt_tokens + run.rollout.max_response_tokens,
+            recompute=run.model.recompute_activations,
+            distributed_optimizer=True if dist_opt is None else bool(dist_opt),
+            dtype_bytes=4 if run.model.dtype == "float32" else 2,
+            log_prob_chunk_size=run.train.log_prob_chunk_size,
+            colocated_rollout=run.rollout.engine == "vllm",
+            rollout_tp=run.rollout.tensor_parallel_size,
+            rollout_dtype_bytes=4 if run.rollout.dtype in ("float32", "float") else 2,
+            gpu_memory_utilization=run.rollout.gpu_memory_utilization,
+            kv_cache_memory_bytes=run.rollout.kv_cache_memory_bytes,
+            max_num_seqs=run.rollout.max_num_seqs,
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """TP x PP x CP x DP; Megatron's rank order puts TP innermost (within a node).
+
+    ``cp`` > 1 is for what-if estimates only: the trainer has no context parallelism, so
+    ``dgpo-plan`` never proposes it."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp}"
+
+
+@dataclass
+class Estimate:
+    """Peak bytes on the most loaded GPU of a layout, term by term."""
+
+    layout: Layout
+    stage: str
+    """Which GPU is the peak: "first" (stage 0, with the embedding, p micro-batches in flight
+    and vLLM), "last" (output layer and logits), a middle stage's index, or "only" (p = 1)."""
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    vllm: int
+    overhead: int
+    gpu_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.vllm + self.overhead)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+    def fits_with(self, headroom: float) -> bool:
+        """total <= (1 - headroom) GPU memory."""
+        return self.total <= (1.0 - headroom) * self.gpu_bytes
+
+    def as_dict(self) -> dict:
+        terms = {k: getattr(self, k) / GIB for k in
+                 ("weights", "grads", "optimizer", "activations", "logits", "vllm", "overhead")}
+        return dict(layout=asdict(self.layout), peak_stage=self.stage,
+                    gib={**terms, "total": self.total / GIB, "gpu": self.gpu_bytes / GIB},
+                    fits=self.fits, notes=list(self.notes))
+
+
+def micro_batches_per_update(work: Workload, dp: int) -> int:
+    """Upper bound of packed micro-batches per DP rank and update:
+    ceil(ceil(responses / D) max_sequence / s) (every response at full length)."""
+    per_rank = -(-work.responses_per_update // dp)
+    return max(1, -(-per_rank * work.max_sequence // work.micro_batch_tokens))
+
+
+def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
+    """vLLM's share of one of its GPUs when colocated, and notes:
+
+        kv_cache_memory_bytes set:  N b_r / t_r + kv_cache_memory_bytes
+        otherwise:                  gpu_memory_utilization x GPU memory   (vLLM's own reserve)
+
+    The KV cache that ``max_num_seqs`` full-length sequences need is
+    max_num_seqs (prompt + response) kv_cache_bytes_per_token / t_r; when the reserve holds
+    less, vLLM decodes fewer sequences at once (slower, not out of memory).
+    """
+    if not work.colocated_rollout:
+        return 0, []
+    weights = param_count(arch) * work.rollout_dtype_bytes // work.rollout_tp
+    per_seq = work.max_sequence * kv_cache_bytes_per_token(arch, work.rollout_dtype_bytes) \
+        // work.rollout_tp
+    needed = work.max_num_seqs * per_seq
+    if work.kv_cache_memory_bytes is not None:
+        reserve, kv = weights + work.kv_cache_memory_bytes, work.kv_cache_memory_bytes
+        how = "rollout.kv_cache_memory_bytes"
+    else:
+        reserve = int(work.gpu_memory_utilization * cluster.gpu_bytes)
+        kv = reserve - weights
+        how = f"rollout.gpu_memory_utilization={work.gpu_memory_utilization:g}"
+    notes = []
+    if kv <= 0:
+        notes.append(f"vLLM: {how} leaves no room for the KV cache after {weights / GIB:.1f} "
+                     f"GiB of weights per GPU (raise it or rollout.tensor_parallel_size)")
+    elif kv < needed:
+        notes.append(f"vLLM: KV cache {kv / GIB:.1f} GiB holds ~{kv // per_seq} full-length "
+                     f"sequences at once, not max_num_seqs={work.max_num_seqs} "
+                     f"({needed / GIB:.1f} GiB)")
+    return reserve, notes
+
+
+def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
+    """The peak GPU of ``layout``: the largest over pipeline stages k = 0 .. p-1 of weights +
+    gradients + optimizer + activations + logits + vLLM + overhead, where stage k holds
+    min(p - k, micro-batches) micro-batches in flight (1F1B), stage 0 the embedding, the last
+    stage the output layer and the logits, and the stages of global ranks 0 .. t_r - 1 vLLM
+    (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is Megatron's outermost)."""
+    t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
+    tokens = -(-work.micro_batch_tokens // c)
+    rows = padded_vocab(arch.vocab, t)
+    micro_batches = micro_batches_per_update(work, d)
+    vllm, vllm_notes = vllm_bytes(arch, cluster, work)
+    gpus_per_stage = cluster.world // p
+
+    def stage_estimate(stage: int) -> Estimate:
+        params = stage_params(arch, t, p, stage)
+        last = stage == p - 1
+        has_vllm = stage * gpus_per_stage < work.rollout_tp
+        name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
+        return Estimate(
+            layout=layout, stage=name,
+            weights=weight_bytes(params, work.dtype_bytes),
+            grads=grad_bytes(params, work.grad_dtype_bytes),
+            # CP ranks hold the same weights: Megatron shards the optimizer over DP x CP
+            optimizer=optimizer_bytes(params, d * c, work.distributed_optimizer),
+            activations=activation_bytes(arch, tokens, arch.layers // p,
+                                         min(p - stage, micro_batches), t, work.recompute,
+                                         work.dtype_bytes),
+            logits=(logits_bytes(tokens, rows, t, work.dtype_bytes)
+                    + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
+                    if last else 0),
+            vllm=vllm if has_vllm else 0,
+            overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,
+            notes=list(vllm_notes) if has_vllm else [])
+
+    # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
+    peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)
+    if c > 1:
+        peak.notes.append("CP > 1 needs context parallelism in the trainer (not yet a "
+                          "parallel.* field)")
+    return peak
