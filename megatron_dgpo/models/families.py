@@ -121,13 +121,11 @@ def _decoder_params(qkv_bias: Callable[[dict], bool]) -> tuple[ParamMap, ...]:
     )
 
 
-def _attention_bias(cfg: dict) -> bool:
-    return bool(cfg.get("attention_bias", False))
-
-
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=lambda cfg: True)
-LLAMA = Family("llama", ("LlamaForCausalLM",), qkv_bias=_attention_bias,
-               refused_fields=("mlp_bias",))
+# transformers' Llama ``attention_bias`` biases o_proj as well as q/k/v: Megatron's add_qkv_bias
+# covers only the latter (and add_bias_linear would add MLP biases too), so it is refused.
+LLAMA = Family("llama", ("LlamaForCausalLM",), qkv_bias=lambda cfg: False,
+               refused_fields=("attention_bias", "mlp_bias"))
 FAMILIES = {f.name: f for f in (QWEN2, LLAMA)}
 
 
