@@ -14,11 +14,23 @@ folder to ``<name>`` (one ``rename`` on one file system) and only then replaces 
 (write a temporary file, fsync, ``os.replace``). A process killed at any point leaves ``latest``
 naming a complete checkpoint. The model keys are those of ``convert.hf_to_megatron``, so a
 training checkpoint is also a converter checkpoint: ``dgpo-convert megatron-to-hf`` exports it.
+
+Another layout. Model and optimizer are resharded by dist_checkpointing, so a run saved at one
+TP/PP layout resumes at another. The RNG states are per (PP, TP) rank (as in Megatron's
+training loop: ``rng_state`` is a ShardedObject of global shape (PP, TP), replicated over DP),
+because the model-parallel seeding differs per rank; they have no meaning at another layout.
+``save_checkpoint`` therefore records the layout it saved at, read from Megatron's parallel
+state at save time (``trainer_state.json``: ``extra.layout``, whoever built ``extra``), and
+``load_checkpoint`` restores RNG only when that layout is the current one; otherwise it keeps
+the RNG states as this run's seeded start-up (``initialize_parallel``) left them and logs a
+warning (as Megatron does on a (TP, PP) mismatch). The next save records the new layout, so a
+later resume at that layout restores RNG again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -32,6 +44,9 @@ import torch.distributed as dist
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 INCOMPLETE_PREFIX = ".incomplete-"
+LAYOUT_KEY = "layout"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +61,20 @@ class TrainerState:
     """Optimizer updates skipped for non-finite loss or gradients, in total."""
     extra: dict = field(default_factory=dict)
     """Free-form (the resolved config, the parallel layout), for humans and checks."""
+
+
+def current_layout() -> dict:
+    """This world's parallel layout as recorded in ``trainer_state.json`` (``extra.layout``)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "data_parallel": ps.get_data_parallel_world_size()}
+
+
+def _rng_layout(layout: dict) -> tuple:
+    """The part of a layout that shapes the saved RNG states: (PP, TP)."""
+    return layout.get("pipeline_parallel"), layout.get("tensor_parallel")
 
 
 def checkpoint_name(step: int) -> str:
@@ -91,6 +120,9 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
                     hf_dir: str | None = None, keep_last: int = 2) -> Path:
     """Collective: write checkpoint ``step_<state.step>`` atomically; returns its path.
 
+    ``state`` is written to ``trainer_state.json`` with ``extra.layout`` set to the current
+    layout (``current_layout``), whatever ``state.extra`` held (e.g. a resumed run's old layout).
+
     ``hf_config`` / ``padded_vocab_size`` / ``dtype`` / ``hf_dir`` (tokenizer files) make the
     checkpoint exportable to HF. Older complete checkpoints beyond ``keep_last`` and leftover
     incomplete ones are removed after the new one is in place.
@@ -110,9 +142,10 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         staging.mkdir()
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False), str(staging))
+    record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
     if rank0:
         write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
-        _write_json(staging / STATE_FILE, state.__dict__)
+        _write_json(staging / STATE_FILE, record)
         _fsync_dir(staging)
     dist.barrier()
     final = root / name
@@ -130,21 +163,27 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
     """Collective: load weights, optimizer state and (same layout only) RNG from ``path``.
 
     The parallel layout may differ from the saving run's (dist_checkpointing reshards model
-    and optimizer); RNG states are restored only when TP and PP match.
+    and optimizer); RNG states are restored only when TP and PP match the recorded layout,
+    otherwise the current (freshly seeded) ones are kept and a warning is logged. The returned
+    state's ``extra.layout`` is the current layout.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
     saved = json.loads((path / STATE_FILE).read_text())
-    layout = saved.get("extra", {}).get("layout", {})
-    same_layout = (layout.get("tensor_parallel") == ps.get_tensor_model_parallel_world_size()
-                   and layout.get("pipeline_parallel") == ps.get_pipeline_model_parallel_world_size())
+    layout, now = saved.get("extra", {}).get(LAYOUT_KEY, {}), current_layout()
+    same_layout = _rng_layout(layout) == _rng_layout(now)
     sharded = _sharded_state_dict(models, optimizer, is_loading=True)
     if not same_layout:
         sharded.pop("rng_state")
+        if dist.get_rank() == 0:
+            _log.warning("%s was saved at TP=%s PP=%s, resuming at TP=%s PP=%s: model and "
+                         "optimizer are resharded; the RNG states are not restored (they are per "
+                         "TP/PP rank): they stay as this run's seeded start-up left them", path,
+                         layout.get("tensor_parallel"), layout.get("pipeline_parallel"),
+                         now["tensor_parallel"], now["pipeline_parallel"])
     loaded = dist_checkpointing.load(sharded, str(path))
     from megatron_dgpo.model import unwrap_model
 
@@ -163,6 +202,7 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+    saved["extra"] = {**saved.get("extra", {}), LAYOUT_KEY: now}
     return TrainerState(**saved)
 
 

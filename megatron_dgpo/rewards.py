@@ -12,7 +12,9 @@ as no answer (they are never a real final answer and are the classic parser-bomb
 Training reward, ``math_reward`` (the paper: ``math_verify`` after a format check, r in {-1, +1}):
     +1 if the boxed answer is equivalent to the ground truth under math-verify, else -1.
     Both sides are parsed with LaTeX and plain-expression extraction; numbers are compared after
-    rounding to 6 decimals (math-verify's default).
+    rounding to 6 decimals (math-verify's default). Before parsing, both sides drop text-mode
+    ``$`` delimiters but keep an escaped ``\\$`` (``strip_text_mode``): math-verify reads
+    ``\\$32,\\!348`` as 32348, while removing only its ``$`` left the unparsable ``\\32,\\!348``.
 
 Evaluation grader, ``eval_correct`` (the paper evaluates with a stricter, "conservative" grader,
 ``prime_math``; this is our equivalent, returning True/False). It differs from the training
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import re
 import threading
 import time
 from collections import deque
@@ -137,10 +140,29 @@ def _acceptable_answer(answer: str | None) -> bool:
     )
 
 
+# An unescaped "$": preceded by an even number (possibly zero) of backslashes.
+_TEXT_MATH_DELIMITER = re.compile(r"(?<!\\)((?:\\\\)*)\$")
+_PERIOD_AFTER_MATH = re.compile(r"(?<!\\)\$\s*\.$")  # "... $(0, 1)$." ends a sentence
+
+
+def strip_text_mode(answer: str) -> str:
+    """An answer written as text with inline math (``$69$,$84$``, ``$(-\\infty, 0)$.``) as math.
+
+    Every unescaped ``$`` is a text-mode math delimiter and is dropped; an escaped ``\\$`` is a
+    dollar sign (``\\$18.90``) and is kept, because math-verify reads it as currency and compares
+    the number. A sentence period right after the closing ``$`` (``...$.``) is dropped too; a
+    period inside the math is kept. The result is stripped.
+    """
+    s = answer.strip()
+    if _PERIOD_AFTER_MATH.search(s):
+        s = s[:-1]
+    return _TEXT_MATH_DELIMITER.sub(r"\1", s).strip()
+
+
 def normalize_ground_truth(ground_truth) -> str:
     """Ground truth of any published layout as one LaTeX string.
 
-    str: stripped, one pair of surrounding ``$`` removed; int; float (27.0 -> "27", 0.5 -> "0.5");
+    str: ``strip_text_mode`` (text-mode ``$`` delimiters dropped, ``\\$`` kept); int; float (27.0 -> "27", 0.5 -> "0.5");
     list/tuple of those (OlympiadBench's ``final_answer``): normalised items joined by ", ".
     Raises TypeError/ValueError naming the bad value.
     """
@@ -157,9 +179,7 @@ def normalize_ground_truth(ground_truth) -> str:
         return str(int(value)) if value == int(value) else repr(value)
     if not isinstance(ground_truth, str):
         raise TypeError(f"ground_truth must be a string, number or list, got {type(ground_truth).__name__}")
-    s = ground_truth.strip()
-    # "$69$,$84$" -> "69,84": dollar signs are text-mode delimiters, never part of the math.
-    s = s.replace("$", "").strip()
+    s = strip_text_mode(ground_truth)
     if not s:
         raise ValueError(f"ground_truth is empty: {ground_truth!r}")
     return s
@@ -181,6 +201,7 @@ def _parse(expr: str, plain_fallback: bool, timeout_s):
     """
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
+    expr = strip_text_mode(expr)  # a "$" inside would close the "$...$" wrapper early
     parsed = parse("$" + expr + "$", extraction_config=[LatexExtractionConfig()], parsing_timeout=timeout_s)
     if plain_fallback and not any(not isinstance(p, str) for p in parsed):
         plain = parse(expr, extraction_config=[ExprExtractionConfig()], parsing_timeout=timeout_s)

@@ -13,10 +13,15 @@ Gradients, with g = dL/dlog p(t) and h = dL/dH (per token), p = softmax(x):
 
 Per chunk of tokens the forward needs two all-reduces (MAX of m; SUM of S, sum p z, z_t): three
 floats per token cross the network, never the vocabulary. The backward recomputes softmax from
-the saved (m, log S, H) one chunk at a time and writes each chunk's gradient into the one
-gradient tensor autograd needs anyway. Nothing is written into ``logits``; no one-hot is built
-(the target column is updated with a scatter); bf16/fp16 logits are upcast chunk by chunk, so at
-most ~two float32 chunks ([chunk_size, V_l]) are alive besides the gradient.
+the saved (m, S, c = sum_j p_j z_j) one chunk at a time as p = exp(z) / S and uses
+log p + H = z - c. Both avoid a large rounded shift: exp(x - (m + log S)) with m + log S rounded
+to float32 has a relative error of ~|m + log S| * 6e-8 in every p (gradient errors of 1.6e-6,
+9.4e-6 with the entropy term, on rows of scale 16 over 152064 columns; now <= 2e-7), while
+x - m is exact where p is large. The backward writes each
+chunk's gradient into the one gradient tensor autograd needs anyway. Nothing is written into
+``logits``; no one-hot is built (the target column is updated with a scatter); bf16/fp16 logits
+are upcast chunk by chunk, so at most ~two float32 chunks ([chunk_size, V_l]) are alive besides
+the gradient.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class _LogprobsEntropy(torch.autograd.Function):
 
         f32 = dict(dtype=torch.float32, device=logits.device)
         row_max = torch.empty(n_tokens, **f32)
-        log_sum = torch.empty(n_tokens, **f32)
+        sum_exp = torch.empty(n_tokens, **f32)  # S
+        mean_z = torch.empty(n_tokens, **f32)  # c = sum_j p_j z_j = log S - H
         logp = torch.empty(n_tokens, **f32)
         entropy = torch.empty(n_tokens, **f32)
         # two float32 work buffers for the whole call (fresh allocations per chunk cost page
@@ -106,11 +112,12 @@ class _LogprobsEntropy(torch.autograd.Function):
             _all_reduce(sums, dist.ReduceOp.SUM, group, size)
             ls = sums[0].log()
             row_max[start:end] = m
-            log_sum[start:end] = ls
+            sum_exp[start:end] = sums[0]
+            mean_z[start:end] = sums[1] / sums[0]
             logp[start:end] = sums[2] - ls
-            entropy[start:end] = ls - sums[1] / sums[0]
+            entropy[start:end] = ls - mean_z[start:end]
 
-        ctx.save_for_backward(logits, local_t, in_shard, row_max, log_sum, entropy)
+        ctx.save_for_backward(logits, local_t, in_shard, row_max, sum_exp, mean_z)
         ctx.setup = (temperature, chunk, n_valid, entropy_grad)
         logp, entropy = logp.view(targets.shape), entropy.view(targets.shape)
         if not entropy_grad:
@@ -119,7 +126,7 @@ class _LogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, local_t, in_shard, row_max, log_sum, entropy = ctx.saved_tensors
+        logits, local_t, in_shard, row_max, sum_exp, mean_z = ctx.saved_tensors
         temperature, chunk, n_valid, entropy_grad = ctx.setup
         vocab_local = logits.shape[-1]
         flat = logits.reshape(-1, vocab_local)
@@ -133,7 +140,7 @@ class _LogprobsEntropy(torch.autograd.Function):
             grad[:, n_valid:].zero_()  # TP padding columns are outside the distribution
         g = g / temperature  # fold the 1/T of dx/dlogits into the per-token weights
         h = h / temperature if h is not None else None
-        shift = row_max + temperature * log_sum  # (x - shift) / T = log p
+        neg_inv_s = -1.0 / sum_exp  # p = exp(z) / S, the 1/S folded into a per-row multiply
         in_place = grad.dtype == torch.float32  # write straight into the gradient's rows
         f32 = dict(dtype=torch.float32, device=grad.device)
         shape = (min(chunk, n_tokens), n_valid)
@@ -145,16 +152,17 @@ class _LogprobsEntropy(torch.autograd.Function):
                 break
             rows = grad[start:end, :n_valid]
             work = rows if in_place else work_buf[:end - start]
-            torch.sub(flat[start:end, :n_valid], shift[start:end, None], out=work)
+            torch.sub(flat[start:end, :n_valid], row_max[start:end, None], out=work)
             if temperature != 1.0:
-                work.div_(temperature)  # log p
+                work.div_(temperature)  # z, exactly as the forward computed it
             gc = g[start:end, None]
+            scale = neg_inv_s[start:end, None]
             if h is not None:
-                p = torch.exp(work, out=p_buf[:end - start])
-                work.add_(entropy[start:end, None]).mul_(h[start:end, None]).add_(gc)
-                work.mul_(p).neg_()  # -p (g + h (log p + H)) / T
+                e = torch.exp(work, out=p_buf[:end - start])  # S p
+                work.sub_(mean_z[start:end, None]).mul_(h[start:end, None]).add_(gc)
+                work.mul_(e).mul_(scale)  # -p (g + h (log p + H)) / T, log p + H = z - c
             else:
-                work.exp_().mul_(-gc)  # -g p / T
+                work.exp_().mul_(gc * scale)  # -g p / T
             hit = torch.where(in_shard[start:end], g[start:end], 0.0)
             work.scatter_add_(1, local_t[start:end, None], hit[:, None])  # + g 1[j=t] / T
             if not in_place:

@@ -128,11 +128,14 @@ def checkpoint_round_trip(rank, world, root):
                 dtype=torch.float32)
     for step in (1, 2):
         step_if_finite(optimizer, models, _grads(models).loss)
+        # a stale layout (as a run resumed from another layout carries): the save records its own
         save_checkpoint(root, TrainerState(step=step, prompts_consumed=32 * step,
-                                           extra={"layout": {"tensor_parallel": 2,
-                                                             "pipeline_parallel": 1}}),
+                                           extra={"layout": {"tensor_parallel": 8,
+                                                             "pipeline_parallel": 3},
+                                                  "note": "kept"}),
                         models, optimizer, keep_last=1, **meta)
     saved = _params(models)
+    drawn = torch.rand(4)  # the RNG state saved at this layout is restored on load
     step_if_finite(optimizer, models, _grads(models).loss)
     after_next = _params(models)
 
@@ -140,10 +143,12 @@ def checkpoint_round_trip(rank, world, root):
     differs_before = any(not torch.equal(saved[n], p) for n, p in _params(fresh).items())
     state = load_checkpoint(latest_checkpoint(root), fresh, fresh_optimizer)
     loaded_equal = all(torch.equal(saved[n], p) for n, p in _params(fresh).items())
+    rng_restored = torch.equal(torch.rand(4), drawn)
     step_if_finite(fresh_optimizer, fresh, _grads(fresh).loss)
     next_equal = all(torch.equal(after_next[n], p) for n, p in _params(fresh).items())
     return {"differs_before": differs_before, "loaded_equal": loaded_equal,
-            "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed}
+            "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed,
+            "rng_restored": rng_restored, "extra": state.extra}
 
 
 def _adam(optimizer):

@@ -66,3 +66,35 @@ def tp_cases_fn(rank, world_size):
                     unmodified=bool(torch.equal(shard.detach(), before)),
                     grad_dtype=str(shard.grad.dtype)))
     return out
+
+
+QWEN2_VOCAB = 152064
+LARGE_SCALES = (1.0, 4.0, 16.0)
+
+
+def large_vocab_grad_errors(rank, world_size):
+    """Max |gradient error| against the float64 reference on float32 rows of scale 1..16 over the
+    Qwen2 vocabulary, this rank's shard of a TP=world_size split (world_size 1: one process).
+
+    Cases: log-probs only at T = 1, and log-probs + entropy gradient at T = 0.7.
+    """
+    group = dist.group.WORLD if world_size > 1 else None
+    width = QWEN2_VOCAB // world_size
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for scale in LARGE_SCALES:
+        full = torch.randn(4, QWEN2_VOCAB, generator=gen) * scale
+        targets = torch.randint(0, QWEN2_VOCAB, (4,), generator=gen)
+        g = torch.randn(4, generator=gen)
+        h = torch.randn(4, generator=gen)
+        for temperature, entropy_grad in ((1.0, False), (0.7, True)):
+            shard = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
+            logp, ent = logprobs_and_entropy(shard, targets, group=group, temperature=temperature,
+                                             entropy_grad=entropy_grad)
+            ((g * logp).sum() + ((h * ent).sum() if entropy_grad else 0.0)).backward()
+            _, _, want = reference(full.double(), targets, temperature, QWEN2_VOCAB, g,
+                                   h if entropy_grad else None)
+            err = (shard.grad.double() - want[:, rank * width:(rank + 1) * width]).abs().max()
+            out.append(dict(tp=world_size, scale=scale, temperature=temperature,
+                            entropy_grad=entropy_grad, err=float(err)))
+    return out

@@ -30,11 +30,21 @@ def test_non_finite_updates_are_skipped_on_every_rank(optimizer_results):
         assert result["clean_step"] is True
 
 
+LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1}
+
+
 def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     results = run_ranks(fns.checkpoint_round_trip, 2, str(tmp_path))
     for result in results:
         assert result["differs_before"] and result["loaded_equal"] and result["next_equal"]
         assert (result["step"], result["consumed"]) == (2, 64)
+        assert result["rng_restored"]
+        assert result["extra"] == {"layout": LAYOUT, "note": "kept"}
+    # the layout recorded is the one saved at (TP=2), not the stale one in the state passed in
+    import json
+
+    record = json.loads((tmp_path / "step_000002" / "trainer_state.json").read_text())
+    assert record["extra"] == {"layout": LAYOUT, "note": "kept"}
     assert (tmp_path / "latest").read_text().strip() == "step_000002"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
     # A training checkpoint is also a converter checkpoint: it exports to HF.

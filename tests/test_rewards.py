@@ -46,6 +46,11 @@ def test_normalize_ground_truth_layouts():
     assert normalize_ground_truth(" 70 ") == "70"
     assert normalize_ground_truth(["$69$,$84$"]) == "69,84"
     assert normalize_ground_truth(["$2$", "$3$"]) == "2, 3"
+    # an escaped dollar is a currency sign, not a delimiter: it stays for math-verify to read
+    assert normalize_ground_truth(r"\$18.90") == r"\$18.90"
+    assert normalize_ground_truth(r"\$32,\!348") == r"\$32,\!348"
+    assert normalize_ground_truth(["$(-\\infty, 0) \\cup\\{1\\}$."]) == r"(-\infty, 0) \cup\{1\}"  # sentence period
+    assert normalize_ground_truth(r"x+$ $\dot{x}") == r"x+ \dot{x}"
     for bad in ("", [], True, None, float("nan")):
         with pytest.raises((TypeError, ValueError)):
             normalize_ground_truth(bad)
@@ -67,6 +72,43 @@ def test_training_reward_and_eval_grader_differ_as_documented():
     assert eval_correct(r"\boxed{\frac{1}{3}}", r"\frac{1}{3}") is True
 
 
+# (reference as published, boxed answer, equivalent?) - MATH-500's currency, thousands-separator
+# and text-unit references; the currency ones scored -1 even when boxed verbatim.
+REFERENCE_FORMS = [
+    (r"\$18.90", r"\$18.90", True),
+    (r"\$18.90", "18.9", True),
+    (r"\$18.90", "19.80", False),
+    (r"\$32,\!348", r"\$32,\!348", True),
+    (r"\$32,\!348", "32348", True),
+    (r"\$32,\!348", "32,348", True),
+    (r"\$32,\!348", "32,349", False),
+    (r"\$36", r"\$36", True),
+    (r"\$36", "36", True),
+    (r"\$36", r"\$37", False),
+    (r"10,\!080", "10080", True),
+    (r"11,\! 111,\! 111,\! 100", "11111111100", True),
+    ("58,500", "58500", True),
+    ("58,500", "58,501", False),
+    (r"5.4 \text{ cents}", r"5.4 \text{ cents}", True),
+    (r"5.4 \text{ cents}", "5.4", True),
+    (r"5.4 \text{ cents}", "5.5", False),
+    (r"864 \mbox{ inches}^2", "864", True),
+    (r"15\mbox{ cm}^2", "16", False),
+    (r"\frac{270}7\text{ degrees}", r"\frac{270}{7}", True),
+    (r"\text{(C)}", r"\text{(D)}", False),
+    (r"$(-\infty, 0) \cup\{1\}$.", r"(-\infty,0)\cup\{1\}", True),
+    (r"$(-\infty, 0) \cup\{1\}$.", r"(-\infty,0)\cup\{2\}", False),
+]
+
+
+@pytest.mark.parametrize("reference,boxed,equivalent", REFERENCE_FORMS)
+def test_currency_thousands_and_unit_references(reference, boxed, equivalent):
+    response = f"Reasoning.\n\nThe answer is $\\boxed{{{boxed}}}$."
+    assert math_reward(response, reference) == (1.0 if equivalent else -1.0)
+    assert eval_correct(response, reference) is equivalent
+    assert math_reward(f"The answer is {boxed}", reference) == -1.0  # unboxed
+
+
 def test_math_reward_outside_main_thread():
     out = {}
     t = threading.Thread(target=lambda: out.update(r=math_reward(r"\boxed{\frac{6}{8}}", "3/4")))
@@ -83,7 +125,26 @@ def _wrong(gt: str) -> str:
     return gt[: m.start()] + str(int(m.group()) + 1) + gt[m.end():]
 
 
+def _published_references(path) -> list:
+    """The raw reference answers of one benchmark file, read straight from its published layout
+    (../shared/benchmarks/README.md), independently of data.py's loader."""
+    refs = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "final_answer" in row:  # olympiadbench: a list of LaTeX strings
+            refs.append(row["final_answer"])
+        elif "answer" in row:  # aime24/25 (string), amc23 (float), math500 (LaTeX)
+            refs.append(row["answer"])
+        else:  # minerva_math: the last \boxed{} of the solution
+            refs.append(last_boxed(row["solution"]))
+    return refs
+
+
 def test_every_benchmark_item_graded_right_and_wrong(pool):
+    """A response boxing the reference exactly as published scores +1 (both graders), for every
+    item of the six benchmarks; a different answer and an unboxed answer score -1."""
     bench_dir = find_benchmarks_dir()
     if bench_dir is None:
         pytest.skip("benchmark folder ../shared/benchmarks (or $DGPO_BENCHMARKS_DIR) is absent")
@@ -91,15 +152,21 @@ def test_every_benchmark_item_graded_right_and_wrong(pool):
     assert set(files) == {"aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"}
     records = [r for name, path in files.items() for r in load_benchmark(path, name)]
     assert len(records) == 30 + 30 + 40 + 500 + 272 + 675
+    items = [(name, ref) for name, path in files.items() for ref in _published_references(path)]
+    assert len(items) == len(records)
     responses, gts = [], []
-    for r in records:
-        responses += [f"Reasoning.\n\nThe answer is \\boxed{{{r.ground_truth}}}", f"So \\boxed{{{_wrong(r.ground_truth)}}}", f"The answer is {r.ground_truth}"]
-        gts += [r.ground_truth] * 3
+    for _, ref in items:
+        text = ", ".join(ref) if isinstance(ref, list) else str(ref)
+        responses += [f"Reasoning.\n\nThe answer is \\boxed{{{text}}}", f"So \\boxed{{{_wrong(text)}}}", f"The answer is {text}"]
+        gts += [ref] * 3
     scores = pool.score(responses, gts, grader="train")
-    failures = [(records[i // 3].source, records[i // 3].id, responses[i]) for i, s in enumerate(scores) if s != (1.0 if i % 3 == 0 else -1.0)]
-    assert not failures, failures[:5]
     right = pool.score(responses[::3], gts[::3], grader="eval")
-    assert right == [1.0] * len(records)
+    failures = [(items[i // 3][0], responses[i]) for i, s in enumerate(scores) if s != (1.0 if i % 3 == 0 else -1.0)]
+    failures += [(items[i][0], "eval", responses[3 * i]) for i, s in enumerate(right) if s != 1.0]
+    per_benchmark = {name: sum(1 for f in failures if f[0] == name) for name in files}
+    assert not failures, (per_benchmark, failures[:5])
+    # the loader's normalised ground truth grades the same verbatim answers right
+    assert pool.score(responses[::3], [r.ground_truth for r in records], grader="eval") == [1.0] * len(records)
 
 
 HOSTILE = [
