@@ -305,3 +305,106 @@ def load_model(path, **kwargs) -> list:
     from megatron_dgpo.convert.loading import load_model as _load  # convert imports this module
 
     return _load(path, **kwargs)
+
+
+# ------------------------------------------------------------------ the policy of a training job
+
+def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
+             use_distributed_optimizer: bool = False, bucket_size: int | None = None) -> list:
+    """Wrap model chunks in Megatron's ``DistributedDataParallel`` (gradients in ``main_grad``).
+
+    Chunks after the first skip bucketing, as Megatron's training loop does for VPP.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
+    return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
+                                    disable_bucketing=i > 0) for i, m in enumerate(models)]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of a recipe's dtype name (``model.dtype``, ``checkpoint.export_dtype``)."""
+    return _DTYPES[name]
+
+
+def initial_model(config, run_dir, seed: int):
+    """Collective: the HF folder (``Path``) of the initial policy of ``config`` (a recipe's
+    ``ModelConfig``). ``model.tiny`` creates one once under ``<run_dir>/initial_model`` (kept for
+    resuming); a hub id is downloaded on rank 0; a folder is used as it is."""
+    import torch.distributed as dist
+    from pathlib import Path
+
+    target = _materialise_model(config, Path(run_dir), seed) if dist.get_rank() == 0 else None
+    box = [str(target) if target else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _materialise_model(config, run_dir, seed: int):
+    import shutil
+    from pathlib import Path
+
+    if config.tiny is not None:
+        from megatron_dgpo.tiny import make_tiny_model
+
+        target = run_dir / "initial_model"
+        if not (target / "config.json").is_file():
+            staging = run_dir / ".initial_model.incomplete"
+            shutil.rmtree(staging, ignore_errors=True)
+            make_tiny_model(staging, **{"seed": seed, **config.tiny})
+            os.replace(staging, target)
+        return target
+    if Path(config.path).is_dir():
+        if not (Path(config.path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {config.path} has no config.json")
+        return Path(config.path)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"model.path: {config.path} is not a folder and HF_HUB_OFFLINE=1")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(config.path, allow_patterns=["*.json", "*.safetensors",
+                                                                "*.model", "*.txt", "*.jinja"]))
+
+
+def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
+    """Collective: ``(models, hf_config, dtype)``: this rank's DDP-wrapped chunks of the policy
+    loaded from ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, the HF config and
+    the parameter dtype. bf16 models get Megatron's Float16Module (fp32 logits out)."""
+    from megatron_dgpo.convert.safetensors_io import read_hf_config
+
+    dtype = dtype_named(config.dtype)
+    overrides = {"bf16": True} if dtype == torch.bfloat16 else {}
+    if config.recompute_activations:
+        overrides.update(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
+    chunks = load_model(str(hf_dir), dtype=dtype, **overrides)
+    if dtype == torch.bfloat16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = []
+        for chunk in chunks:
+            wrapper = Float16Module(chunk.config, chunk)
+            wrapper.hf_spec = chunk.hf_spec
+            wrapped.append(wrapper)
+        chunks = wrapped
+    models = wrap_ddp(chunks, use_distributed_optimizer=use_distributed_optimizer)
+    return models, read_hf_config(str(hf_dir)), dtype
+
+
+def count_parameters(hf_dir) -> float:
+    """Parameters of the HF checkpoint in ``hf_dir`` (for ``optimizer.lr: auto`` without
+    ``model.nominal_params``), read from the safetensors headers."""
+    from megatron_dgpo.convert.safetensors_io import LazyHFReader
+
+    reader = LazyHFReader(str(hf_dir))
+    return float(sum(math.prod(reader.shape_dtype(name)[0]) for name in reader.names()))
+
+
+def padded_vocab_of(models: list) -> int:
+    """The (TP-padded) vocabulary size the live model was built with."""
+    return int(unwrap_model(models[0]).vocab_size)

@@ -161,21 +161,6 @@ class StepResult:
     summary: dict
 
 
-def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
-             use_distributed_optimizer: bool = False, bucket_size: int | None = None) -> list:
-    """Wrap model chunks in Megatron's ``DistributedDataParallel`` (gradients in ``main_grad``).
-
-    Chunks after the first skip bucketing, as Megatron's training loop does for VPP.
-    """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
-    return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
-                                    disable_bucketing=i > 0) for i, m in enumerate(models)]
-
-
 def _attention_mask(mb: MicroBatch) -> Tensor:
     """[B or 1, 1, S, S] bool, True = masked: causal, block-diagonal within segments."""
     if mb.attention_mask is not None:
@@ -291,7 +276,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
                          "step's 1/N normalisation relies on it); build it with "
                          "megatron_dgpo.model.build_model")
     if not all(hasattr(m, "zero_grad_buffer") for m in models):
-        raise TypeError("train_step needs models wrapped by train_step.wrap_ddp")
+        raise TypeError("train_step needs models wrapped by model.wrap_ddp")
     for i, mb in enumerate(micro_batches):
         _check_micro_batch(mb, i, need_loss_inputs=True)
     vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size

@@ -96,7 +96,7 @@ def packed_micro_batches(n_rows: int):
 def _build(cfg, tp, pp):
     from megatron_dgpo.model import build_model
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.train_step import wrap_ddp
+    from megatron_dgpo.model import wrap_ddp
 
     initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=5)
     chunks = build_model(cfg)

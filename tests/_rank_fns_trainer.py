@@ -17,7 +17,7 @@ def _setup(seed: int = 5):
     from megatron_dgpo.optimizer import build_optimizer
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.recipe import OptimizerConfig
-    from megatron_dgpo.train_step import wrap_ddp
+    from megatron_dgpo.model import wrap_ddp
 
     from megatron.core import parallel_state
 

@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
-from megatron_dgpo.components import mismatch_metrics, prompts
-from megatron_dgpo.data import boxed_instruction, PromptRecord
+from megatron_dgpo.data import boxed_instruction, load_prompts, PromptRecord
 from megatron_dgpo.experience import Experience, pack_update, plan_updates, prompt_order
-from megatron_dgpo.recipe import DataConfig, RolloutConfig
-from megatron_dgpo.rollout import logprob_mismatch
+from megatron_dgpo.recipe import DataConfig
+from megatron_dgpo.rollout.mismatch import logprob_mismatch, mismatch_metrics
 
 DAPO = ("Solve the following math problem step by step. The last line of your response should "
         "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
@@ -59,7 +58,7 @@ def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
             start = ends[k] + len(batch.prompt_tokens[sample]) - 1
             old[start:start + len(trainer[sample])] = trainer[sample]
         row.per_token["old_logprobs"] = old
-    got = mismatch_metrics(rows)
+    got = mismatch_metrics(rows).as_dict()
     width = max(len(t) for t in trainer)
     pad = lambda xs: torch.stack([torch.cat([torch.tensor(x, dtype=torch.float64).reshape(-1),
                                              torch.zeros(width - len(x))]) for x in xs])
@@ -85,8 +84,8 @@ def test_prompts_from_a_dapo_file_are_rewritten_rendered_and_length_filtered(tmp
             for p, a in (("What is 2+3?", "5"), ("Long " * 300 + "problem?", "1"))]
     path = tmp_path / "dapo.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    kept, tokenizer = prompts(DataConfig(source=str(path), boxed_instruction=True),
-                              RolloutConfig(max_prompt_tokens=200), tiny_model_dir)
+    kept, tokenizer = load_prompts(DataConfig(source=str(path), boxed_instruction=True),
+                                   tiny_model_dir, max_prompt_tokens=200)
     assert [record.ground_truth for record, _ in kept] == ["5"]  # the long one is dropped
     text = tokenizer.decode(kept[0][1])
     assert "\\boxed{}" in text and "Answer:" not in text and text.endswith("assistant\n")
