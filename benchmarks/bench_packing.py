@@ -53,6 +53,7 @@ def main() -> None:
     from megatron_dgpo.packing import Sample, pack, to_micro_batch
     from megatron_dgpo.parallel import (ParallelConfig, destroy_parallel, init_distributed,
                                         initialize_parallel)
+    from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.train_step import LossConfig, padded_micro_batch, train_step, wrap_ddp
 
     init_distributed()
@@ -81,7 +82,7 @@ def main() -> None:
               for group in (samples[i:i + args.rows]
                             for i in range(0, len(samples), args.rows))]
     packed = [to_micro_batch(row) for row in pack(samples, budget=args.max_len)]
-    loss = LossConfig(method="dgpo", hyperparams=dict(n=1, m=2))
+    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams(n=1, m=2))
 
     results = {}
     for name, micro_batches in (("padded", padded), ("packed", packed)):

@@ -126,11 +126,7 @@ def update_metrics(merged: dict, grad_norms: list[float], skipped: int, lr: floa
     norms (mean and max of the finite ones), skipped updates and the learning rate."""
     from megatron_dgpo.losses import summarize_metrics
 
-    summary = summarize_metrics(merged)
-    tokens = float(merged["tokens_count"])
-    out = {f"train/{k}": v for k, v in summary.items()}
-    out["train/entropy"] = float(merged["entropy_sum"]) / tokens if tokens else math.nan
-    out["train/loss"] = float(merged["loss_sum"]) / tokens if tokens else math.nan
+    out = {f"train/{k}": v for k, v in summarize_metrics(merged).items()}
     finite = [g for g in grad_norms if math.isfinite(g)]
     out["train/grad_norm"] = sum(finite) / len(finite) if finite else math.nan
     out["train/grad_norm_max"] = max(finite) if finite else math.nan

@@ -46,7 +46,6 @@ ignores arbitrary masks. The THD path needs a GPU with TE and is not exercised b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from functools import partial
 
@@ -54,7 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_dgpo.losses import merge_metrics, policy_loss, reduce_metrics, summarize_metrics
+from megatron_dgpo.losses import (LossHyperparams, LossMetrics, merge_metrics, policy_loss,
+                                  reduce_metrics, summarize_metrics)
 from megatron_dgpo.model import unwrap_model, use_transformer_engine
 from megatron_dgpo.packing import block_causal_mask
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
@@ -140,8 +140,8 @@ class LossConfig:
     method: str = "dgpo"
     temperature: float = 1.0
     """Sampling temperature: logits are divided by it, as in the rollout sampler."""
-    hyperparams: dict = field(default_factory=dict)
-    """Keyword arguments of ``policy_loss``: eps_low, eps_high, n, m, beta1, beta2, ..."""
+    hyperparams: LossHyperparams = field(default_factory=LossHyperparams)
+    """The loss's hyper-parameters (a recipe's ``algorithm.loss``)."""
     chunk_size: int | None = None
     """Tokens per chunk in ``logprobs_and_entropy`` (default: ``vocab_parallel.default_chunk_size``)."""
 
@@ -150,15 +150,19 @@ class LossConfig:
 class StepResult:
     """What one ``train_step`` returns, identical on every rank.
 
-    loss: L of the module docstring (float). num_tokens: N. metrics: reduced mergeable sums
-    (``losses.loss_metrics`` keys + ``entropy_sum``, ``loss_sum``). summary: readable numbers
-    (``losses.summarize_metrics`` + ``entropy/mean`` + ``loss``).
+    loss: L of the module docstring (float). num_tokens: N. metrics: the reduced
+    ``losses.LossMetrics`` (``losses.loss_metrics`` + sums ``entropy_sum``, ``loss_sum``).
     """
 
     loss: float
     num_tokens: int
-    metrics: dict
-    summary: dict
+    metrics: LossMetrics
+
+    @property
+    def summary(self) -> dict[str, float]:
+        """Readable numbers: ``losses.summarize_metrics`` of ``metrics`` (with ``entropy`` and
+        ``loss`` per token)."""
+        return summarize_metrics(self.metrics)
 
 
 def _attention_mask(mb: MicroBatch) -> Tensor:
@@ -308,10 +312,10 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         logp, entropy = logprobs_and_entropy(logits, mb.labels, temperature=loss.temperature,
                                              chunk_size=loss.chunk_size, vocab_size=vocab_size)
         loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs, mb.advantages,
-                                        mb.loss_mask, num_tokens=1.0, **loss.hyperparams)
+                                        mb.loss_mask, loss.hyperparams, num_tokens=1.0)
         valid = mb.loss_mask.bool()
-        metrics["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
-        metrics["loss_sum"] = loss_sum.detach().double()
+        metrics.sums["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
+        metrics.sums["loss_sum"] = loss_sum.detach().double()
         parts.append(metrics)
         return loss_sum, valid.sum().to(torch.int), {}
 
@@ -322,12 +326,8 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
 
     merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
     reduced = reduce_metrics(merged, group=_dp_group())
-    summary = summarize_metrics(reduced)
-    tokens = float(reduced["tokens_count"])
-    summary["entropy/mean"] = float(reduced["entropy_sum"]) / tokens if tokens else math.nan
     loss_value = float(reduced["loss_sum"]) / num_tokens if num_tokens else 0.0
-    summary["loss"] = loss_value
-    return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced, summary=summary)
+    return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced)
 
 
 def _metrics_from_last_stage(merged: dict | None) -> dict:

@@ -54,7 +54,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
         state = load_checkpoint(latest, models, optimizer)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     loss_cfg = LossConfig(method=cfg.algorithm.method, temperature=cfg.rollout.temperature,
-                          hyperparams=vars(cfg.algorithm.loss), chunk_size=cfg.train.log_prob_chunk_size)
+                          hyperparams=cfg.algorithm.loss, chunk_size=cfg.train.log_prob_chunk_size)
     group, num_updates = cfg.rollout.group_size, cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
     engine = pool = logger = None
     try:
@@ -62,7 +62,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
             save_recipe(cfg, run_dir)
             prompts, tokenizer = data.load_prompts(cfg.data, hf_dir, cfg.rollout.max_prompt_tokens)
             engine, pool = build_engine(cfg.rollout, hf_dir), reward_pool()
-        logger = MetricsLogger(run_dir, cfg.logging, enabled=rank0)
+        logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
         logger.truncate_after(state.step)
         if state.step:  # resumed: the engine starts from the initial weights
             _refit(models, engine)

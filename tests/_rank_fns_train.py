@@ -12,7 +12,7 @@ from tests._rank_fns_model import (TINY_QWEN2, gather_tensor, global_name, hf_mo
 LENGTHS = (9, 24, 13, 17, 20, 11, 15, 22)
 PROMPTS = (4, 6, 3, 5, 7, 4, 6, 5)
 METHOD = "dgpo"
-HYPER = dict(eps_low=0.2, eps_high=0.28)
+HYPER = dict(eps_low=0.2, eps_high=0.28)  # LossHyperparams(**HYPER)
 
 
 def sequences():
@@ -120,16 +120,17 @@ def _grads(models, vocab):
 
 
 def _step(models, mbs):
+    from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.train_step import LossConfig, train_step
 
-    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=HYPER))
+    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=LossHyperparams(**HYPER)))
 
 
 def reference_fn(rank, world_size):
     """Single rank: the reference (1 micro-batch) and the 2/4/8-micro-batch runs."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.losses import policy_loss
+    from megatron_dgpo.losses import LossHyperparams, policy_loss
     from megatron_dgpo.parallel import destroy_parallel
     from megatron_dgpo.train_step import forward_logprobs
 
@@ -158,7 +159,7 @@ def reference_fn(rank, world_size):
         want_ent = -(logsm.exp() * logsm).sum(-1)
         (logp1, ent1), = forward_logprobs(models, [mb])
         loss64, _ = policy_loss(METHOD, logp1.double(), mb.old_logprobs.double(),
-                                mb.advantages.double(), mb.loss_mask, **HYPER)
+                                mb.advantages.double(), mb.loss_mask, LossHyperparams(**HYPER))
         results[tied] = dict(
             loss=ref.loss, num_tokens=ref.num_tokens, metrics=ref.metrics, summary=ref.summary,
             grads=grads, pad_ok=pad_ok, runs=runs,

@@ -125,6 +125,7 @@ def test_bad_input_names_the_sample(bad, message):
 
 def _packing_gradient_fn(rank, world_size):
     """Same samples through train_step padded (2 per micro-batch) and packed: same gradient."""
+    from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.model import build_model
     from megatron_dgpo.packing import to_micro_batch
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
@@ -139,7 +140,7 @@ def _packing_gradient_fn(rank, world_size):
         s.per_token["advantages"] = torch.linspace(-1.5, 1.5, len(s.per_token["advantages"]),
                                                    dtype=torch.float64) ** 3
         s.per_token["old_logprobs"] = s.per_token["old_logprobs"] - 5.5
-    loss = LossConfig(method="dgpo", hyperparams=dict(n=2, m=2))
+    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams(n=2, m=2))
 
     def grads():
         return {n: p.main_grad.clone() for n, p in models[0].module.named_parameters()}
