@@ -28,7 +28,6 @@ from megatron_dgpo.experience import (Experience, pack_update, plan_updates, pro
                                       rollout_metrics)
 from megatron_dgpo.losses import merge_metrics
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
-from megatron_dgpo.packing import to_micro_batch
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.recipe import RunConfig, save_recipe
 from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
@@ -90,17 +89,17 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
                                        pad_multiple=cfg.parallel.tensor_parallel) for indices in plan]
                 rows = [row for rows_u in updates for row in rows_u]
-                outputs = forward_logprobs(models, [to_micro_batch(r) for r in rows],
+                outputs = forward_logprobs(models, rows,
                                            temperature=cfg.rollout.temperature,
                                            chunk_size=cfg.train.log_prob_chunk_size)
                 for row, (logp, _) in zip(rows, outputs):
-                    row.per_token["old_logprobs"] = torch.where(row.loss_mask, logp[0], 0.0)
+                    row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
                 mismatch = mismatch_metrics(rows, ps.get_data_parallel_group()).as_dict()
 
             with timer("update"):
                 parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
                 for rows_u in updates:
-                    result = train_step(models, [to_micro_batch(r) for r in rows_u], loss_cfg)
+                    result = train_step(models, rows_u, loss_cfg)
                     stepped, grad_norm = step_if_finite(optimizer, models, result.loss)
                     skipped += not stepped
                     parts.append(result.metrics)

@@ -57,7 +57,7 @@ def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
         for k, sample in enumerate(row.sample_indices):
             start = ends[k] + len(batch.prompt_tokens[sample]) - 1
             old[start:start + len(trainer[sample])] = trainer[sample]
-        row.per_token["old_logprobs"] = old
+        row.old_logprobs = old
     got = mismatch_metrics(rows).as_dict()
     width = max(len(t) for t in trainer)
     pad = lambda xs: torch.stack([torch.cat([torch.tensor(x, dtype=torch.float64).reshape(-1),
@@ -91,7 +91,7 @@ def test_prompts_from_a_dapo_file_are_rewritten_rendered_and_length_filtered(tmp
     assert "\\boxed{}" in text and "Answer:" not in text and text.endswith("assistant\n")
 
 
-def test_thd_cu_seqlens_from_segment_ids_equal_the_packers():
+def test_thd_params_carry_the_packers_cu_seqlens():
     from megatron_dgpo.train_step import _packed_seq_params
 
     batch = Experience(prompt_tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9]],
@@ -99,6 +99,6 @@ def test_thd_cu_seqlens_from_segment_ids_equal_the_packers():
                        rollout_logprobs=[[0.0] * 2, [0.0] * 4, [0.0]], rewards=[0.0] * 3,
                        truncated=[False] * 3, advantages=torch.zeros(3))
     (row,) = pack_update(batch, [0, 1, 2], budget=64, pad_multiple=4)
-    params = _packed_seq_params(row.segment_ids()[None])
+    params = _packed_seq_params(row, "cpu")
     assert torch.equal(params.cu_seqlens_q, row.cu_seqlens) and params.qkv_format == "thd"
     assert params.max_seqlen_q == int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max())

@@ -81,7 +81,7 @@ def mismatch_metrics(micro_batches, group=None) -> MismatchStats:
     sums = torch.zeros(5, dtype=torch.float64)
     largest = torch.zeros(1, dtype=torch.float64)
     for mb in micro_batches:
-        d = mb.per_token["old_logprobs"].double() - mb.per_token["rollout_logprobs"].double()
+        d = mb.old_logprobs.double() - mb.rollout_logprobs.double()
         widths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long()
         sequence = torch.repeat_interleave(torch.arange(len(widths)), widths)
         part, top = _partial_sums(d, mb.loss_mask.bool(), sequence, len(widths))

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megatron_dgpo.rollout.base import RolloutEngine, Sample, check_generate_args
+from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
 
 
 @dataclass
@@ -129,7 +129,7 @@ class VLLMEngine(RolloutEngine):
         max_tokens: int = 256,
         seed: int | None = None,
         use_tqdm: bool = False,
-    ) -> list[list[Sample]]:
+    ) -> list[list[Completion]]:
         from vllm import SamplingParams
 
         self._check_open()
@@ -152,14 +152,14 @@ class VLLMEngine(RolloutEngine):
         return [self._samples(i, out) for i, out in enumerate(outputs)]
 
     @staticmethod
-    def _samples(prompt_index: int, request_output) -> list[Sample]:
+    def _samples(prompt_index: int, request_output) -> list[Completion]:
         samples = []
         for comp in sorted(request_output.outputs, key=lambda c: c.index):
             token_ids = list(comp.token_ids)
             if comp.logprobs is None or len(comp.logprobs) != len(token_ids):
                 raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {prompt_index}")
             logprobs = [float(pos[tok].logprob) for pos, tok in zip(comp.logprobs, token_ids)]
-            samples.append(Sample(prompt_index, token_ids, logprobs, str(comp.finish_reason)))
+            samples.append(Completion(prompt_index, token_ids, logprobs, str(comp.finish_reason)))
         return samples
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
