@@ -165,9 +165,12 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload all weights from (HF name, tensor) pairs, without restarting the engine.
 
-        The whole stream is serialised into one safetensors blob (peak host memory: one copy of
-        the weights) and sent to every worker, because vLLM's in-place reload processes a
-        complete set of weights at once.
+        The whole stream is serialised into one safetensors blob and sent to every worker,
+        because vLLM's in-place reload processes a complete set of weights at once. Host
+        memory: the pairs are held as host tensors (a copy of the weights when they come from a
+        GPU), the blob is a second copy, and each worker deserialises a third (plus vLLM's RPC
+        buffers). vLLM's msgpack encoder refuses a payload of 4 GiB or more, so this path
+        stops at about 2B parameters in bf16 (notes/vllm-on-cpu.md).
         """
         from safetensors.torch import save
 
