@@ -69,6 +69,36 @@ def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
             assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), key
 
 
+def _mismatch_rows(seed: int):
+    """Packed micro-batches of 6 samples with trainer log-probs (and one huge |d| sample)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [2, 4, 1, 3, 5, 2]
+    batch = Experience(prompt_tokens=[[1, 2, 3]] * 6, response_tokens=[[7] * n for n in lengths],
+                       rollout_logprobs=[(-torch.rand(n, generator=gen)).tolist() for n in lengths],
+                       rewards=[1.0] * 6, truncated=[False] * 6, advantages=torch.zeros(6))
+    rows = pack_update(batch, list(range(6)), budget=16, pad_multiple=1)
+    for row in rows:
+        row.old_logprobs = torch.where(row.loss_mask, row.rollout_logprobs
+                                       + 0.1 * torch.randn(len(row.tokens), generator=gen), 0.0)
+    rows[0].old_logprobs[rows[0].loss_mask.nonzero()[0]] += 100.0  # past the exp cap
+    return rows
+
+
+def _mismatch_dp_fn(rank, world_size):
+    rows = _mismatch_rows(seed=4)
+    return mismatch_metrics(rows[rank::world_size], torch.distributed.group.WORLD).as_dict()
+
+
+def test_mismatch_metrics_reduce_over_the_group_like_one_process():
+    from tests.distributed import run_ranks
+
+    want = mismatch_metrics(_mismatch_rows(seed=4)).as_dict()
+    assert want["mismatch/max_abs_diff"] > 99.0
+    for got in run_ranks(_mismatch_dp_fn, 2):
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-12), key
+
+
 def test_boxed_instruction_rewrites_dapo_prompts():
     record = PromptRecord(({"role": "user", "content": DAPO.format(problem="Find $x$: $2x=4$.")},), "2")
     text = boxed_instruction(record).messages[0]["content"]
