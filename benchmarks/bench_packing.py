@@ -50,10 +50,12 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from megatron_dgpo.model import build_model
-    from megatron_dgpo.packing import Sample, pack, to_micro_batch
+    from megatron_dgpo.model import wrap_ddp
+    from megatron_dgpo.packing import Sample, pack, padded_micro_batch
     from megatron_dgpo.parallel import (ParallelConfig, destroy_parallel, init_distributed,
                                         initialize_parallel)
-    from megatron_dgpo.train_step import LossConfig, padded_micro_batch, train_step, wrap_ddp
+    from megatron_dgpo.losses import LossHyperparams
+    from megatron_dgpo.train_step import LossConfig, train_step
 
     init_distributed()
     initialize_parallel(ParallelConfig(), seed=0)
@@ -80,8 +82,8 @@ def main() -> None:
                                  [aligned(s, "advantages") for s in group])
               for group in (samples[i:i + args.rows]
                             for i in range(0, len(samples), args.rows))]
-    packed = [to_micro_batch(row) for row in pack(samples, budget=args.max_len)]
-    loss = LossConfig(method="dgpo", hyperparams=dict(n=1, m=2))
+    packed = pack(samples, budget=args.max_len)
+    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams(n=1, m=2))
 
     results = {}
     for name, micro_batches in (("padded", padded), ("packed", packed)):

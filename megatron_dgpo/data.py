@@ -288,3 +288,25 @@ def render_prompt(tokenizer, record: PromptRecord | Sequence[dict]) -> list[int]
 def render_prompts(tokenizer, records: Iterable[PromptRecord]) -> list[list[int]]:
     """``render_prompt`` for each record."""
     return [render_prompt(tokenizer, r) for r in records]
+
+
+def load_prompts(config, hf_dir: str | os.PathLike, max_prompt_tokens: int):
+    """``(prompts, tokenizer)``: the training prompts of ``config`` (a recipe's ``data``
+    section) as ``(PromptRecord, token_ids)`` pairs rendered by the policy's chat template (the
+    tokenizer of ``hf_dir``); prompts longer than ``max_prompt_tokens`` are dropped."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    if config.source == "builtin":
+        records = builtin_prompts(config.builtin_families)
+    else:
+        records = load_prompt_dataset(config.source, prompt_key=config.prompt_field,
+                                      answer_key=config.answer_field)
+    if config.boxed_instruction:
+        records = [boxed_instruction(r) for r in records]
+    rendered = [(r, render_prompt(tokenizer, r)) for r in records]
+    kept = [(r, ids) for r, ids in rendered if len(ids) <= max_prompt_tokens]
+    if not kept:
+        raise ValueError(f"data.source {config.source!r}: no prompt fits in "
+                         f"rollout.max_prompt_tokens={max_prompt_tokens}")
+    return kept, tokenizer

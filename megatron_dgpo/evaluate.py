@@ -188,23 +188,15 @@ def _resolve_benchmarks(specs: Sequence[str] | None, bench_dir: str | None, limi
 
 
 def _build_engine(args):
-    if args.engine == "hf":
-        from megatron_dgpo.rollout.hf_engine import HFEngine
+    """The engine ``--engine`` asks for, built by the trainer's own factory."""
+    from megatron_dgpo.recipe import RolloutConfig
+    from megatron_dgpo.rollout.generate import build_engine
 
-        return HFEngine(args.model)
-    from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
-
-    return VLLMEngine(
-        VLLMConfig(
-            model=args.model,
-            dtype=args.dtype,
-            seed=args.seed,
-            max_model_len=args.max_model_len,
-            tensor_parallel_size=args.tp,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory_bytes=(args.kv_cache_mb << 20) if args.kv_cache_mb else None,
-        )
-    )
+    config = RolloutConfig(engine=args.engine, dtype=args.dtype, tensor_parallel_size=args.tp,
+                           max_response_tokens=args.max_tokens,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           kv_cache_memory_bytes=(args.kv_cache_mb << 20) if args.kv_cache_mb else None)
+    return build_engine(config, args.model, seed=args.seed, max_model_len=args.max_model_len)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

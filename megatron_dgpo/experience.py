@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.packing import PackedRow, Sample, pack
+from megatron_dgpo.packing import MicroBatch, Sample, pack
 
 
 def prompt_order(num_prompts: int, seed: int, start: int, count: int) -> list[int]:
@@ -96,7 +96,7 @@ def plan_updates(num_samples: int, num_updates: int, dp_rank: int, dp_size: int,
 
 
 def pack_update(batch: Experience, indices: list[int], budget: int,
-                pad_multiple: int) -> list[PackedRow]:
+                pad_multiple: int) -> list[MicroBatch]:
     """Samples ``indices`` packed into rows of at most ``budget`` tokens."""
     return pack([batch.sample(i) for i in indices], budget, pad_multiple)
 

@@ -42,9 +42,9 @@ The objective values J_t (what the loss reports; the gradient does not depend on
 
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from numbers import Integral
 
 import torch
@@ -115,41 +115,64 @@ class Regions:
         return Regions(LN=ln, HP=hp, LP=lp, HN=hn, M=~(ln | hp | lp | hn))
 
 
+def _grpo(w, log_w, advantages, regions, hp):
+    return torch.where(regions.LN | regions.HP, torch.zeros_like(w), w)
+
+
+def _cispo(w, log_w, advantages, regions, hp):
+    return w.clamp(1.0 - hp.eps_low, 1.0 + hp.eps_high)
+
+
+def _gppo(w, log_w, advantages, regions, hp):
+    return torch.where(regions.LN, 1.0 - hp.eps_low,
+                       torch.where(regions.HP, 1.0 + hp.eps_high, w))
+
+
+def _ce_gppo(w, log_w, advantages, regions, hp):
+    return torch.where(regions.LN, hp.beta1 * (1.0 - hp.eps_low),
+                       torch.where(regions.HP, hp.beta2 * (1.0 + hp.eps_high), w))
+
+
+def _aspo(w, log_w, advantages, regions, hp):
+    pos_floor, neg_cap = 1.0 - hp.aspo_eps_low, 1.0 + hp.aspo_eps_high
+    positive = torch.where(w < pos_floor, pos_floor, (-log_w).exp())  # 1/w, never 1/0
+    negative = torch.where(w > neg_cap, neg_cap, w)
+    f = torch.where(advantages > 0, positive, torch.where(advantages < 0, negative, w))
+    return torch.where(regions.LN | regions.HP, torch.zeros_like(w), f)
+
+
+def _dgpo(w, log_w, advantages, regions, hp):
+    # LN: W = C_left sg[pi]^n with C_left = (1-eps_low)^-n pi_old^-(n+1), so F = W pi =
+    #     w^(n+1) / (1-eps_low)^n; equals w at w = 1-eps_low and -> 0 as w -> 0.
+    # HP: W = C_right sg[pi]^(-1/m) with C_right = (1+eps_high)^(1/m) pi_old^(1/m-1), so
+    #     F = (1+eps_high)^(1/m) w^(1-1/m); equals w at w = 1+eps_high, grows sub-linearly.
+    log_lo, log_hi = math.log(1.0 - hp.eps_low), math.log(1.0 + hp.eps_high)
+    left = ((hp.n + 1) * log_w.clamp(max=log_lo) - hp.n * log_lo).exp()
+    right = (log_hi / hp.m + (1.0 - 1.0 / hp.m) * log_w.clamp(min=log_hi)).exp()
+    return torch.where(regions.LN, left, torch.where(regions.HP, right, w))
+
+
+COEFFICIENTS = {"grpo": _grpo, "cispo": _cispo, "gppo": _gppo, "ce_gppo": _ce_gppo,
+                "aspo": _aspo, "dgpo": _dgpo}
+"""method -> F(w, log_w, advantages, regions, hp): the table of the module docstring. A new
+method is one function here (and its objective value in ``_objective`` if it is not F A)."""
+assert tuple(COEFFICIENTS) == METHODS
+
+
+def _check_method(method: str) -> None:
+    if method not in COEFFICIENTS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+
+
 def coefficient(method: str, log_w: Tensor, advantages: Tensor, hp: LossHyperparams) -> Tensor:
     """F of the table in the module docstring, from (already clamped) log-ratios ``log_w``.
 
     Pure and differentiable-free: callers pass detached tensors. Every power is taken in
     log space from a log-ratio clamped into its own region, so no branch overflows.
     """
-    w = log_w.exp()
+    _check_method(method)
     regions = Regions.classify(log_w, advantages, hp.eps_low, hp.eps_high)
-    lo, hi = 1.0 - hp.eps_low, 1.0 + hp.eps_high
-    outside = regions.LN | regions.HP
-
-    if method == "grpo":
-        return torch.where(outside, torch.zeros_like(w), w)
-    if method == "cispo":
-        return w.clamp(lo, hi)
-    if method == "gppo":
-        return torch.where(regions.LN, lo, torch.where(regions.HP, hi, w))
-    if method == "ce_gppo":
-        return torch.where(regions.LN, hp.beta1 * lo, torch.where(regions.HP, hp.beta2 * hi, w))
-    if method == "aspo":
-        pos_floor, neg_cap = 1.0 - hp.aspo_eps_low, 1.0 + hp.aspo_eps_high
-        positive = torch.where(w < pos_floor, pos_floor, (-log_w).exp())  # 1/w, never 1/0
-        negative = torch.where(w > neg_cap, neg_cap, w)
-        f = torch.where(advantages > 0, positive, torch.where(advantages < 0, negative, w))
-        return torch.where(outside, torch.zeros_like(w), f)
-    if method == "dgpo":
-        # LN: W = C_left sg[pi]^n with C_left = (1-eps_low)^-n pi_old^-(n+1), so F = W pi =
-        #     w^(n+1) / (1-eps_low)^n; equals w at w = 1-eps_low and -> 0 as w -> 0.
-        # HP: W = C_right sg[pi]^(-1/m) with C_right = (1+eps_high)^(1/m) pi_old^(1/m-1), so
-        #     F = (1+eps_high)^(1/m) w^(1-1/m); equals w at w = 1+eps_high, grows sub-linearly.
-        log_lo, log_hi = math.log(lo), math.log(hi)
-        left = ((hp.n + 1) * log_w.clamp(max=log_lo) - hp.n * log_lo).exp()
-        right = (log_hi / hp.m + (1.0 - 1.0 / hp.m) * log_w.clamp(min=log_hi)).exp()
-        return torch.where(regions.LN, left, torch.where(regions.HP, right, w))
-    raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    return COEFFICIENTS[method](log_w.exp(), log_w, advantages, regions, hp)
 
 
 def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> Tensor:
@@ -163,13 +186,14 @@ def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> T
     return f * advantages
 
 
-def policy_loss(method, logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=0.2,
-                n=1, m=2, beta1=0.75, beta2=1.0, aspo_eps_low=0.33, aspo_eps_high=3.0,
-                num_tokens=None) -> tuple[Tensor, dict]:
+def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                mask: Tensor, hp: LossHyperparams | None = None, *,
+                num_tokens=None) -> tuple[Tensor, LossMetrics]:
     """Loss of ``method`` whose gradient is the paper's unified estimator with that method's F.
 
     Args:
         method: one of ``METHODS``.
+        hp: the hyper-parameters (a recipe's ``algorithm.loss``); default the paper's.
         logprobs: [T] or [B, T] log pi_theta of the sampled tokens; requires grad.
         old_logprobs, advantages, mask: same shape; ``mask`` is bool or 0/1 (valid tokens).
             Values under ``mask == 0`` may be any finite garbage: they never reach the result.
@@ -185,10 +209,8 @@ def policy_loss(method, logprobs, old_logprobs, advantages, mask, *, eps_low=0.2
 
     Computed in float32, or float64 when ``logprobs`` is float64.
     """
-    hp = LossHyperparams(eps_low=eps_low, eps_high=eps_high, n=n, m=m, beta1=beta1,
-                         beta2=beta2, aspo_eps_low=aspo_eps_low, aspo_eps_high=aspo_eps_high)
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    hp = hp if hp is not None else LossHyperparams()
+    _check_method(method)
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages,
                "mask": mask}
     for name, tensor in tensors.items():
@@ -227,11 +249,45 @@ def policy_loss(method, logprobs, old_logprobs, advantages, mask, *, eps_low=0.2
     return loss, loss_metrics(f, log_w, adv, valid, hp)
 
 
+@dataclass
+class LossMetrics(Mapping):
+    """Mergeable float64 scalar statistics, grouped by how they combine across micro-batches
+    and ranks: ``sums`` add (counts and sums), ``mins`` take the minimum, ``maxs`` the maximum.
+
+    Read-only mapping over all three groups (``metrics["F_LN_max"]``); names are unique across
+    groups. ``merge_metrics`` and ``reduce_metrics`` combine them exactly.
+    """
+
+    sums: dict[str, Tensor] = field(default_factory=dict)
+    mins: dict[str, Tensor] = field(default_factory=dict)
+    maxs: dict[str, Tensor] = field(default_factory=dict)
+
+    def groups(self):
+        """``(group dict, torch op, distributed op name)`` for each reduction."""
+        return ((self.sums, torch.add, "SUM"), (self.mins, torch.minimum, "MIN"),
+                (self.maxs, torch.maximum, "MAX"))
+
+    def __getitem__(self, key: str) -> Tensor:
+        for group in (self.sums, self.mins, self.maxs):
+            if key in group:
+                return group[key]
+        raise KeyError(key)
+
+    def __iter__(self):
+        yield from self.sums
+        yield from self.mins
+        yield from self.maxs
+
+    def __len__(self) -> int:
+        return len(self.sums) + len(self.mins) + len(self.maxs)
+
+
 def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
-                 hp: LossHyperparams) -> dict[str, Tensor]:
+                 hp: LossHyperparams) -> LossMetrics:
     """Token-level statistics as mergeable float64 scalars.
 
-    Keys end in ``_sum`` or ``_count`` (merge by addition), ``_max`` or ``_min``. Region
+    Sums: ``tokens_count``, ``region_<R>_count``, ``F_<R>_sum``, ``ratio_sum``,
+    ``clipped_count``; maxima: ``F_<R>_max``, ``ratio_max``; minimum: ``ratio_min``. Region
     fractions, mean F per region, ratio mean and the GRPO clip fraction (tokens whose PPO
     gradient is zero: LN or HP) follow from them in ``summarize_metrics``.
     """
@@ -239,56 +295,51 @@ def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
     f64, w64 = f.double(), log_w.double().exp()
     neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=f.device)
     pos_inf = torch.tensor(math.inf, dtype=torch.float64, device=f.device)
-    out = {"tokens_count": valid.sum().double()}
+    out = LossMetrics(sums={"tokens_count": valid.sum().double()})
     for name in REGIONS:
         region = getattr(regions, name) & valid
-        out[f"region_{name}_count"] = region.sum().double()
-        out[f"F_{name}_sum"] = torch.where(region, f64, 0.0).sum()
-        out[f"F_{name}_max"] = torch.where(region, f64, neg_inf).max()
-    out["ratio_sum"] = torch.where(valid, w64, 0.0).sum()
-    out["ratio_min"] = torch.where(valid, w64, pos_inf).min()
-    out["ratio_max"] = torch.where(valid, w64, neg_inf).max()
-    out["clipped_count"] = ((regions.LN | regions.HP) & valid).sum().double()
+        out.sums[f"region_{name}_count"] = region.sum().double()
+        out.sums[f"F_{name}_sum"] = torch.where(region, f64, 0.0).sum()
+        out.maxs[f"F_{name}_max"] = torch.where(region, f64, neg_inf).max()
+    out.sums["ratio_sum"] = torch.where(valid, w64, 0.0).sum()
+    out.mins["ratio_min"] = torch.where(valid, w64, pos_inf).min()
+    out.maxs["ratio_max"] = torch.where(valid, w64, neg_inf).max()
+    out.sums["clipped_count"] = ((regions.LN | regions.HP) & valid).sum().double()
     return out
 
 
-def merge_metrics(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Combine metric dicts of several micro-batches exactly (sum, max or min by key suffix)."""
-    merged: dict[str, Tensor] = {}
+def merge_metrics(parts: list[LossMetrics]) -> LossMetrics:
+    """Combine the metrics of several micro-batches exactly (each by its reduction)."""
+    merged = LossMetrics()
     for part in parts:
-        for key, value in part.items():
-            if key not in merged:
-                merged[key] = value.detach().clone()
-            elif key.endswith("_max"):
-                merged[key] = torch.maximum(merged[key], value)
-            elif key.endswith("_min"):
-                merged[key] = torch.minimum(merged[key], value)
-            else:
-                merged[key] = merged[key] + value
+        for (into, combine, _), (group, _, _) in zip(merged.groups(), part.groups()):
+            for key, value in group.items():
+                into[key] = (value.detach().clone() if key not in into
+                             else combine(into[key], value))
     return merged
 
 
-def reduce_metrics(metrics: dict[str, Tensor], group=None) -> dict[str, Tensor]:
-    """All-reduce a metric dict across ``group`` exactly, by key suffix (collective call)."""
+def reduce_metrics(metrics: LossMetrics, group=None) -> LossMetrics:
+    """All-reduce ``metrics`` across ``group`` exactly, each by its reduction (collective)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return metrics
-    keys = sorted(metrics)
-    out = {}
-    for op, picked in ((dist.ReduceOp.MAX, [k for k in keys if k.endswith("_max")]),
-                       (dist.ReduceOp.MIN, [k for k in keys if k.endswith("_min")]),
-                       (dist.ReduceOp.SUM, [k for k in keys if not k.endswith(("_max", "_min"))])):
-        if not picked:
+    out = LossMetrics()
+    for (values, _, op), (into, _, _) in zip(metrics.groups(), out.groups()):
+        keys = sorted(values)
+        if not keys:
             continue
-        flat = torch.stack([metrics[k].detach().double() for k in picked])
-        dist.all_reduce(flat, op=op, group=group)
-        out.update(zip(picked, flat.unbind()))
+        flat = torch.stack([values[k].detach().double() for k in keys])
+        dist.all_reduce(flat, op=getattr(dist.ReduceOp, op), group=group)
+        into.update(zip(keys, flat.unbind()))
     return out
 
 
-def summarize_metrics(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """Readable numbers from (reduced) metrics: fractions, means, extremes; NaN where empty."""
+def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
+    """Readable numbers from (reduced) metrics: fractions, means, extremes; NaN where empty.
+    Sums a train step adds (``entropy_sum``, ``loss_sum``) become per-token ``entropy`` and
+    ``loss``."""
     tokens = float(metrics["tokens_count"])
 
     def ratio(num, den):
@@ -308,110 +359,7 @@ def summarize_metrics(metrics: dict[str, Tensor]) -> dict[str, float]:
     out["ratio/min"] = extreme(metrics["ratio_min"])
     out["ratio/max"] = extreme(metrics["ratio_max"])
     out["clip_frac"] = ratio(metrics["clipped_count"], tokens)
+    for name in ("entropy", "loss"):
+        if f"{name}_sum" in metrics:
+            out[name] = ratio(metrics[f"{name}_sum"], tokens)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Self-check CLI: `python -m megatron_dgpo.losses --check --plot F.png`
-
-
-def _autograd_coefficients(method: str, w: Tensor, advantage: float, hp: LossHyperparams):
-    """F recovered from autograd: d loss / d logprobs = -F A / N with N = len(w)."""
-    logp = w.log().clone().requires_grad_(True)
-    adv = torch.full_like(w, advantage)
-    loss, _ = policy_loss(method, logp, torch.zeros_like(w), adv, torch.ones_like(w),
-                          eps_low=hp.eps_low, eps_high=hp.eps_high, n=hp.n, m=hp.m,
-                          beta1=hp.beta1, beta2=hp.beta2, aspo_eps_low=hp.aspo_eps_low,
-                          aspo_eps_high=hp.aspo_eps_high)
-    loss.backward()
-    return -logp.grad * len(w) / advantage
-
-
-def plot_coefficients(path: str, hp: LossHyperparams) -> None:
-    """Draw the gradient weights of all six methods, as in the paper's Figure 2.
-
-    Rows 1-2: F(w), the weight on grad log pi, for A > 0 and A < 0, with the trust-region
-    regions shaded and the unbiased policy gradient F = w dotted. Row 3: the weight on grad pi,
-    W * pi_old = F / w (log scale): the soft-clipping baselines grow without bound as w -> 0 in
-    LN, DGPO's decays to 0 (the paper's Section 3.2 argument).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    w = torch.linspace(0.02, 2.0, 600, dtype=torch.float64)
-    fig, axes = plt.subplots(3, len(METHODS), figsize=(3.0 * len(METHODS), 8.6), sharex=True,
-                             sharey="row", constrained_layout=True)
-    colors = {1.0: "tab:red", -1.0: "tab:blue"}
-    for col, method in enumerate(METHODS):
-        title = method.upper().replace("_", "-")
-        for row, advantage in enumerate((1.0, -1.0)):
-            ax = axes[row, col]
-            f = _autograd_coefficients(method, w, advantage, hp)
-            clipped_span = (1 + hp.eps_high, 2.0) if advantage > 0 else (0.0, 1 - hp.eps_low)
-            ax.axvspan(*clipped_span, color=colors[advantage], alpha=0.12, lw=0,
-                       label="HP" if advantage > 0 else "LN")
-            ax.plot(w, w, ":", color="0.45", lw=1.2, label="w (unbiased PG)")
-            ax.plot(w, f, color=colors[advantage], lw=2.2, label="F")
-            ax.set_ylim(-0.05, 2.05)
-            ax.grid(alpha=0.3)
-            ax.set_title(f"{title}  (A {'>' if advantage > 0 else '<'} 0)", fontsize=9)
-            if col == 0:
-                ax.set_ylabel("F: weight on grad log pi")
-                ax.legend(fontsize=8, loc="upper left")
-            axes[2, col].plot(w, f / w, color=colors[advantage], lw=2.0,
-                              label=f"A {'>' if advantage > 0 else '<'} 0")
-        ax = axes[2, col]
-        ax.set_yscale("log")
-        ax.set_ylim(1e-2, 1e2)
-        ax.grid(alpha=0.3, which="both")
-        ax.set_xlabel("w = pi / pi_old")
-        ax.set_title(f"{title}: weight on grad pi", fontsize=9)
-        if col == 0:
-            ax.set_ylabel("W * pi_old = F / w")
-            ax.legend(fontsize=8, loc="upper right")
-    axes[0, 0].set_xlim(0, 2.0)
-    fig.suptitle(f"Gradient weights of the unified estimator (eps_low={hp.eps_low}, "
-                 f"eps_high={hp.eps_high}, DGPO n={hp.n}, m={hp.m}; computed with autograd)")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def self_check(hp: LossHyperparams) -> list[tuple[str, str, float]]:
-    """Autograd F against the closed form on a grid covering every region; float64."""
-    w = torch.linspace(0.05, 3.0, 400, dtype=torch.float64)
-    rows = []
-    for method in METHODS:
-        for advantage in (1.0, -1.0):
-            got = _autograd_coefficients(method, w, advantage, hp)
-            want = coefficient(method, w.log(), torch.full_like(w, advantage), hp)
-            rows.append((method, "A>0" if advantage > 0 else "A<0",
-                         float((got - want).abs().max())))
-    return rows
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plot", metavar="PNG", help="write the F(w) figure here")
-    parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--m", type=int, default=2)
-    parser.add_argument("--eps-low", type=float, default=0.2)
-    parser.add_argument("--eps-high", type=float, default=0.2)
-    args = parser.parse_args(argv)
-    hp = LossHyperparams(eps_low=args.eps_low, eps_high=args.eps_high, n=args.n, m=args.m)
-    worst = 0.0
-    print(f"{'method':8s} {'sign':4s} max|F_autograd - F_closed_form|")
-    for method, sign, err in self_check(hp):
-        print(f"{method:8s} {sign:4s} {err:.2e}")
-        worst = max(worst, err)
-    if args.plot:
-        plot_coefficients(args.plot, hp)
-        print(f"wrote {args.plot}")
-    ok = worst < 1e-12
-    print("self-check " + ("passed" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,13 +9,14 @@ for every sample, as in the rollout engine; targets are shifted within each samp
 position is trained to predict the next sample's first token.
 
 Shapes: a sample is 1-D ``tokens`` [L_i] with ``response_start`` (index of its first response
-token) and per-response-token tensors [L_i - response_start]; a packed row is [S] with
-S = sum of the padded lengths.
+token) and per-response-token tensors [L_i - response_start]; a packed row, the ``MicroBatch``
+that goes unchanged into ``train_step``, is [S] with S = sum of the padded lengths and carries
+its boundaries as host ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -33,33 +34,66 @@ class Sample:
     """Per response token [L - response_start] tensors, e.g. old_logprobs, advantages."""
 
 
+LOSS_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs")
+"""The per-token fields a micro-batch carries (``Sample.per_token`` keys)."""
+
+
 @dataclass
-class PackedRow:
-    """Samples concatenated into one micro-batch row."""
+class MicroBatch:
+    """One packed row: what ``train_step``/``forward_logprobs`` run on (one micro-batch).
+
+    All per-token tensors are [S] and aligned with ``targets``: position t predicts
+    ``targets[t]`` (the next token of its sample) from ``tokens[:t + 1]`` of the same sample;
+    values under ``loss_mask == False`` are 0 (any finite value is allowed there).
+    """
 
     tokens: Tensor
     """[S] int64 input ids (padding: 0)."""
     position_ids: Tensor
     """[S] int64, restarting at 0 for every sample."""
     targets: Tensor
-    """[S] int64: ``targets[t]`` is the token that position t predicts (next in its sample)."""
+    """[S] int64: the token position t predicts, in [0, vocab) everywhere."""
     loss_mask: Tensor
     """[S] bool: True where ``targets[t]`` is a response token of a real sample."""
     cu_seqlens: Tensor
-    """[k + 1] int32 boundaries of the k samples (padded lengths), THD convention."""
-    per_token: dict[str, Tensor]
-    """Each sample field aligned with ``targets`` [S] (0 where ``loss_mask`` is False)."""
-    sample_indices: list[int]
+    """[k + 1] int32 on the host: boundaries of the k samples (padded lengths), THD convention;
+    ``cu_seqlens[-1] == S``."""
+    advantages: Tensor | None = None
+    """[S] float: the advantage of each target token."""
+    old_logprobs: Tensor | None = None
+    """[S] float: log pi_old(targets) (the trainer's forward before the updates)."""
+    rollout_logprobs: Tensor | None = None
+    """[S] float: the rollout engine's log-probs of the targets."""
+    sample_indices: list[int] = field(default_factory=list)
     """Which samples (indices into the packed list) this row holds, in order."""
 
-    def segment_ids(self) -> Tensor:
-        """[S] int64: index of the sample each position belongs to (padding included)."""
-        widths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        return torch.repeat_interleave(torch.arange(len(widths)), widths)
+    def __post_init__(self):
+        if self.tokens.dim() != 1:
+            raise ValueError(f"MicroBatch.tokens must be 1-D [S], got {tuple(self.tokens.shape)}")
+        for name in ("position_ids", "targets", "loss_mask") + LOSS_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value.shape != self.tokens.shape:
+                raise ValueError(f"MicroBatch.{name} has shape {tuple(value.shape)}, tokens "
+                                 f"has {tuple(self.tokens.shape)}")
+        if self.cu_seqlens.device.type != "cpu" or int(self.cu_seqlens[-1]) != len(self.tokens):
+            raise ValueError(f"MicroBatch.cu_seqlens must be a host tensor ending at "
+                             f"{len(self.tokens)}, got {self.cu_seqlens.tolist()}")
+
+    def to(self, device) -> MicroBatch:
+        """The tensors on ``device``; ``cu_seqlens`` stays on the host (read without a sync)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("tokens", "position_ids", "targets", "loss_mask") + LOSS_FIELDS:
+            if moved[name] is not None:
+                moved[name] = moved[name].to(device)
+        return MicroBatch(**moved)
 
     def attention_mask(self) -> Tensor:
         """[1, 1, S, S] bool block-diagonal causal mask, True = masked (Megatron convention)."""
-        return block_causal_mask(self.segment_ids()[None])
+        return block_causal_mask(self.cu_seqlens, device=self.tokens.device)
+
+    def max_seqlen(self) -> int:
+        """The longest sample (padded), from the host ``cu_seqlens``."""
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
@@ -94,7 +128,7 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def pack(samples: list[Sample], budget: int, pad_multiple: int = 1) -> list[PackedRow]:
+def pack(samples: list[Sample], budget: int, pad_multiple: int = 1) -> list[MicroBatch]:
     """Pack ``samples`` into rows of at most ``budget`` tokens (each sample padded to
     ``pad_multiple``). Every sample lands in exactly one row."""
     for index, sample in enumerate(samples):
@@ -104,7 +138,7 @@ def pack(samples: list[Sample], budget: int, pad_multiple: int = 1) -> list[Pack
             for group in first_fit_decreasing(lengths, budget)]
 
 
-def pad_rows(samples: list[Sample], rows_per_batch: int) -> list[PackedRow]:
+def pad_rows(samples: list[Sample], rows_per_batch: int) -> list[MicroBatch]:
     """The unpacked baseline: ``rows_per_batch`` samples per micro-batch, in order, each padded
     to the batch's longest (returned as rows of independent sequences for comparison)."""
     batches = []
@@ -115,13 +149,14 @@ def pad_rows(samples: list[Sample], rows_per_batch: int) -> list[PackedRow]:
     return batches
 
 
-def block_causal_mask(segment_ids: Tensor) -> Tensor:
-    """[B, 1, S, S] bool from [B, S] segment ids: True where query i may NOT attend key j
-    (j > i, or j in another segment). Megatron's convention; the train step uses it too."""
-    seq = segment_ids.shape[-1]
-    future = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).triu(1)
-    other = segment_ids[:, :, None] != segment_ids[:, None, :]
-    return (future[None] | other)[:, None]
+def block_causal_mask(cu_seqlens: Tensor, device=None) -> Tensor:
+    """[1, 1, S, S] bool from the host boundaries ``cu_seqlens`` [k + 1]: True where query i may
+    NOT attend key j (j > i, or j before the start of i's sample). Megatron's convention."""
+    widths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    start = torch.repeat_interleave(cu_seqlens[:-1].long(), widths).to(device)  # [S]
+    seq = int(cu_seqlens[-1])
+    keys = torch.arange(seq, device=device)
+    return ((keys[None, :] > keys[:, None]) | (keys[None, :] < start[:, None]))[None, None]
 
 
 def _check_sample(index: int, sample: Sample) -> None:
@@ -134,13 +169,16 @@ def _check_sample(index: int, sample: Sample) -> None:
                          f"[1, {length - 1}] (at least one prompt and one response token)")
     expected = length - sample.response_start
     for name, value in sample.per_token.items():
+        if name not in LOSS_FIELDS:
+            raise ValueError(f"sample {index}: per_token[{name!r}] is not a micro-batch field "
+                             f"(one of {', '.join(LOSS_FIELDS)})")
         if value.shape != (expected,):
             raise ValueError(f"sample {index}: per_token[{name!r}] has shape "
                              f"{tuple(value.shape)}, expected ({expected},) = one value per "
                              f"response token")
 
 
-def _build_row(group: list[Sample], indices: list[int], pad_multiple: int) -> PackedRow:
+def _build_row(group: list[Sample], indices: list[int], pad_multiple: int) -> MicroBatch:
     padded = [padded_length(len(s.tokens), pad_multiple) for s in group]
     total = sum(padded)
     tokens = torch.zeros(total, dtype=torch.long)
@@ -163,19 +201,41 @@ def _build_row(group: list[Sample], indices: list[int], pad_multiple: int) -> Pa
             fields[name][first:last] = value
         offset += width
     cu_seqlens = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return PackedRow(tokens=tokens, position_ids=positions, targets=targets,
-                     loss_mask=loss_mask, cu_seqlens=cu_seqlens, per_token=fields,
-                     sample_indices=list(indices))
+    return MicroBatch(tokens=tokens, position_ids=positions, targets=targets,
+                      loss_mask=loss_mask, cu_seqlens=cu_seqlens, sample_indices=list(indices),
+                      **fields)
 
 
-def to_micro_batch(row: PackedRow, *, old_logprobs: str = "old_logprobs",
-                   advantages: str = "advantages"):
-    """A ``train_step.MicroBatch`` [1, S] of one packed row (segments attend only within)."""
-    from megatron_dgpo.train_step import MicroBatch
+def padded_micro_batch(sequences: list[Tensor], loss_masks: list[Tensor],
+                       old_logprobs: list[Tensor] | None = None,
+                       advantages: list[Tensor] | None = None, *, pad_id: int = 0) -> MicroBatch:
+    """The unpacked layout as a micro-batch: each sequence right-padded to the longest.
 
-    optional = {name: row.per_token[key][None].float()
-                for name, key in (("old_logprobs", old_logprobs), ("advantages", advantages))
-                if key in row.per_token}
-    return MicroBatch(tokens=row.tokens[None], labels=row.targets[None],
-                      loss_mask=row.loss_mask[None], position_ids=row.position_ids[None],
-                      segment_ids=row.segment_ids()[None], **optional)
+    sequences[i]: [L_i] token ids (prompt + response). loss_masks[i]: [L_i] bool, True on
+    tokens that are predicted in the loss (response tokens; position 0 is never predicted).
+    old_logprobs[i], advantages[i]: [L_i], aligned with the tokens they score (entry 0 unused;
+    default 0). Sequence i occupies positions [i W, (i + 1) W) with W = max L_i; targets are
+    shifted to the predicting position.
+    """
+    rows, width = len(sequences), max(len(s) for s in sequences)
+    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
+    targets = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    old = torch.zeros(rows, width)
+    adv = torch.zeros(rows, width)
+    for i, seq in enumerate(sequences):
+        n = len(seq)
+        if len(loss_masks[i]) != n:
+            raise ValueError(f"loss_masks[{i}] has length {len(loss_masks[i])}, sequence {n}")
+        tokens[i, :n] = seq
+        targets[i, :n - 1] = seq[1:]
+        mask[i, :n - 1] = loss_masks[i][1:].bool()
+        if old_logprobs is not None:
+            old[i, :n - 1] = old_logprobs[i][1:]
+        if advantages is not None:
+            adv[i, :n - 1] = advantages[i][1:]
+    return MicroBatch(tokens=tokens.flatten(), position_ids=torch.arange(width).repeat(rows),
+                      targets=targets.flatten(), loss_mask=mask.flatten(),
+                      cu_seqlens=torch.arange(rows + 1, dtype=torch.int32) * width,
+                      old_logprobs=old.flatten(), advantages=adv.flatten(),
+                      sample_indices=list(range(rows)))

@@ -243,3 +243,13 @@ class RunConfig:
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """``RunConfig`` from a recipe YAML and dotted ``key=value`` overrides (errors name the key)."""
     return load_config(RunConfig, path, overrides)  # sections' own checks become ConfigError
+
+
+def save_recipe(cfg: RunConfig, run_dir: str | Path) -> None:
+    """Write the resolved recipe (defaults and overrides applied) to ``<run_dir>/config.yaml``."""
+    import yaml
+
+    from megatron_dgpo.config import to_dict
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

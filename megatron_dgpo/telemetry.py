@@ -7,12 +7,15 @@ drops everything, so callers never branch on the rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 
 @dataclass
@@ -114,3 +117,67 @@ def _finite_or_none(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def update_metrics(merged: dict, grad_norms: list[float], skipped: int, lr: float) -> dict:
+    """The ``train/`` metrics of one step's mini-batch updates: the loss's region fractions and
+    F statistics over all of them (the paper's Fig. 4 analysis; ``merged`` is
+    ``losses.merge_metrics`` of the updates' ``StepResult.metrics``), entropy, loss, grad
+    norms (mean and max of the finite ones), skipped updates and the learning rate."""
+    from megatron_dgpo.losses import summarize_metrics
+
+    out = {f"train/{k}": v for k, v in summarize_metrics(merged).items()}
+    finite = [g for g in grad_norms if math.isfinite(g)]
+    out["train/grad_norm"] = sum(finite) / len(finite) if finite else math.nan
+    out["train/grad_norm_max"] = max(finite) if finite else math.nan
+    out["train/updates"] = float(len(grad_norms))
+    out["train/skipped_updates"] = float(skipped)
+    out["train/lr"] = lr
+    return out
+
+
+class ProgressBar:
+    """A tqdm bar over training steps showing reward, accuracy and seconds per step; does
+    nothing when disabled (other ranks, or ``logging.progress_bar: false``)."""
+
+    def __init__(self, total: int, done: int, *, enabled: bool):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, desc="dgpo", unit="step",
+                             dynamic_ncols=True)
+
+    def advance(self, metrics: dict) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:+.3f}",
+                              acc=f"{metrics['rollout/accuracy']:.3f}",
+                              s=f"{metrics['time/step']:.1f}")
+        self._bar.update(1)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of one step (GPU work synchronised at phase ends)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        begin = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
+
+    def metrics(self, batch, trained_tokens: int, dp_size: int) -> dict[str, float]:
+        """``time/<phase>``, ``time/step`` and rollout/train throughput of the step whose
+        ``Experience`` is ``batch`` (``trained_tokens`` per DP rank)."""
+        out = {f"time/{phase}": s for phase, s in self.seconds.items()}
+        out["time/step"] = time.perf_counter() - self.start
+        generated = sum(len(r) for r in batch.response_tokens)
+        out["throughput/rollout_tokens_per_s"] = generated / max(self.seconds["rollout"], 1e-9)
+        out["throughput/train_tokens_per_s"] = trained_tokens * dp_size / max(self.seconds["update"], 1e-9)
+        return out

@@ -7,7 +7,7 @@ The trainer calls, per mini-batch (after ``models = wrap_ddp(build_model(...))``
 
 and, for old log-probs or evaluation::
 
-    outputs = forward_logprobs(models, micro_batches, vocab_size=V)   # [B, S] per micro-batch
+    outputs = forward_logprobs(models, micro_batches, vocab_size=V)   # [S] per micro-batch
 
 Normalisation. The loss is the DGPO estimator averaged over the N valid tokens of the WHOLE
 mini-batch: all micro-batches of this rank and of every data-parallel rank,
@@ -36,101 +36,30 @@ are merged exactly over micro-batches on the last stage (``losses.merge_metrics`
 to the other pipeline stages, and reduced over DP (``losses.reduce_metrics``): every rank
 returns the same numbers.
 
-Micro-batch rows are right-padded or packed. Megatron's RoPE uses positions 0..S-1 of each row
-(``position_ids`` only matter for learned absolute embeddings), so rows must be right-padded,
-and packed segments rely on RoPE being relative; a packed row carries ``segment_ids`` and gets a
-block-diagonal causal mask with the local spec; with Transformer-Engine (GPU) a packed row goes
-in as THD ``PackedSeqParams`` (cu_seqlens from the segment ids), because TE's causal kernel
-ignores arbitrary masks. The THD path needs a GPU with TE and is not exercised by the CPU tests.
+Micro-batches are ``packing.MicroBatch`` rows, built by ``packing.pack`` (or
+``packing.padded_micro_batch``) and passed unchanged: 1-D per-token tensors and the samples'
+boundaries as host ``cu_seqlens``. Megatron's RoPE uses positions 0..S-1 of the row
+(``position_ids`` only matter for learned absolute embeddings), so packed samples rely on RoPE
+being relative. With the local spec a row gets the block-diagonal causal mask built from
+``cu_seqlens``; with Transformer-Engine (GPU) it goes in as THD ``PackedSeqParams`` with the
+same ``cu_seqlens`` (the longest sample read on the host), because TE's causal kernel ignores
+arbitrary masks. The THD path needs a GPU with TE and has not been run yet (no GPU here).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_dgpo.losses import merge_metrics, policy_loss, reduce_metrics, summarize_metrics
+from megatron_dgpo.losses import (LossHyperparams, LossMetrics, merge_metrics, policy_loss,
+                                  reduce_metrics, summarize_metrics)
 from megatron_dgpo.model import unwrap_model, use_transformer_engine
-from megatron_dgpo.packing import block_causal_mask
+from megatron_dgpo.packing import MicroBatch
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch of B rows of S tokens. Position s of ``labels``/``loss_mask``/
-    ``old_logprobs``/``advantages`` refers to predicting ``labels[b, s]`` from ``tokens[b, :s+1]``
-    (so ``labels[b, s] = tokens[b, s+1]`` inside a sequence).
-
-    tokens: [B, S] int64 input ids (right-padded, or packed segments).
-    labels: [B, S] int64 next-token ids, in [0, vocab_size) everywhere (use any id under mask 0).
-    loss_mask: [B, S] bool/0-1, 1 on response tokens that enter the loss.
-    old_logprobs: [B, S] float32 log pi_old(labels) (any finite value under mask 0).
-    advantages: [B, S] float32 per-token advantages.
-    position_ids: [B, S] int64, optional (default 0..S-1 per row; see module docstring).
-    segment_ids: [B, S] int64, optional: packed rows; tokens attend only within their segment.
-    attention_mask: [B or 1, 1, S, S] bool, optional, True = masked (overrides segment_ids).
-    """
-
-    tokens: Tensor
-    labels: Tensor
-    loss_mask: Tensor
-    old_logprobs: Tensor | None = None
-    advantages: Tensor | None = None
-    position_ids: Tensor | None = None
-    segment_ids: Tensor | None = None
-    attention_mask: Tensor | None = None
-
-    def __post_init__(self):
-        if self.tokens.dim() != 2:
-            raise ValueError(f"MicroBatch.tokens must be [B, S], got {tuple(self.tokens.shape)}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "attention_mask" or value is None:
-                continue
-            if tuple(value.shape) != tuple(self.tokens.shape):
-                raise ValueError(f"MicroBatch.{f.name} has shape {tuple(value.shape)}, tokens "
-                                 f"has {tuple(self.tokens.shape)}")
-
-    def to(self, device) -> MicroBatch:
-        moved = {f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
-                          else None) for f in fields(self)}
-        return MicroBatch(**moved)
-
-
-def padded_micro_batch(sequences: list[Tensor], loss_masks: list[Tensor],
-                       old_logprobs: list[Tensor] | None = None,
-                       advantages: list[Tensor] | None = None, *, pad_id: int = 0) -> MicroBatch:
-    """Right-padded ``MicroBatch`` from whole sequences.
-
-    sequences[i]: [L_i] token ids (prompt + response). loss_masks[i]: [L_i] bool, True on
-    tokens that are predicted in the loss (response tokens; position 0 is never predicted).
-    old_logprobs[i], advantages[i]: [L_i], aligned with the tokens they score (entry 0 unused).
-    Rows are padded to max L_i; targets are shifted to the predicting position.
-    """
-    rows, width = len(sequences), max(len(s) for s in sequences)
-    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
-    labels = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.bool)
-    old = torch.zeros(rows, width)
-    adv = torch.zeros(rows, width)
-    for i, seq in enumerate(sequences):
-        n = len(seq)
-        if len(loss_masks[i]) != n:
-            raise ValueError(f"loss_masks[{i}] has length {len(loss_masks[i])}, sequence {n}")
-        tokens[i, :n] = seq
-        labels[i, :n - 1] = seq[1:]
-        mask[i, :n - 1] = loss_masks[i][1:].bool()
-        if old_logprobs is not None:
-            old[i, :n - 1] = old_logprobs[i][1:]
-        if advantages is not None:
-            adv[i, :n - 1] = advantages[i][1:]
-    return MicroBatch(tokens=tokens, labels=labels, loss_mask=mask, old_logprobs=old,
-                      advantages=adv)
 
 
 @dataclass(frozen=True)
@@ -140,8 +69,8 @@ class LossConfig:
     method: str = "dgpo"
     temperature: float = 1.0
     """Sampling temperature: logits are divided by it, as in the rollout sampler."""
-    hyperparams: dict = field(default_factory=dict)
-    """Keyword arguments of ``policy_loss``: eps_low, eps_high, n, m, beta1, beta2, ..."""
+    hyperparams: LossHyperparams = field(default_factory=LossHyperparams)
+    """The loss's hyper-parameters (a recipe's ``algorithm.loss``)."""
     chunk_size: int | None = None
     """Tokens per chunk in ``logprobs_and_entropy`` (default: ``vocab_parallel.default_chunk_size``)."""
 
@@ -150,66 +79,34 @@ class LossConfig:
 class StepResult:
     """What one ``train_step`` returns, identical on every rank.
 
-    loss: L of the module docstring (float). num_tokens: N. metrics: reduced mergeable sums
-    (``losses.loss_metrics`` keys + ``entropy_sum``, ``loss_sum``). summary: readable numbers
-    (``losses.summarize_metrics`` + ``entropy/mean`` + ``loss``).
+    loss: L of the module docstring (float). num_tokens: N. metrics: the reduced
+    ``losses.LossMetrics`` (``losses.loss_metrics`` + sums ``entropy_sum``, ``loss_sum``).
     """
 
     loss: float
     num_tokens: int
-    metrics: dict
-    summary: dict
+    metrics: LossMetrics
+
+    @property
+    def summary(self) -> dict[str, float]:
+        """Readable numbers: ``losses.summarize_metrics`` of ``metrics`` (with ``entropy`` and
+        ``loss`` per token)."""
+        return summarize_metrics(self.metrics)
 
 
-def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
-             use_distributed_optimizer: bool = False, bucket_size: int | None = None) -> list:
-    """Wrap model chunks in Megatron's ``DistributedDataParallel`` (gradients in ``main_grad``).
-
-    Chunks after the first skip bucketing, as Megatron's training loop does for VPP.
-    """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
-    return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
-                                    disable_bucketing=i > 0) for i, m in enumerate(models)]
-
-
-def _attention_mask(mb: MicroBatch) -> Tensor:
-    """[B or 1, 1, S, S] bool, True = masked: causal, block-diagonal within segments."""
-    if mb.attention_mask is not None:
-        return mb.attention_mask
-    if mb.segment_ids is None:  # one segment per row: plain causal
-        return block_causal_mask(torch.zeros_like(mb.tokens[:1]))
-    return block_causal_mask(mb.segment_ids)
-
-
-def _packed_seq_params(segment_ids: Tensor):
-    """THD ``PackedSeqParams`` of one packed row [1, S]: cu_seqlens at the segment boundaries.
+def _packed_seq_params(mb: MicroBatch, device):
+    """THD ``PackedSeqParams`` of one packed micro-batch, from its host ``cu_seqlens`` (the
+    longest sample is read on the host: no device sync).
 
     Transformer-Engine's fused attention ignores arbitrary masks (its causal kernel would let a
-    segment see the previous one); with cu_seqlens each segment is its own causal sequence.
+    sample see the previous one); with cu_seqlens each sample is its own causal sequence.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    if segment_ids.shape[0] != 1:
-        raise ValueError(f"THD packing needs one packed row per micro-batch, got "
-                         f"{segment_ids.shape[0]} rows")
-    row = segment_ids[0]
-    starts = torch.nonzero(row[1:] != row[:-1]).flatten() + 1
-    edges = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), row.numel())])
-    cu_seqlens = edges.to(torch.int32)
-    longest = int((edges[1:] - edges[:-1]).max())
+    cu_seqlens = mb.cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    longest = mb.max_seqlen()
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
-
-
-def _positions(mb: MicroBatch) -> Tensor:
-    if mb.position_ids is not None:
-        return mb.position_ids
-    rows, seq = mb.tokens.shape
-    return torch.arange(seq, device=mb.tokens.device).expand(rows, seq)
 
 
 def _device(models) -> torch.device:
@@ -236,11 +133,11 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
-        if thd and mb.segment_ids is not None and mb.attention_mask is None:
-            output = model(mb.tokens, _positions(mb), None,
-                           packed_seq_params=_packed_seq_params(mb.segment_ids))
+        if thd:
+            output = model(mb.tokens[None], mb.position_ids[None], None,
+                           packed_seq_params=_packed_seq_params(mb, device))
         else:
-            output = model(mb.tokens, _positions(mb), _attention_mask(mb))
+            output = model(mb.tokens[None], mb.position_ids[None], mb.attention_mask())
         return output, partial(loss_fn, mb)
 
     iterators = [iter(micro_batches) for _ in models]
@@ -249,8 +146,8 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
         data_iterator=iterators if len(models) > 1 else iterators[0],
         model=models if len(models) > 1 else models[0],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-        micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+        seq_length=max(len(mb.tokens) for mb in micro_batches),
+        micro_batch_size=1,
         forward_only=forward_only,
     )
 
@@ -291,7 +188,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
                          "step's 1/N normalisation relies on it); build it with "
                          "megatron_dgpo.model.build_model")
     if not all(hasattr(m, "zero_grad_buffer") for m in models):
-        raise TypeError("train_step needs models wrapped by train_step.wrap_ddp")
+        raise TypeError("train_step needs models wrapped by model.wrap_ddp")
     for i, mb in enumerate(micro_batches):
         _check_micro_batch(mb, i, need_loss_inputs=True)
     vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
@@ -320,13 +217,15 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
     parts: list[dict] = []
 
     def loss_fn(mb: MicroBatch, logits: Tensor):
-        logp, entropy = logprobs_and_entropy(logits, mb.labels, temperature=loss.temperature,
+        logp, entropy = logprobs_and_entropy(logits, mb.targets[None],
+                                             temperature=loss.temperature,
                                              chunk_size=loss.chunk_size, vocab_size=vocab_size)
-        loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs, mb.advantages,
-                                        mb.loss_mask, num_tokens=1.0, **loss.hyperparams)
-        valid = mb.loss_mask.bool()
-        metrics["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
-        metrics["loss_sum"] = loss_sum.detach().double()
+        loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs[None],
+                                        mb.advantages[None], mb.loss_mask[None], loss.hyperparams,
+                                        num_tokens=1.0)
+        valid = mb.loss_mask[None]
+        metrics.sums["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
+        metrics.sums["loss_sum"] = loss_sum.detach().double()
         parts.append(metrics)
         return loss_sum, valid.sum().to(torch.int), {}
 
@@ -337,12 +236,8 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
 
     merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
     reduced = reduce_metrics(merged, group=_dp_group())
-    summary = summarize_metrics(reduced)
-    tokens = float(reduced["tokens_count"])
-    summary["entropy/mean"] = float(reduced["entropy_sum"]) / tokens if tokens else math.nan
     loss_value = float(reduced["loss_sum"]) / num_tokens if num_tokens else 0.0
-    summary["loss"] = loss_value
-    return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced, summary=summary)
+    return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced)
 
 
 def _metrics_from_last_stage(merged: dict | None) -> dict:
@@ -360,7 +255,7 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
                      all_stages: bool = True) -> list[tuple[Tensor, Tensor]] | None:
     """Per-token log pi(labels) and entropy for each micro-batch, without gradients.
 
-    Returns ``[(logprobs [B, S], entropy [B, S]), ...]`` float32 on CPU, one pair per
+    Returns ``[(logprobs [S], entropy [S]), ...]`` float32 on CPU, one pair per
     micro-batch (values under ``loss_mask == 0`` are computed too but meaningless for
     padding). With PP > 1 the pairs are broadcast from the last stage to every stage unless
     ``all_stages=False`` (then other stages get None). Models may be DDP-wrapped or not.
@@ -370,9 +265,9 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
     outputs: list[tuple[Tensor, Tensor]] = []
 
     def loss_fn(mb: MicroBatch, logits: Tensor):
-        logp, entropy = logprobs_and_entropy(logits, mb.labels, temperature=temperature,
+        logp, entropy = logprobs_and_entropy(logits, mb.targets[None], temperature=temperature,
                                              chunk_size=chunk_size, vocab_size=vocab_size)
-        outputs.append((logp.detach().cpu(), entropy.detach().cpu()))
+        outputs.append((logp[0].detach().cpu(), entropy[0].detach().cpu()))
         zero = torch.zeros((), device=logits.device)
         return zero, torch.zeros((), dtype=torch.int, device=logits.device), {}
 

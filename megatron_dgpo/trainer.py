@@ -5,32 +5,34 @@
     -> log -> checkpoint on schedule
 
 and, at the end, the final policy exported as an HF folder. Every piece lives in its own
-module; this file only wires them (``python -m megatron_dgpo.train`` is the command line).
+module, named at each call (``model``, ``data``, ``rollout.generate``, ``experience``,
+``train_step``, ``telemetry``, ``checkpoint``); this file only wires them
+(``python -m megatron_dgpo.train`` is the command line).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_dgpo import data, model, policy, telemetry
 from megatron_dgpo.advantages import group_advantages
-from megatron_dgpo.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint,
-                                      save_checkpoint)
-from megatron_dgpo.convert import export_hf_weights, megatron_to_hf
+from megatron_dgpo.checkpoint import (TrainerState, export_hf, latest_checkpoint,
+                                      load_checkpoint, save_checkpoint)
+from megatron_dgpo.config import to_dict
+from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import (Experience, pack_update, plan_updates, prompt_order,
                                       rollout_metrics)
 from megatron_dgpo.losses import merge_metrics
-from megatron_dgpo.optimizer import build_optimizer, step_if_finite
-from megatron_dgpo.packing import to_micro_batch
+from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
-from megatron_dgpo.recipe import RunConfig
-from megatron_dgpo.telemetry import MetricsLogger
-from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step, wrap_ddp
-from megatron_dgpo import components
+from megatron_dgpo.recipe import RunConfig, save_recipe
+from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
+from megatron_dgpo.rollout.mismatch import mismatch_metrics
+from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step
 
 
 def train(cfg: RunConfig, *, resume: bool = False) -> Path:
@@ -41,37 +43,40 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
     init_distributed()
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
-    hf_dir = components.initial_model(cfg.model, run_dir, cfg.train.seed)
-    models, hf_config, dtype = components.policy(cfg.model, hf_dir, cfg.optimizer)
-    lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or components.count_parameters(hf_dir))
+    hf_dir = policy.initial_model(cfg.model, run_dir, cfg.train.seed)
+    models, hf_config, dtype = policy.build_policy(
+        cfg.model, hf_dir, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))
+    lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
-    state = TrainerState(extra=components.run_record(cfg, lr))
+    state = TrainerState(extra=_run_record(cfg, lr))
     if resume and (latest := latest_checkpoint(run_dir / "checkpoints")) is not None:
         state = load_checkpoint(latest, models, optimizer)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     loss_cfg = LossConfig(method=cfg.algorithm.method, temperature=cfg.rollout.temperature,
-                          hyperparams=vars(cfg.algorithm.loss), chunk_size=cfg.train.log_prob_chunk_size)
+                          hyperparams=cfg.algorithm.loss, chunk_size=cfg.train.log_prob_chunk_size)
     group, num_updates = cfg.rollout.group_size, cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
     engine = pool = logger = None
     try:
         if rank0:
-            components.save_resolved_config(cfg, run_dir)
-            prompts, tokenizer = components.prompts(cfg.data, cfg.rollout, hf_dir)
-            engine, pool = components.rollout_engine(cfg.rollout, hf_dir), components.reward_pool()
-        logger = MetricsLogger(run_dir, cfg.logging, enabled=rank0)
+            save_recipe(cfg, run_dir)
+            prompts, tokenizer = data.load_prompts(cfg.data, hf_dir, cfg.rollout.max_prompt_tokens)
+            engine, pool = build_engine(cfg.rollout, hf_dir), reward_pool()
+        logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
         logger.truncate_after(state.step)
         if state.step:  # resumed: the engine starts from the initial weights
             _refit(models, engine)
-        bar, save_time = components.progress_bar(cfg, state.step, enabled=rank0), {}
+        bar = telemetry.ProgressBar(cfg.train.steps, state.step,
+                                    enabled=rank0 and cfg.logging.progress_bar)
+        save_time = {}
         for step in range(state.step + 1, cfg.train.steps + 1):
-            timer = _PhaseTimer()
+            timer = telemetry.PhaseTimer()
             with timer("rollout"):
                 batch = None
                 if rank0:
                     indices = prompt_order(len(prompts), cfg.train.seed, state.prompts_consumed,
                                            cfg.train.rollout_batch_prompts)
-                    batch = components.rollout(engine, pool, tokenizer, prompts, indices, cfg.rollout,
-                                          seed=(cfg.train.seed << 20) + state.prompts_consumed)
+                    batch = generate_experience(engine, pool, tokenizer, prompts, indices, cfg.rollout,
+                                                seed=(cfg.train.seed << 20) + state.prompts_consumed)
                 batch = Experience.broadcast(batch)
                 batch.advantages, adv_stats = group_advantages(
                     torch.tensor(batch.rewards), group, eps=cfg.algorithm.advantage_eps,
@@ -84,17 +89,17 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
                                        pad_multiple=cfg.parallel.tensor_parallel) for indices in plan]
                 rows = [row for rows_u in updates for row in rows_u]
-                outputs = forward_logprobs(models, [to_micro_batch(r) for r in rows],
+                outputs = forward_logprobs(models, rows,
                                            temperature=cfg.rollout.temperature,
                                            chunk_size=cfg.train.log_prob_chunk_size)
                 for row, (logp, _) in zip(rows, outputs):
-                    row.per_token["old_logprobs"] = torch.where(row.loss_mask, logp[0], 0.0)
-                mismatch = components.mismatch_metrics(rows, ps.get_data_parallel_group())
+                    row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
+                mismatch = mismatch_metrics(rows, ps.get_data_parallel_group()).as_dict()
 
             with timer("update"):
                 parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
                 for rows_u in updates:
-                    result = train_step(models, [to_micro_batch(r) for r in rows_u], loss_cfg)
+                    result = train_step(models, rows_u, loss_cfg)
                     stepped, grad_norm = step_if_finite(optimizer, models, result.loss)
                     skipped += not stepped
                     parts.append(result.metrics)
@@ -109,29 +114,39 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
             # Logged before the checkpoint: a crash after the save cannot lose this step's line
             # (a resumed run drops lines past its checkpoint). The save's time goes to the next line.
             metrics = {**rollout_metrics(batch, group), **adv_stats.as_dict(), **mismatch,
-                       **components.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
+                       **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                        "train/skipped_updates_total": float(state.skipped_updates),
                        **timer.metrics(batch, trained_tokens, dp_size), **save_time}
             logger.log(step, metrics)
-            components.advance(bar, metrics)
+            bar.advance(metrics)
 
             save_time = {}
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps:
                 begin = time.perf_counter()
                 save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                                hf_config=hf_config, padded_vocab_size=components.padded_vocab(models),
+                                hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
                                 dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
                 save_time = {"time/checkpoint": time.perf_counter() - begin}
 
         if cfg.checkpoint.export_hf and rank0:
-            components.export_final(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
-                               cfg.checkpoint.export_dtype, megatron_to_hf)
+            export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
+                      cfg.checkpoint.export_dtype and model.dtype_named(cfg.checkpoint.export_dtype))
         dist.barrier()
         return run_dir
     finally:  # Ctrl-C included: free the engine and workers; nothing half-written is kept
         for closer in (engine and engine.shutdown, pool and pool.close, logger and logger.close):
             if closer:
                 closer()
+
+
+def _run_record(cfg: RunConfig, lr: float) -> dict:
+    """What a checkpoint records about the run (the layout decides whether RNG is restored)."""
+    from megatron.core import parallel_state as ps
+
+    return {"layout": {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+                       "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+                       "data_parallel": ps.get_data_parallel_world_size()},
+            "learning_rate": lr, "config": to_dict(cfg)}
 
 
 def _refit(models: list, engine) -> None:
@@ -142,27 +157,3 @@ def _refit(models: list, engine) -> None:
     else:
         for _ in pairs:  # other ranks take part in the gathers
             pass
-
-
-class _PhaseTimer:
-    """Wall-clock seconds per phase of one step (GPU work synchronised at phase ends)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.start = time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        begin = time.perf_counter()
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
-
-    def metrics(self, batch: Experience, trained_tokens: int, dp_size: int) -> dict[str, float]:
-        out = {f"time/{phase}": s for phase, s in self.seconds.items()}
-        out["time/step"] = time.perf_counter() - self.start
-        generated = sum(len(r) for r in batch.response_tokens)
-        out["throughput/rollout_tokens_per_s"] = generated / max(self.seconds["rollout"], 1e-9)
-        out["throughput/train_tokens_per_s"] = trained_tokens * dp_size / max(self.seconds["update"], 1e-9)
-        return out

@@ -12,7 +12,7 @@ from tests._rank_fns_model import (TINY_QWEN2, gather_tensor, global_name, hf_mo
 LENGTHS = (9, 24, 13, 17, 20, 11, 15, 22)
 PROMPTS = (4, 6, 3, 5, 7, 4, 6, 5)
 METHOD = "dgpo"
-HYPER = dict(eps_low=0.2, eps_high=0.28)
+HYPER = dict(eps_low=0.2, eps_high=0.28)  # LossHyperparams(**HYPER)
 
 
 def sequences():
@@ -39,7 +39,7 @@ def micro_batch_indices(dp_rank: int, dp_size: int, n_micro: int) -> list[list[i
 
 def micro_batches(dp_rank: int, dp_size: int, n_micro: int):
     """This DP rank's share of the sequences cut into ``n_micro`` padded pieces."""
-    from megatron_dgpo.train_step import padded_micro_batch
+    from megatron_dgpo.packing import padded_micro_batch
 
     seqs = sequences()
     return [padded_micro_batch([seqs[i][0] for i in idx], [seqs[i][1] for i in idx],
@@ -51,52 +51,45 @@ def forward_error(models, dp_rank, dp_size, n_micro, want_logp, want_ent) -> flo
     """Max |forward_logprobs - reference| over every real position of this rank's sequences."""
     from megatron_dgpo.train_step import forward_logprobs
 
-    outputs = forward_logprobs(models, micro_batches(dp_rank, dp_size, n_micro))
+    mbs = micro_batches(dp_rank, dp_size, n_micro)
+    outputs = forward_logprobs(models, mbs)
     err = 0.0
-    for (logp, ent), idx in zip(outputs, micro_batch_indices(dp_rank, dp_size, n_micro)):
+    for (logp, ent), mb, idx in zip(outputs, mbs, micro_batch_indices(dp_rank, dp_size, n_micro)):
         for row, i in enumerate(idx):
-            n = LENGTHS[i] - 1
-            err = max(err, float((logp[row, :n] - want_logp[i, :n]).abs().max()),
-                      float((ent[row, :n] - want_ent[i, :n]).abs().max()))
+            n, start = LENGTHS[i] - 1, int(mb.cu_seqlens[row])
+            err = max(err, float((logp[start:start + n] - want_logp[i, :n]).abs().max()),
+                      float((ent[start:start + n] - want_ent[i, :n]).abs().max()))
     return err
 
 
 def packed_micro_batches(n_rows: int):
-    """All sequences packed into ``n_rows`` rows (block-diagonal causal attention)."""
-    from megatron_dgpo.train_step import MicroBatch, padded_micro_batch
+    """All sequences packed into ``n_rows`` micro-batches (block-diagonal causal attention),
+    right-padded to one width: the padding is its own (masked) sample."""
+    from megatron_dgpo.packing import MicroBatch, padded_micro_batch
 
     seqs = sequences()
     rows = []
     for r in range(n_rows):
-        mine = seqs[r::n_rows]
-        parts = [padded_micro_batch([t], [m], [o], [a]) for t, m, o, a in mine]
-        rows.append(MicroBatch(
-            tokens=torch.cat([p.tokens for p in parts], 1),
-            labels=torch.cat([p.labels for p in parts], 1),
-            loss_mask=torch.cat([p.loss_mask for p in parts], 1),
-            old_logprobs=torch.cat([p.old_logprobs for p in parts], 1),
-            advantages=torch.cat([p.advantages for p in parts], 1),
-            segment_ids=torch.cat([torch.full_like(p.tokens, i) for i, p in enumerate(parts)],
-                                  1)))
-    width = max(r.tokens.shape[1] for r in rows)
-    padded = []
-    for row in rows:  # right-pad rows to one width: padding is its own (masked) segment
-        extra = width - row.tokens.shape[1]
-        pad = lambda t, v: torch.cat([t, torch.full((1, extra), v, dtype=t.dtype)], 1)
-        padded.append(MicroBatch(tokens=pad(row.tokens, 0), labels=pad(row.labels, 0),
-                                 loss_mask=pad(row.loss_mask, False),
-                                 old_logprobs=pad(row.old_logprobs, 0.0),
-                                 advantages=pad(row.advantages, 0.0),
-                                 segment_ids=pad(row.segment_ids, 10**6)))
-    return [MicroBatch(**{k: torch.cat([getattr(r, k) for r in padded]) for k in
-                          ("tokens", "labels", "loss_mask", "old_logprobs", "advantages",
-                           "segment_ids")})]
+        parts = [padded_micro_batch([t], [m], [o], [a]) for t, m, o, a in seqs[r::n_rows]]
+        rows.append({k: torch.cat([getattr(p, k) for p in parts]) for k in
+                     ("tokens", "position_ids", "targets", "loss_mask", "old_logprobs",
+                      "advantages")})
+        rows[-1]["lengths"] = [len(p.tokens) for p in parts]
+    width = max(len(row["tokens"]) for row in rows)
+    out = []
+    for row in rows:
+        extra = width - len(row["tokens"])
+        lengths = row.pop("lengths") + ([extra] if extra else [])
+        padded = {k: torch.cat([v, torch.zeros(extra, dtype=v.dtype)]) for k, v in row.items()}
+        cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        out.append(MicroBatch(**padded, cu_seqlens=cu_seqlens))
+    return out
 
 
 def _build(cfg, tp, pp):
     from megatron_dgpo.model import build_model
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.train_step import wrap_ddp
+    from megatron_dgpo.model import wrap_ddp
 
     initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=5)
     chunks = build_model(cfg)
@@ -120,16 +113,17 @@ def _grads(models, vocab):
 
 
 def _step(models, mbs):
+    from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.train_step import LossConfig, train_step
 
-    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=HYPER))
+    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=LossHyperparams(**HYPER)))
 
 
 def reference_fn(rank, world_size):
     """Single rank: the reference (1 micro-batch) and the 2/4/8-micro-batch runs."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.losses import policy_loss
+    from megatron_dgpo.losses import LossHyperparams, policy_loss
     from megatron_dgpo.parallel import destroy_parallel
     from megatron_dgpo.train_step import forward_logprobs
 
@@ -144,28 +138,30 @@ def reference_fn(rank, world_size):
         for n_micro in (2, 4, 8):
             res = _step(models, micro_batches(0, 1, n_micro))
             runs[n_micro] = (res, _grads(models, vocab)[0])
-        res = _step(models, packed_micro_batches(2))  # 2 packed rows in one micro-batch
+        res = _step(models, packed_micro_batches(2))  # 2 packed micro-batches
         runs["packed"] = (res, _grads(models, vocab)[0])
 
         # temperature != 1 and the loss value against independent references
         mb = micro_batches(0, 1, 1)[0]
         temperature = 0.8
         (logp, entropy), = forward_logprobs(models, [mb], temperature=temperature)
+        rows = len(mb.cu_seqlens) - 1  # one right-padded sequence per row
+        logp, entropy = logp.view(rows, -1), entropy.view(rows, -1)
         with torch.no_grad():
-            logits = hf_model(cfg)(mb.tokens).logits.double() / temperature
+            logits = hf_model(cfg)(mb.tokens.view(rows, -1)).logits.double() / temperature
         logsm = torch.log_softmax(logits, -1)
-        want_logp = logsm.gather(-1, mb.labels[..., None]).squeeze(-1)
+        want_logp = logsm.gather(-1, mb.targets.view(rows, -1)[..., None]).squeeze(-1)
         want_ent = -(logsm.exp() * logsm).sum(-1)
         (logp1, ent1), = forward_logprobs(models, [mb])
         loss64, _ = policy_loss(METHOD, logp1.double(), mb.old_logprobs.double(),
-                                mb.advantages.double(), mb.loss_mask, **HYPER)
+                                mb.advantages.double(), mb.loss_mask, LossHyperparams(**HYPER))
         results[tied] = dict(
             loss=ref.loss, num_tokens=ref.num_tokens, metrics=ref.metrics, summary=ref.summary,
             grads=grads, pad_ok=pad_ok, runs=runs,
             temp_logp_err=float((logp.double() - want_logp).abs().max()),
             temp_ent_err=float((entropy.double() - want_ent).abs().max()),
             loss64=float(loss64), n_params=ps.get_tensor_model_parallel_world_size(),
-            logp=logp1, entropy=ent1)
+            logp=logp1.view(rows, -1), entropy=ent1.view(rows, -1))
         destroy_parallel()
     return results
 

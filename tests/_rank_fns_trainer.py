@@ -17,7 +17,7 @@ def _setup(seed: int = 5):
     from megatron_dgpo.optimizer import build_optimizer
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.recipe import OptimizerConfig
-    from megatron_dgpo.train_step import wrap_ddp
+    from megatron_dgpo.model import wrap_ddp
 
     from megatron.core import parallel_state
 
@@ -33,7 +33,7 @@ def _grads(models):
     from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.train_step import LossConfig, train_step
 
-    loss = LossConfig(method="dgpo", hyperparams=vars(LossHyperparams()))
+    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams())
     return train_step(models, micro_batches(0, 1, 2), loss)
 
 
@@ -108,7 +108,7 @@ def optimizer_and_skipping(rank, world):
 
     bad = micro_batches(0, 1, 2)
     bad[0].advantages[0, :] = float("nan")
-    result = train_step(models, bad, LossConfig(hyperparams=vars(LossHyperparams())))
+    result = train_step(models, bad, LossConfig(hyperparams=LossHyperparams()))
     out["nan_loss"] = result.loss
     out["nan_step"] = step_if_finite(optimizer, models, result.loss)[0]
     out["nan_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())

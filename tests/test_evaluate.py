@@ -15,7 +15,7 @@ import pytest
 from megatron_dgpo.data import builtin_prompts, find_benchmarks_dir, load_benchmark
 from megatron_dgpo.evaluate import evaluate, format_table, ks_up_to, pass_at_k
 from megatron_dgpo.rewards import RewardPool
-from megatron_dgpo.rollout.base import RolloutEngine, Sample
+from megatron_dgpo.rollout.base import RolloutEngine, Completion
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ class ScriptedEngine(RolloutEngine):
         for j in range(len(prompts_token_ids)):
             i = self.offset + j
             texts = [f"so \\boxed{{{self.answers[i] if s < self.plan[i] else 'wrong'}}}" for s in range(n)]
-            out.append([Sample(j, self.tok(t, add_special_tokens=False)["input_ids"], [0.0] * len(self.tok(t)["input_ids"]), "stop") for t in texts])
+            out.append([Completion(j, self.tok(t, add_special_tokens=False)["input_ids"], [0.0] * len(self.tok(t)["input_ids"]), "stop") for t in texts])
         self.offset += len(prompts_token_ids)
         return out
 

@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
-from megatron_dgpo.components import mismatch_metrics, prompts
-from megatron_dgpo.data import boxed_instruction, PromptRecord
+from megatron_dgpo.data import boxed_instruction, load_prompts, PromptRecord
 from megatron_dgpo.experience import Experience, pack_update, plan_updates, prompt_order
-from megatron_dgpo.recipe import DataConfig, RolloutConfig
-from megatron_dgpo.rollout import logprob_mismatch
+from megatron_dgpo.recipe import DataConfig
+from megatron_dgpo.rollout.mismatch import logprob_mismatch, mismatch_metrics
 
 DAPO = ("Solve the following math problem step by step. The last line of your response should "
         "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
@@ -58,8 +57,8 @@ def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
         for k, sample in enumerate(row.sample_indices):
             start = ends[k] + len(batch.prompt_tokens[sample]) - 1
             old[start:start + len(trainer[sample])] = trainer[sample]
-        row.per_token["old_logprobs"] = old
-    got = mismatch_metrics(rows)
+        row.old_logprobs = old
+    got = mismatch_metrics(rows).as_dict()
     width = max(len(t) for t in trainer)
     pad = lambda xs: torch.stack([torch.cat([torch.tensor(x, dtype=torch.float64).reshape(-1),
                                              torch.zeros(width - len(x))]) for x in xs])
@@ -68,6 +67,36 @@ def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
     for key, value in want.as_dict().items():
         if key != "mismatch/num_tokens":
             assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), key
+
+
+def _mismatch_rows(seed: int):
+    """Packed micro-batches of 6 samples with trainer log-probs (and one huge |d| sample)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [2, 4, 1, 3, 5, 2]
+    batch = Experience(prompt_tokens=[[1, 2, 3]] * 6, response_tokens=[[7] * n for n in lengths],
+                       rollout_logprobs=[(-torch.rand(n, generator=gen)).tolist() for n in lengths],
+                       rewards=[1.0] * 6, truncated=[False] * 6, advantages=torch.zeros(6))
+    rows = pack_update(batch, list(range(6)), budget=16, pad_multiple=1)
+    for row in rows:
+        row.old_logprobs = torch.where(row.loss_mask, row.rollout_logprobs
+                                       + 0.1 * torch.randn(len(row.tokens), generator=gen), 0.0)
+    rows[0].old_logprobs[rows[0].loss_mask.nonzero()[0]] += 100.0  # past the exp cap
+    return rows
+
+
+def _mismatch_dp_fn(rank, world_size):
+    rows = _mismatch_rows(seed=4)
+    return mismatch_metrics(rows[rank::world_size], torch.distributed.group.WORLD).as_dict()
+
+
+def test_mismatch_metrics_reduce_over_the_group_like_one_process():
+    from tests.distributed import run_ranks
+
+    want = mismatch_metrics(_mismatch_rows(seed=4)).as_dict()
+    assert want["mismatch/max_abs_diff"] > 99.0
+    for got in run_ranks(_mismatch_dp_fn, 2):
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-12), key
 
 
 def test_boxed_instruction_rewrites_dapo_prompts():
@@ -85,14 +114,14 @@ def test_prompts_from_a_dapo_file_are_rewritten_rendered_and_length_filtered(tmp
             for p, a in (("What is 2+3?", "5"), ("Long " * 300 + "problem?", "1"))]
     path = tmp_path / "dapo.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    kept, tokenizer = prompts(DataConfig(source=str(path), boxed_instruction=True),
-                              RolloutConfig(max_prompt_tokens=200), tiny_model_dir)
+    kept, tokenizer = load_prompts(DataConfig(source=str(path), boxed_instruction=True),
+                                   tiny_model_dir, max_prompt_tokens=200)
     assert [record.ground_truth for record, _ in kept] == ["5"]  # the long one is dropped
     text = tokenizer.decode(kept[0][1])
     assert "\\boxed{}" in text and "Answer:" not in text and text.endswith("assistant\n")
 
 
-def test_thd_cu_seqlens_from_segment_ids_equal_the_packers():
+def test_thd_params_carry_the_packers_cu_seqlens():
     from megatron_dgpo.train_step import _packed_seq_params
 
     batch = Experience(prompt_tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9]],
@@ -100,6 +129,6 @@ def test_thd_cu_seqlens_from_segment_ids_equal_the_packers():
                        rollout_logprobs=[[0.0] * 2, [0.0] * 4, [0.0]], rewards=[0.0] * 3,
                        truncated=[False] * 3, advantages=torch.zeros(3))
     (row,) = pack_update(batch, [0, 1, 2], budget=64, pad_multiple=4)
-    params = _packed_seq_params(row.segment_ids()[None])
+    params = _packed_seq_params(row, "cpu")
     assert torch.equal(params.cu_seqlens_q, row.cu_seqlens) and params.qkv_format == "thd"
     assert params.max_seqlen_q == int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_dgpo import losses
-from megatron_dgpo.losses import METHODS, policy_loss
+from megatron_dgpo.losses import METHODS, LossHyperparams, policy_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # unequal on purpose: a swapped bound would show
 BETA1, BETA2, ASPO_LOW, ASPO_HIGH = 0.75, 1.1, 0.33, 3.0
@@ -47,8 +47,8 @@ def reference_F(method, w, a, n, m):
 
 
 def kwargs(n=1, m=2):
-    return dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, n=n, m=m, beta1=BETA1, beta2=BETA2,
-                aspo_eps_low=ASPO_LOW, aspo_eps_high=ASPO_HIGH)
+    return dict(hp=LossHyperparams(eps_low=EPS_LOW, eps_high=EPS_HIGH, n=n, m=m, beta1=BETA1,
+                                   beta2=BETA2, aspo_eps_low=ASPO_LOW, aspo_eps_high=ASPO_HIGH))
 
 
 def random_batch(shape=(6, 50), seed=0, dtype=torch.float64):
@@ -269,11 +269,19 @@ def test_bad_arguments_raise(bad, match):
     if args.pop("shape_mismatch", False):
         adv = adv[:, :3]
     method = args.pop("method")
+    num_tokens = args.pop("num_tokens", None)
     with pytest.raises(ValueError, match=match):
-        policy_loss(method, logp, old, adv, mask, **args)
+        policy_loss(method, logp, old, adv, mask, LossHyperparams(**args), num_tokens=num_tokens)
 
 
 def test_cli_self_check_and_plot(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "losscheck.py"
+    spec = importlib.util.spec_from_file_location("losscheck", path)
+    losscheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(losscheck)
     out = tmp_path / "f.png"
-    assert losses.main(["--n", "2", "--m", "3", "--plot", str(out)]) == 0
+    assert losscheck.main(["--n", "2", "--m", "3", "--plot", str(out)]) == 0
     assert out.stat().st_size > 20_000

@@ -64,7 +64,7 @@ def test_row_layout_targets_masks_positions():
             mask = row.loss_mask[seg]
             assert mask.sum() == length - s.response_start
             assert torch.equal(row.targets[seg][mask], s.tokens[s.response_start:])
-            assert torch.equal(row.per_token["old_logprobs"][seg][mask],
+            assert torch.equal(row.old_logprobs[seg][mask],
                                s.per_token["old_logprobs"])
             assert not mask[length - 1:].any()  # never predicts across into the next sample
             offset += width
@@ -72,7 +72,7 @@ def test_row_layout_targets_masks_positions():
 
 
 def test_block_causal_mask():
-    mask = block_causal_mask(torch.tensor([[0, 0, 1, 1, 1]]))[0, 0]
+    mask = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32))[0, 0]
     allowed = ~mask
     want = torch.zeros(5, 5, dtype=torch.bool)
     want[0, 0] = want[1, 0] = want[1, 1] = True
@@ -125,10 +125,12 @@ def test_bad_input_names_the_sample(bad, message):
 
 def _packing_gradient_fn(rank, world_size):
     """Same samples through train_step padded (2 per micro-batch) and packed: same gradient."""
+    from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.model import build_model
-    from megatron_dgpo.packing import to_micro_batch
     from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.train_step import LossConfig, padded_micro_batch, train_step, wrap_ddp
+    from megatron_dgpo.model import wrap_ddp
+    from megatron_dgpo.packing import padded_micro_batch
+    from megatron_dgpo.train_step import LossConfig, train_step
     from tests._rank_fns_model import TINY_QWEN2
 
     initialize_parallel(ParallelConfig(), seed=3)
@@ -139,7 +141,7 @@ def _packing_gradient_fn(rank, world_size):
         s.per_token["advantages"] = torch.linspace(-1.5, 1.5, len(s.per_token["advantages"]),
                                                    dtype=torch.float64) ** 3
         s.per_token["old_logprobs"] = s.per_token["old_logprobs"] - 5.5
-    loss = LossConfig(method="dgpo", hyperparams=dict(n=2, m=2))
+    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams(n=2, m=2))
 
     def grads():
         return {n: p.main_grad.clone() for n, p in models[0].module.named_parameters()}
@@ -155,7 +157,7 @@ def _packing_gradient_fn(rank, world_size):
     reference = train_step(models, padded, loss)
     want = grads()
     rows = pack(samples, budget=48, pad_multiple=4)
-    packed = train_step(models, [to_micro_batch(r) for r in rows], loss)
+    packed = train_step(models, rows, loss)
     got = grads()
     worst = max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
     padded_tokens = sum(mb.tokens.numel() for mb in padded)

@@ -168,7 +168,7 @@ def count_params_fn(rank, world_size):
 
     from megatron_dgpo.model import build_model
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-    from megatron_dgpo.train_step import wrap_ddp
+    from megatron_dgpo.model import wrap_ddp
 
     out = {}
     for tp, pp in ((2, 2), (1, 1)):

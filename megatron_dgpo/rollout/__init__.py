@@ -3,7 +3,7 @@
 vLLM is imported lazily (only when a ``VLLMEngine`` is built), so importing this package is cheap.
 """
 
-from megatron_dgpo.rollout.base import RolloutEngine, Sample
+from megatron_dgpo.rollout.base import RolloutEngine, Completion
 from megatron_dgpo.rollout.mismatch import MismatchStats, logprob_mismatch
 
 
@@ -19,4 +19,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["RolloutEngine", "Sample", "VLLMEngine", "VLLMConfig", "HFEngine", "MismatchStats", "logprob_mismatch"]
+__all__ = ["RolloutEngine", "Completion", "VLLMEngine", "VLLMConfig", "HFEngine", "MismatchStats", "logprob_mismatch"]

@@ -1,6 +1,7 @@
 """The rollout-engine interface: sample n responses per prompt with their log-probs, refit weights.
 
-Every engine returns, per prompt, ``n`` ``Sample`` objects with
+Every engine returns, per prompt, ``n`` ``Completion`` objects (one sampled response each; the
+trainer's sequences are ``packing.Sample``, built from them by ``experience.Experience``) with
     token_ids  [T_i]  the response tokens, the stop token included when the sample stopped;
     logprobs   [T_i]  log pi_sample(token_t | prompt, tokens_<t) in float, where pi_sample is the
                       distribution the token was drawn from (temperature and top-p applied; with
@@ -27,7 +28,7 @@ import torch
 
 
 @dataclass
-class Sample:
+class Completion:
     """One sampled response (see the module docstring for the field contracts)."""
 
     prompt_index: int
@@ -71,7 +72,7 @@ class RolloutEngine(ABC):
         top_p: float = 1.0,
         max_tokens: int = 256,
         seed: int | None = None,
-    ) -> list[list[Sample]]:
+    ) -> list[list[Completion]]:
         """``n`` samples for each prompt: result[i][j] is sample j of prompt i."""
 
     @abstractmethod

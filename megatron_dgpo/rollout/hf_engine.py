@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megatron_dgpo.rollout.base import RolloutEngine, Sample, check_generate_args
+from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
 
 
 class HFEngine(RolloutEngine):
@@ -47,9 +47,9 @@ class HFEngine(RolloutEngine):
         top_p: float = 1.0,
         max_tokens: int = 256,
         seed: int | None = None,
-    ) -> list[list[Sample]]:
+    ) -> list[list[Completion]]:
         check_generate_args(prompts_token_ids, n, temperature, top_p, max_tokens)
-        results: list[list[Sample]] = [[] for _ in prompts_token_ids]
+        results: list[list[Completion]] = [[] for _ in prompts_token_ids]
         if seed is not None:
             groups = [[i] for i in range(len(prompts_token_ids))]
         else:
@@ -95,7 +95,7 @@ class HFEngine(RolloutEngine):
                     length, reason = t + 1, "stop"
                     break
             prompt_index = group[k // n]
-            results[prompt_index].append(Sample(prompt_index, toks[:length], logprobs[k, :length].tolist(), reason))
+            results[prompt_index].append(Completion(prompt_index, toks[:length], logprobs[k, :length].tolist(), reason))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict()

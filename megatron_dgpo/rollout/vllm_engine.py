@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megatron_dgpo.rollout.base import RolloutEngine, Sample, check_generate_args
+from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
 
 
 @dataclass
@@ -129,7 +129,7 @@ class VLLMEngine(RolloutEngine):
         max_tokens: int = 256,
         seed: int | None = None,
         use_tqdm: bool = False,
-    ) -> list[list[Sample]]:
+    ) -> list[list[Completion]]:
         from vllm import SamplingParams
 
         self._check_open()
@@ -152,22 +152,25 @@ class VLLMEngine(RolloutEngine):
         return [self._samples(i, out) for i, out in enumerate(outputs)]
 
     @staticmethod
-    def _samples(prompt_index: int, request_output) -> list[Sample]:
+    def _samples(prompt_index: int, request_output) -> list[Completion]:
         samples = []
         for comp in sorted(request_output.outputs, key=lambda c: c.index):
             token_ids = list(comp.token_ids)
             if comp.logprobs is None or len(comp.logprobs) != len(token_ids):
                 raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {prompt_index}")
             logprobs = [float(pos[tok].logprob) for pos, tok in zip(comp.logprobs, token_ids)]
-            samples.append(Sample(prompt_index, token_ids, logprobs, str(comp.finish_reason)))
+            samples.append(Completion(prompt_index, token_ids, logprobs, str(comp.finish_reason)))
         return samples
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload all weights from (HF name, tensor) pairs, without restarting the engine.
 
-        The whole stream is serialised into one safetensors blob (peak host memory: one copy of
-        the weights) and sent to every worker, because vLLM's in-place reload processes a
-        complete set of weights at once.
+        The whole stream is serialised into one safetensors blob and sent to every worker,
+        because vLLM's in-place reload processes a complete set of weights at once. Host
+        memory: the pairs are held as host tensors (a copy of the weights when they come from a
+        GPU), the blob is a second copy, and each worker deserialises a third (plus vLLM's RPC
+        buffers). vLLM's msgpack encoder refuses a payload of 4 GiB or more, so this path
+        stops at about 2B parameters in bf16 (notes/vllm-on-cpu.md).
         """
         from safetensors.torch import save
 

@@ -1,0 +1,85 @@
+"""The policy of a training job: where its initial weights come from and how this rank holds it.
+
+Sits above ``model`` (building) and ``convert`` (loading HF weights into the built chunks), so
+neither of those imports the other through it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from megatron_dgpo.convert import load_model
+from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
+from megatron_dgpo.model import dtype_named, wrap_ddp
+
+
+def initial_model(config, run_dir, seed: int):
+    """Collective: the HF folder (``Path``) of the initial policy of ``config`` (a recipe's
+    ``ModelConfig``). ``model.tiny`` creates one once under ``<run_dir>/initial_model`` (kept for
+    resuming); a hub id is downloaded on rank 0; a folder is used as it is."""
+    import torch.distributed as dist
+    from pathlib import Path
+
+    target = _materialise_model(config, Path(run_dir), seed) if dist.get_rank() == 0 else None
+    box = [str(target) if target else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _materialise_model(config, run_dir, seed: int):
+    import shutil
+    from pathlib import Path
+
+    if config.tiny is not None:
+        from megatron_dgpo.tiny import make_tiny_model
+
+        target = run_dir / "initial_model"
+        if not (target / "config.json").is_file():
+            staging = run_dir / ".initial_model.incomplete"
+            shutil.rmtree(staging, ignore_errors=True)
+            make_tiny_model(staging, **{"seed": seed, **config.tiny})
+            os.replace(staging, target)
+        return target
+    if Path(config.path).is_dir():
+        if not (Path(config.path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {config.path} has no config.json")
+        return Path(config.path)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"model.path: {config.path} is not a folder and HF_HUB_OFFLINE=1")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(config.path, allow_patterns=["*.json", "*.safetensors",
+                                                                "*.model", "*.txt", "*.jinja"]))
+
+
+def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
+    """Collective: ``(models, hf_config, dtype)``: this rank's DDP-wrapped chunks of the policy
+    loaded from ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, the HF config and
+    the parameter dtype. bf16 models get Megatron's Float16Module (fp32 logits out)."""
+    dtype = dtype_named(config.dtype)
+    overrides = {"bf16": True} if dtype == torch.bfloat16 else {}
+    if config.recompute_activations:
+        overrides.update(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
+    chunks = load_model(str(hf_dir), dtype=dtype, **overrides)
+    if dtype == torch.bfloat16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = []
+        for chunk in chunks:
+            wrapper = Float16Module(chunk.config, chunk)
+            wrapper.hf_spec = chunk.hf_spec
+            wrapped.append(wrapper)
+        chunks = wrapped
+    models = wrap_ddp(chunks, use_distributed_optimizer=use_distributed_optimizer)
+    return models, read_hf_config(str(hf_dir)), dtype
+
+
+def count_parameters(hf_dir) -> float:
+    """Parameters of the HF checkpoint in ``hf_dir`` (for ``optimizer.lr: auto`` without
+    ``model.nominal_params``), read from the safetensors headers."""
+    reader = LazyHFReader(str(hf_dir))
+    return float(sum(math.prod(reader.shape_dtype(name)[0]) for name in reader.names()))
