@@ -342,8 +342,8 @@ class VLLMEngine(RolloutEngine):
         self._after_refit()
 
     def _after_refit(self) -> None:
+        self._wake(["kv_cache"])  # (re)allocated after the weights, as vLLM's RL recipe orders it
         self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        self._wake(["kv_cache"])
 
     # -------------------------------------------------------------------------------- lifetime
 
