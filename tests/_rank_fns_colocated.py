@@ -49,17 +49,19 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     both ranks that generates and refits."""
     from safetensors.torch import load_file
 
+    from megatron_dgpo.rollout.placement import EngineLayout, prompt_seeds, shard_prompts
+
     os.environ["OMP_NUM_THREADS"] = "1"  # before the engine: torch.set_num_threads is dead after
     out = {}
     t0 = time.perf_counter()
     engine = _engine(model_a, tp=1)
     out["start_s"] = time.perf_counter() - t0
-    half = len(prompts) // 2
-    mine = range(rank * half, (rank + 1) * half)  # this engine's shard of whole prompts
+    layout = EngineLayout(world, rank, engine_tp=1)
+    mine = shard_prompts(len(prompts), layout.num_engines, layout.engine_index)
     out["whole"] = _tokens(engine.generate(prompts, n=N, max_tokens=MAX_TOKENS,
-                                           seeds=[SEED + i for i in range(len(prompts))]))
+                                           seeds=prompt_seeds(SEED, range(len(prompts)))))
     shard = engine.generate([prompts[i] for i in mine], n=N, max_tokens=MAX_TOKENS,
-                            seeds=[SEED + i for i in mine])
+                            seeds=prompt_seeds(SEED, mine))
     out["shard"] = _tokens(shard)
     out["diff_a"] = _max_diff_vs_transformers(model_a, [prompts[i] for i in mine], shard)
 
@@ -71,12 +73,12 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
                     "tensors": stats.tensors, "total_bytes": stats.total_bytes,
                     "metrics": stats.as_metrics()}
     after_b = engine.generate(prompts, n=N, max_tokens=MAX_TOKENS,
-                              seeds=[SEED + i for i in range(len(prompts))])
+                              seeds=prompt_seeds(SEED, range(len(prompts))))
     out["diff_b"] = _max_diff_vs_transformers(model_b, prompts, after_b)
     out["diff_b_vs_a"] = _max_diff_vs_transformers(model_a, prompts, after_b)
     engine.update_weights_from_dir(model_b)  # full reload from the HF folder: same samples
     from_dir = engine.generate(prompts, n=N, max_tokens=MAX_TOKENS,
-                               seeds=[SEED + i for i in range(len(prompts))])
+                               seeds=prompt_seeds(SEED, range(len(prompts))))
     out["bucketed_equals_dir"] = _tokens(after_b) == _tokens(from_dir)
     out["lp_bucketed_vs_dir"] = max(abs(x - y) for ga, gb in zip(after_b, from_dir)
                                     for sa, sb in zip(ga, gb) for x, y in zip(sa.logprobs, sb.logprobs))
@@ -88,7 +90,7 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
 
     # one engine over both ranks (TP=2): identical prompts and seeds on both
     tp2 = _engine(model_a, tp=2)
-    seeds = [SEED + i for i in range(len(prompts))]
+    seeds = prompt_seeds(SEED, range(len(prompts)))
     g = tp2.generate(prompts, n=N, max_tokens=MAX_TOKENS, seeds=seeds)
     out["tp2_tokens"] = _tokens(g)
     out["tp2_diff_a"] = _max_diff_vs_transformers(model_a, prompts, g)
