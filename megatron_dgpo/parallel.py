@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron_dgpo.cpu import apply_cpu_compat, cpu_only, seed_model_parallel_rng
+
+DEFAULT_TIMEOUT_MINUTES = 120.0
+"""Collective timeout: long enough for one step's generation on the slowest engine (a rank may
+wait in a collective while others finish their share of the rollout batch). NCCL's own
+default (10 minutes) kills long-response jobs during the first step."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,11 @@ class ParallelConfig:
     """Pipeline stages: layers split into this many consecutive groups (1F1B schedule)."""
     virtual_pipeline_parallel: int | None = None
     """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no VPP."""
+    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
+    """How long any collective (torch.distributed and Megatron's groups) may wait before the
+    job fails with a timeout error instead of hanging. Must exceed the longest time one rank
+    can spend outside collectives: a step's generation, a checkpoint save. Fractions allowed
+    (0.05 = 3 s, for tests)."""
 
     def __post_init__(self):
         for name in ("tensor_parallel", "pipeline_parallel"):
@@ -38,6 +49,9 @@ class ParallelConfig:
         if vpp is not None and not (isinstance(vpp, int) and vpp >= 1):
             raise ValueError(f"ParallelConfig.virtual_pipeline_parallel must be None or a "
                              f"positive int, got {vpp!r}")
+        if not (isinstance(self.timeout_minutes, (int, float)) and self.timeout_minutes > 0):
+            raise ValueError(f"ParallelConfig.timeout_minutes must be a positive number, got "
+                             f"{self.timeout_minutes!r}")
         if vpp is not None and vpp > 1 and self.pipeline_parallel == 1:
             raise ValueError("ParallelConfig.virtual_pipeline_parallel > 1 needs "
                              "pipeline_parallel > 1")
@@ -53,13 +67,20 @@ def default_backend() -> str:
     return "gloo" if cpu_only() else "nccl"
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet."""
+def init_distributed(backend: str | None = None, *,
+                     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
+    """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet.
+
+    ``timeout_minutes`` (``ParallelConfig.timeout_minutes``) bounds every collective of the
+    default group: a rank waiting longer fails with gloo's/NCCL's timeout error.
+    """
     if dist.is_initialized():
         return
+    if not (isinstance(timeout_minutes, (int, float)) and timeout_minutes > 0):
+        raise ValueError(f"parallel.timeout_minutes must be a positive number, got {timeout_minutes!r}")
     if not cpu_only():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend or default_backend())
+    dist.init_process_group(backend or default_backend(), timeout=timedelta(minutes=timeout_minutes))
 
 
 def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
@@ -82,6 +103,7 @@ def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
         virtual_pipeline_model_parallel_size=config.vpp,
+        distributed_timeout_minutes=config.timeout_minutes,  # Megatron's subgroups' timeout
     )
     seed_model_parallel_rng(seed)
 

@@ -72,7 +72,8 @@ class RolloutConfig:
     dtype: str = "auto"
     """vLLM weights dtype: "auto" follows the checkpoint; "float32" gives exact log-probs."""
     tensor_parallel_size: int = 1
-    """vLLM's own tensor parallelism (GPU only)."""
+    """vLLM's own tensor parallelism: ranks (GPUs) per engine. With ``placement: colocated``
+    (CPU too) each engine spans this many consecutive trainer ranks; it must divide the world."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights + KV cache when colocated (GPU)."""
     kv_cache_memory_bytes: int | None = None
@@ -81,8 +82,22 @@ class RolloutConfig:
     """Sequences vLLM decodes at once."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Any other ``vllm.LLM`` keyword argument."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """Where vLLM runs (engine ``vllm`` only). ``colocated``: inside the trainer's ranks
+    (``external_launcher``), one engine per ``tensor_parallel_size`` consecutive ranks, sharing
+    their GPUs (sleep mode frees its memory during training on GPU). ``separate``: an engine in
+    its own process, for machines or vLLM versions where colocation does not work."""
+    refit_bucket_bytes: int = 512 << 20
+    """Largest weight payload of one in-place reload when the trainer refits the engine (512
+    MiB, as slime). Buckets never split a layer's fused q/k/v or gate/up tensors (a larger
+    group goes alone); must stay below 4 GiB (vLLM's message limit for ``separate``)."""
 
     def __post_init__(self):
+        if self.placement not in ("colocated", "separate"):
+            raise ValueError(f"placement must be 'colocated' or 'separate', got {self.placement!r}")
+        if not (isinstance(self.refit_bucket_bytes, int) and 1 <= self.refit_bucket_bytes < (1 << 32) - 1):
+            raise ValueError(f"refit_bucket_bytes must be an int in [1, 2**32 - 1) (below vLLM's "
+                             f"4 GiB message limit), got {self.refit_bucket_bytes!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if not self.temperature > 0:

@@ -20,3 +20,8 @@ def __getattr__(name):
 
 
 __all__ = ["RolloutEngine", "Completion", "VLLMEngine", "VLLMConfig", "HFEngine", "MismatchStats", "logprob_mismatch"]
+
+# Bucketed weight refit (issue 12, engine level): cheap to import (torch only).
+from megatron_dgpo.rollout.refit import RefitStats, bucket_named_tensors  # noqa: E402
+
+__all__ += ["RefitStats", "bucket_named_tensors"]

