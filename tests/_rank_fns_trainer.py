@@ -107,7 +107,7 @@ def optimizer_and_skipping(rank, world):
     from megatron_dgpo.train_step import LossConfig, train_step
 
     bad = micro_batches(0, 1, 2)
-    bad[0].advantages[0, :] = float("nan")
+    bad[0].advantages[:] = float("nan")  # the whole row: the loss is NaN
     result = train_step(models, bad, LossConfig(hyperparams=LossHyperparams()))
     out["nan_loss"] = result.loss
     out["nan_step"] = step_if_finite(optimizer, models, result.loss)[0]
