@@ -6,8 +6,8 @@ Every method here is one choice of the coefficient F in
 
 where N is the number of valid tokens of the whole mini-batch (``token_mean``; the other
 aggregations of ``AGGREGATIONS`` weight each token by c_t and divide by sum_t c_t instead, see
-``sample_loss_weights``; ``truncated_is_weights`` adds the TIS factor). F depends on the region a token
-falls in (paper, Table 1), set by the ratio w and the sign of the advantage A:
+``sample_loss_weights``; ``truncated_is_weights`` adds the TIS factor). F depends on the region
+a token falls in (paper, Table 1), set by the ratio w and the sign of the advantage A:
 
     LN: w < 1-eps_low  and A < 0        HP: w > 1+eps_high and A > 0
     LP: w < 1-eps_low  and A > 0        HN: w > 1+eps_high and A < 0

@@ -121,11 +121,12 @@ class AlgorithmConfig:
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
     advantage_unbiased_std: bool = True
     """Sample (n-1) std of the group's rewards, as GRPO's reference code; False: population std."""
-    loss_aggregation: Literal["token_mean", "group_token_mean", "seq_mean_token_mean"] = "token_mean"
+    loss_aggregation: Literal["token_mean", "group_token_mean",
+                              "seq_mean_token_mean"] = "token_mean"
     """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
     ``token_mean``: sum_t s_t / (valid tokens of the mini-batch), DAPO's token mean and the
-    paper's code path. ``group_token_mean``: the paper's Eq. 1, each prompt group's sum over
-    1 / sum_i |o_i| (that group's tokens), then the mean over the mini-batch's groups.
+    paper's code path. ``group_token_mean``: the paper's Eq. 1, each prompt group's token sum
+    divided by that group's token count sum_i |o_i|, then the mean over the mini-batch's groups.
     ``seq_mean_token_mean``: each response's token mean, averaged over the responses."""
     rollout_correction: Literal["none", "tis"] = "none"
     """``tis``: multiply each token's loss term by the truncated importance weight

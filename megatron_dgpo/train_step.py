@@ -27,7 +27,9 @@ and the loss function returns the triple ``(-sum_t mask_t s_t, n_valid_tokens, l
 
 So the gradients left in ``param.main_grad`` are exactly dL/dtheta. N is also all-reduced over DP
 here before the schedule runs (every rank knows its masks) and checked against the count
-Megatron used.
+Megatron used. ``finalize_model_grads`` (DP all-reduce, tied-embedding gradient sum across the
+first and last pipeline stages, 1/N scaling) runs inside ``train_step``: afterwards the
+gradients are final and the optimizer may step.
 
 Other aggregations (``LossConfig.aggregation``, ``losses.sample_loss_weights``). Micro-batches
 that carry ``loss_weights`` c_t (computed per sample from whole groups before packing) give
@@ -40,9 +42,7 @@ W is all-reduced over DP with N, and each micro-batch's sum is scaled by N / W b
 divides by N, so Megatron's integer token path is kept and the result is as split-invariant as
 N itself. ``rollout_correction: tis`` multiplies each token's term by
 ``losses.truncated_is_weights`` (not part of W). Without ``loss_weights`` and TIS the code path
-is the token-mean one above, unchanged. ``finalize_model_grads`` (DP all-reduce, tied-embedding gradient sum across the
-first and last pipeline stages, 1/N scaling) runs inside ``train_step``: afterwards the
-gradients are final and the optimizer may step.
+is the token-mean one above, unchanged.
 
 Metrics (``policy_loss`` metrics + entropy as token-weighted ``entropy_sum`` and the loss sum)
 are merged exactly over micro-batches on the last stage (``losses.merge_metrics``), broadcast
