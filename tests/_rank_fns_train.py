@@ -246,6 +246,26 @@ def reference_fn(rank, world_size):
         kept_only = _step(models, micro_batches(0, 1, 1, only=kept))
         kept_only = dict(loss=kept_only.loss, num_tokens=kept_only.num_tokens,
                          metrics=kept_only.metrics, grads=_grads(models, vocab)[0])
+        # Eq. 1 / the sequence mean from the token-mean path alone: the mean over groups
+        # (samples) of the token-mean loss and gradient of that group (sample) by itself
+        by_definition = {}
+        for case, members in (("group", [[i for i in range(len(LENGTHS)) if i % NUM_GROUPS == g]
+                                         for g in range(NUM_GROUPS)]),
+                              ("seq", [[i] for i in range(len(LENGTHS))])):
+            losses_, grads_ = [], []
+            for only in members:
+                losses_.append(_step(models, micro_batches(0, 1, 1, only=only)).loss)
+                grads_.append(_grads(models, vocab)[0])
+            by_definition[case] = dict(
+                loss=sum(losses_) / len(members),
+                grads={k: sum(g[k].double() for g in grads_) / len(members) for k in grads_[0]})
+        nothing_kept = micro_batches(0, 1, 2, "drop")
+        for mb in nothing_kept:
+            mb.loss_weights.zero_()
+        res = _step(models, nothing_kept, "drop")
+        zero_grads = _grads(models, vocab)[0].values()
+        nothing_kept = dict(loss=res.loss, num_tokens=res.num_tokens,
+                            grad_max=max(float(g.abs().max()) for g in zero_grads))
 
         # temperature != 1 and the loss value against independent references
         mb = micro_batches(0, 1, 1)[0]
@@ -272,6 +292,7 @@ def reference_fn(rank, world_size):
             temp_ent_err=float((entropy.double() - want_ent).abs().max()),
             loss64=float(loss64), n_params=ps.get_tensor_model_parallel_world_size(),
             cases=cases, case_splits=case_splits, kept_only=kept_only,
+            nothing_kept=nothing_kept, by_definition=by_definition,
             logp=logp1.view(rows, -1), entropy=ent1.view(rows, -1))
         destroy_parallel()
     return results

@@ -81,6 +81,15 @@ def test_aggregations_tis_and_filter_single_rank(reference):
         for name, grad in alone["grads"].items():
             err = float((drop["grads"][name] - grad).abs().max() / grad.abs().max())
             assert err <= TOL, (name, err)
+        # the weighted path's loss and gradient against the formulas built from token means
+        for case, want in ref["by_definition"].items():
+            got = ref["cases"][case]
+            assert abs(got["loss"] - want["loss"]) <= TOL * max(1.0, abs(want["loss"])), case
+            for name, grad in want["grads"].items():
+                err = float((got["grads"][name].double() - grad).abs().max() / grad.abs().max())
+                assert err <= TOL, (case, name, err)
+        # every group dropped: no token, a zero loss and exactly zero (not NaN) gradients
+        assert ref["nothing_kept"] == dict(loss=0.0, num_tokens=0, grad_max=0.0)
 
 
 def test_tp_pp_dp_layouts_match_single_rank(reference):
@@ -129,3 +138,19 @@ def test_micro_batch_validation():
     assert mb.tokens.tolist() == [5, 6, 7, 8, 9, 0] and mb.cu_seqlens.tolist() == [0, 3, 6]
     assert mb.targets.tolist() == [6, 7, 0, 9, 0, 0]
     assert mb.loss_mask.tolist() == [True, True, False, True, False, False]
+
+
+def test_loss_config_and_micro_batch_checks_for_the_new_options():
+    from megatron_dgpo.train_step import LossConfig, _check_micro_batch
+
+    with pytest.raises(ValueError, match="aggregation must be one of token_mean"):
+        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="rollout_correction must be one of none, tis"):
+        LossConfig(rollout_correction="is")
+    mb = padded_micro_batch([torch.tensor([5, 6, 7])], [torch.tensor([0, 1, 1])],
+                            [torch.zeros(3)], [torch.ones(3)])
+    _check_micro_batch(mb, 0, True, LossConfig())
+    with pytest.raises(ValueError, match=r"micro_batches\[3\] lacks loss_weights"):
+        _check_micro_batch(mb, 3, True, LossConfig(aggregation="group_token_mean"))
+    with pytest.raises(ValueError, match=r"micro_batches\[0\] lacks rollout_logprobs"):
+        _check_micro_batch(mb, 0, True, LossConfig(rollout_correction="tis"))
