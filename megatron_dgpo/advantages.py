@@ -54,7 +54,7 @@ def group_advantages(
         raise ValueError("rewards contain NaN or inf")
     r = rewards.to(torch.float64).view(-1, group_size)  # [groups, G]
     mean = r.mean(dim=1, keepdim=True)
-    degenerate = (r == r[:, :1]).all(dim=1)  # [groups]
+    degenerate = _degenerate(r)  # [groups]
     if group_size > 1:
         std = r.std(dim=1, unbiased=unbiased, keepdim=True)
     else:
@@ -70,3 +70,36 @@ def group_advantages(
         adv_abs_mean=float(adv.abs().mean()),
     )
     return adv.view(-1).to(torch.float32), stats
+
+
+def _degenerate(grouped: torch.Tensor) -> torch.Tensor:
+    """[groups] bool: every reward of the group [groups, G] is equal."""
+    return (grouped == grouped[:, :1]).all(dim=1)
+
+
+@dataclass(frozen=True)
+class KeptGroups:
+    """What ``drop_degenerate_groups`` keeps: ``keep`` [N] bool per sample, ``indices`` the
+    kept samples' indices, ``num_dropped`` the groups left out."""
+
+    keep: torch.Tensor
+    indices: list[int]
+    num_dropped: int
+
+    def as_dict(self, prefix: str = "adv/") -> dict[str, float]:
+        return {prefix + "num_dropped_groups": float(self.num_dropped)}
+
+
+def drop_degenerate_groups(rewards, group_size: int) -> KeptGroups:
+    """DAPO's filter: groups whose rewards are all equal (no learning signal, advantage 0) are
+    left out of the update. ``rewards`` [N] in consecutive groups of ``group_size``, as for
+    ``group_advantages``. Pure: the trainer gives the kept samples' tokens to the loss (and N)
+    and the dropped ones weight 0 (``losses.sample_loss_weights(..., keep=...)``)."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of "
+                         f"{group_size}")
+    degenerate = _degenerate(rewards.view(-1, group_size))
+    keep = (~degenerate).repeat_interleave(group_size)
+    return KeptGroups(keep=keep, indices=keep.nonzero().flatten().tolist(),
+                      num_dropped=int(degenerate.sum()))

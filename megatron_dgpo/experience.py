@@ -40,7 +40,8 @@ class Experience:
 
     prompt_tokens[i]: [P_i] ids; response_tokens[i]: [R_i] ids; rollout_logprobs[i]: [R_i] the
     engine's log-probs of those tokens; rewards: [N]; truncated: [N] bool (finish "length").
-    advantages ([N]) are filled by the trainer after the broadcast.
+    advantages ([N]) are filled by the trainer after the broadcast, and so are loss_weights
+    ([N] float64 per-sample aggregation weights, ``losses.sample_loss_weights``; None: all 1).
     """
 
     prompt_tokens: list[list[int]]
@@ -49,6 +50,7 @@ class Experience:
     rewards: list[float]
     truncated: list[bool]
     advantages: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.response_tokens)
@@ -66,10 +68,13 @@ class Experience:
         sequence's advantage."""
         prompt, response = self.prompt_tokens[i], self.response_tokens[i]
         n = len(response)
+        per_token = {"rollout_logprobs": torch.tensor(self.rollout_logprobs[i]),
+                     "advantages": torch.full((n,), float(self.advantages[i]))}
+        if self.loss_weights is not None:  # issue 14: aggregation weight / dropped group (0)
+            per_token["loss_weights"] = torch.full((n,), float(self.loss_weights[i]),
+                                                   dtype=torch.float64)
         return Sample(tokens=torch.tensor(prompt + response, dtype=torch.long),
-                      response_start=len(prompt),
-                      per_token={"rollout_logprobs": torch.tensor(self.rollout_logprobs[i]),
-                                 "advantages": torch.full((n,), float(self.advantages[i]))})
+                      response_start=len(prompt), per_token=per_token)
 
 
 def plan_updates(num_samples: int, num_updates: int, dp_rank: int, dp_size: int, *,

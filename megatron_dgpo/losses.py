@@ -4,8 +4,10 @@ Every method here is one choice of the coefficient F in
 
     grad J = 1/N * sum_t  F_t * A_t * grad log pi_theta(o_t),      w_t = pi_theta / pi_old,
 
-where N is the number of valid tokens of the whole mini-batch. F depends on the region a token
-falls in (paper, Table 1), set by the ratio w and the sign of the advantage A:
+where N is the number of valid tokens of the whole mini-batch (``token_mean``; the other
+aggregations of ``AGGREGATIONS`` weight each token by c_t and divide by sum_t c_t instead, see
+``sample_loss_weights``; ``truncated_is_weights`` adds the TIS factor). F depends on the region
+a token falls in (paper, Table 1), set by the ratio w and the sign of the advantage A:
 
     LN: w < 1-eps_low  and A < 0        HP: w > 1+eps_high and A > 0
     LP: w < 1-eps_low  and A > 0        HN: w > 1+eps_high and A < 0
@@ -51,6 +53,10 @@ import torch
 from torch import Tensor
 
 METHODS = ("grpo", "cispo", "gppo", "ce_gppo", "aspo", "dgpo")
+AGGREGATIONS = ("token_mean", "group_token_mean", "seq_mean_token_mean")
+"""How token terms are averaged (``sample_loss_weights``)."""
+ROLLOUT_CORRECTIONS = ("none", "tis")
+"""Off-policy correction for the rollout engine's sampler (``truncated_is_weights``)."""
 REGIONS = ("LN", "HP", "LP", "HN", "M")
 
 # ln(4.9e8): past this a token's ratio has left any trust region by eight orders of magnitude.
@@ -188,7 +194,7 @@ def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> T
 
 def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                 mask: Tensor, hp: LossHyperparams | None = None, *,
-                num_tokens=None) -> tuple[Tensor, LossMetrics]:
+                num_tokens=None, weights: Tensor | None = None) -> tuple[Tensor, LossMetrics]:
     """Loss of ``method`` whose gradient is the paper's unified estimator with that method's F.
 
     Args:
@@ -199,10 +205,15 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
             Values under ``mask == 0`` may be any finite garbage: they never reach the result.
         num_tokens: the global normaliser N (int or scalar tensor): the number of valid tokens
             of the whole mini-batch across ranks and micro-batches. Default: ``mask.sum()``.
+            With ``weights`` pass the matching normaliser (``sum_t mask_t c_t`` over the
+            mini-batch for aggregation weights c; ``train_step`` does).
+        weights: optional per-token multipliers c_t >= 0, same shape, no gradient taken through
+            them: aggregation weights (``sample_loss_weights``) times truncated importance
+            weights (``truncated_is_weights``). Default: every c_t = 1.
 
     Returns:
-        ``(loss, metrics)``: ``loss = -(1/N) sum_t mask_t s_t`` (module docstring), so that
-        ``d loss / d logprobs[t] = -mask[t] * F[t] * A[t] / N``; ``metrics`` holds detached
+        ``(loss, metrics)``: ``loss = -(1/N) sum_t mask_t c_t s_t`` (module docstring), so that
+        ``d loss / d logprobs[t] = -mask[t] * c[t] * F[t] * A[t] / N``; ``metrics`` holds detached
         float64 sums, counts, minima and maxima over this call's valid tokens (see
         ``loss_metrics``); reduce them with ``reduce_metrics`` and read them with
         ``summarize_metrics``.
@@ -213,12 +224,14 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
     _check_method(method)
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages,
                "mask": mask}
+    if weights is not None:
+        tensors["weights"] = weights
     for name, tensor in tensors.items():
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has "
-                             f"{tuple(logprobs.shape)}: all four must match")
+                             f"{tuple(logprobs.shape)}: all must match")
     if not logprobs.is_floating_point():
         raise TypeError(f"logprobs must be a floating tensor, got {logprobs.dtype}")
 
@@ -241,12 +254,96 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
         f = coefficient(method, log_w, adv, hp)
         value = torch.where(valid, _objective(method, f, log_w, adv, logp_d, hp), zero)
         slope = torch.where(valid, f * adv, zero)
+        if weights is not None:
+            c = torch.where(valid, weights.detach().to(dtype), zero)
+            value, slope = value * c, slope * c
 
     # Linear in logp: d/d logp = slope exactly; at masked positions slope is 0 and logp - logp
     # is 0 for any finite garbage.
     surrogate = value + slope * (logp - logp.detach())
     loss = -surrogate.sum() / num_tokens
     return loss, loss_metrics(f, log_w, adv, valid, hp)
+
+
+def sample_loss_weights(response_lengths: Tensor, group_size: int, aggregation: str,
+                        keep: Tensor | None = None) -> Tensor | None:
+    """Per-sample aggregation weights c_i [B] float64 (every token of sample i gets c_i), or
+    None when every weight is 1 (``token_mean`` with no sample left out: the unweighted path).
+
+    Samples are laid out as consecutive prompt groups: sample i is response ``i % G`` of group
+    ``i // G`` (``group_size`` = G). With L_i = |o_i| the response lengths and T_g = sum of L_i
+    over group g, the loss ``sum_t c_t s_t / sum_t c_t`` over a mini-batch of whole groups is
+
+        token_mean            c_i = 1:       (1 / sum_i L_i)  sum_i sum_t s_it         (DAPO)
+        group_token_mean      c_i = 1/T_g:   (1 / #groups) sum_g (1 / T_g) sum_{i in g} sum_t s_it
+                                             (the paper's Eq. 1, averaged over prompts)
+        seq_mean_token_mean   c_i = 1/L_i:   (1 / #samples) sum_i (1 / L_i) sum_t s_it
+
+    since sum_t c_t = sum_i L_i c_i is the number of tokens, groups or samples. T_g and L_i
+    come from the whole group / sample, so the weights do not depend on how samples are later
+    cut into micro-batches or spread over DP ranks. ``keep`` [B] bool: samples left out of the
+    update (the degenerate-group filter) get c_i = 0, which removes them from the normaliser.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of "
+                         f"{', '.join(AGGREGATIONS)}")
+    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
+    if lengths.dim() != 1 or group_size < 1 or lengths.numel() % group_size:
+        raise ValueError(f"response_lengths of shape {tuple(lengths.shape)} do not split into "
+                         f"groups of {group_size}")
+    if lengths.numel() and not bool((lengths >= 1).all()):
+        raise ValueError("every response needs at least one token to be weighted")
+    if aggregation == "token_mean" and keep is None:
+        return None
+    if aggregation == "token_mean":
+        weights = torch.ones_like(lengths)
+    elif aggregation == "group_token_mean":
+        totals = lengths.view(-1, group_size).sum(dim=1)
+        weights = (1.0 / totals).repeat_interleave(group_size)
+    else:
+        weights = 1.0 / lengths
+    if keep is not None:
+        keep = torch.as_tensor(keep, dtype=torch.bool)
+        if keep.shape != lengths.shape:
+            raise ValueError(f"keep has shape {tuple(keep.shape)}, expected {tuple(lengths.shape)}")
+        weights = torch.where(keep, weights, 0.0)
+    return weights
+
+
+def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                         cap: float) -> tuple[Tensor, LossMetrics]:
+    """Truncated importance sampling (TIS) against the rollout engine's sampler, per token:
+
+        v_t = min(pi_old(o_t) / pi_rollout(o_t), C),      C = ``cap``,
+
+    the weight verl and NeMo-RL multiply each token's loss term by (no gradient through it):
+    the samples came from the engine's distribution, the loss's ratios are taken against the
+    trainer's pi_old. Formed in log space (never overflows); 0 under ``mask == 0``.
+
+    Args: old_logprobs, rollout_logprobs, mask: same shape ([T] or [B, T]); cap >= 1.
+    Returns ``(v, metrics)`` with ``v`` detached float64 and mergeable metrics over the valid
+    tokens: sums ``tis_weight_sum``, ``tis_clipped_count`` (tokens whose ratio exceeds C),
+    ``tis_tokens_count``; ``tis_ratio_max`` / ``tis_ratio_min`` (the untruncated ratio, log
+    clamped to +-LOG_RATIO_CLAMP). ``summarize_metrics`` turns them into ``tis/weight_mean``,
+    ``tis/clip_frac``, ``tis/ratio_max``, ``tis/ratio_min``.
+    """
+    if not (math.isfinite(cap) and cap >= 1.0):
+        raise ValueError(f"the TIS cap must be finite and >= 1, got {cap!r}")
+    if not (old_logprobs.shape == rollout_logprobs.shape == mask.shape):
+        raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
+                         f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} differ")
+    valid = mask.bool()
+    with torch.no_grad():
+        log_r = torch.where(valid, old_logprobs.double() - rollout_logprobs.double(), 0.0)
+        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weight = torch.where(valid, log_r.clamp(max=math.log(cap)).exp(), 0.0)
+        ratio = log_r.exp()
+        metrics = LossMetrics(
+            sums={"tis_weight_sum": weight.sum(), "tis_tokens_count": valid.sum().double(),
+                  "tis_clipped_count": (valid & (log_r > math.log(cap))).sum().double()},
+            mins={"tis_ratio_min": torch.where(valid, ratio, math.inf).min()},
+            maxs={"tis_ratio_max": torch.where(valid, ratio, -math.inf).max()})
+    return weight, metrics
 
 
 @dataclass
@@ -339,7 +436,8 @@ def reduce_metrics(metrics: LossMetrics, group=None) -> LossMetrics:
 def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
     """Readable numbers from (reduced) metrics: fractions, means, extremes; NaN where empty.
     Sums a train step adds (``entropy_sum``, ``loss_sum``) become per-token ``entropy`` and
-    ``loss``."""
+    ``loss`` (the loss per unit of ``weight_sum`` when a weighted aggregation adds it); TIS sums
+    (``truncated_is_weights``) become ``tis/*``."""
     tokens = float(metrics["tokens_count"])
 
     def ratio(num, den):
@@ -359,7 +457,14 @@ def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
     out["ratio/min"] = extreme(metrics["ratio_min"])
     out["ratio/max"] = extreme(metrics["ratio_max"])
     out["clip_frac"] = ratio(metrics["clipped_count"], tokens)
-    for name in ("entropy", "loss"):
-        if f"{name}_sum" in metrics:
-            out[name] = ratio(metrics[f"{name}_sum"], tokens)
+    if "entropy_sum" in metrics:
+        out["entropy"] = ratio(metrics["entropy_sum"], tokens)
+    if "loss_sum" in metrics:  # weighted aggregations divide by the weights' sum, not tokens
+        out["loss"] = ratio(metrics["loss_sum"], float(metrics.get("weight_sum", tokens)))
+    if "tis_weight_sum" in metrics:
+        tis_tokens = float(metrics["tis_tokens_count"])
+        out["tis/weight_mean"] = ratio(metrics["tis_weight_sum"], tis_tokens)
+        out["tis/clip_frac"] = ratio(metrics["tis_clipped_count"], tis_tokens)
+        out["tis/ratio_max"] = extreme(metrics["tis_ratio_max"])
+        out["tis/ratio_min"] = extreme(metrics["tis_ratio_min"])
     return out

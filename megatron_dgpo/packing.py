@@ -34,7 +34,7 @@ class Sample:
     """Per response token [L - response_start] tensors, e.g. old_logprobs, advantages."""
 
 
-LOSS_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs")
+LOSS_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "loss_weights")
 """The per-token fields a micro-batch carries (``Sample.per_token`` keys)."""
 
 
@@ -64,6 +64,9 @@ class MicroBatch:
     """[S] float: log pi_old(targets) (the trainer's forward before the updates)."""
     rollout_logprobs: Tensor | None = None
     """[S] float: the rollout engine's log-probs of the targets."""
+    loss_weights: Tensor | None = None
+    """[S] float64: each token's aggregation weight c_t (``losses.sample_loss_weights``; 0 =
+    left out of the update). None: every weight 1 (``token_mean``)."""
     sample_indices: list[int] = field(default_factory=list)
     """Which samples (indices into the packed list) this row holds, in order."""
 

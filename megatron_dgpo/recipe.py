@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_dgpo.config import load_config
-from megatron_dgpo.losses import METHODS, LossHyperparams
+from megatron_dgpo.losses import AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS, LossHyperparams
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.telemetry import LoggingConfig
 
@@ -121,10 +121,37 @@ class AlgorithmConfig:
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
     advantage_unbiased_std: bool = True
     """Sample (n-1) std of the group's rewards, as GRPO's reference code; False: population std."""
+    loss_aggregation: Literal["token_mean", "group_token_mean",
+                              "seq_mean_token_mean"] = "token_mean"
+    """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
+    ``token_mean``: sum_t s_t / (valid tokens of the mini-batch), DAPO's token mean and the
+    paper's code path. ``group_token_mean``: the paper's Eq. 1, each prompt group's token sum
+    divided by that group's token count sum_i |o_i|, then the mean over the mini-batch's groups.
+    ``seq_mean_token_mean``: each response's token mean, averaged over the responses."""
+    rollout_correction: Literal["none", "tis"] = "none"
+    """``tis``: multiply each token's loss term by the truncated importance weight
+    min(pi_old / pi_rollout, rollout_correction_cap) (no gradient through it; verl, NeMo-RL),
+    correcting for the rollout engine's sampler differing from the trainer (bf16, kernels).
+    Logged as ``train/tis/*``. ``none``: no correction (the mismatch is still measured)."""
+    rollout_correction_cap: float = 2.0
+    """TIS truncation C (>= 1): importance weights above it are cut to it."""
+    drop_degenerate_groups: bool = False
+    """DAPO's filter: prompt groups whose rewards are all equal are left out of the update (no
+    tokens in the loss or in N; counted as ``adv/num_dropped_groups``)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.loss_aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {', '.join(AGGREGATIONS)}, got "
+                             f"{self.loss_aggregation!r}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of "
+                             f"{', '.join(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
+        cap = self.rollout_correction_cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
+                math.isfinite(cap) and cap >= 1):
+            raise ValueError(f"rollout_correction_cap must be a finite number >= 1, got {cap!r}")
 
 
 @dataclass

@@ -31,6 +31,19 @@ Megatron used. ``finalize_model_grads`` (DP all-reduce, tied-embedding gradient 
 first and last pipeline stages, 1/N scaling) runs inside ``train_step``: afterwards the
 gradients are final and the optimizer may step.
 
+Other aggregations (``LossConfig.aggregation``, ``losses.sample_loss_weights``). Micro-batches
+that carry ``loss_weights`` c_t (computed per sample from whole groups before packing) give
+
+    L = -(1/W) sum_t mask_t c_t s_t,      W = sum_{all DP ranks, micro-batches} mask_t c_t,
+
+the number of groups (``group_token_mean``) or samples (``seq_mean_token_mean``) of the
+mini-batch; tokens with c_t = 0 (filtered groups) are out of the loss, of N and of the metrics.
+W is all-reduced over DP with N, and each micro-batch's sum is scaled by N / W before Megatron
+divides by N, so Megatron's integer token path is kept and the result is as split-invariant as
+N itself. ``rollout_correction: tis`` multiplies each token's term by
+``losses.truncated_is_weights`` (not part of W). Without ``loss_weights`` and TIS the code path
+is the token-mean one above, unchanged.
+
 Metrics (``policy_loss`` metrics + entropy as token-weighted ``entropy_sum`` and the loss sum)
 are merged exactly over micro-batches on the last stage (``losses.merge_metrics``), broadcast
 to the other pipeline stages, and reduced over DP (``losses.reduce_metrics``): every rank
@@ -55,8 +68,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_dgpo.losses import (LossHyperparams, LossMetrics, merge_metrics, policy_loss,
-                                  reduce_metrics, summarize_metrics)
+from megatron_dgpo.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
+                                  LossMetrics, merge_metrics, policy_loss, reduce_metrics,
+                                  summarize_metrics, truncated_is_weights)
 from megatron_dgpo.model import unwrap_model, use_transformer_engine
 from megatron_dgpo.packing import MicroBatch
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
@@ -73,14 +87,30 @@ class LossConfig:
     """The loss's hyper-parameters (a recipe's ``algorithm.loss``)."""
     chunk_size: int | None = None
     """Tokens per chunk in ``logprobs_and_entropy`` (default: ``vocab_parallel.default_chunk_size``)."""
+    aggregation: str = "token_mean"
+    """``losses.AGGREGATIONS``; anything but ``token_mean`` needs ``MicroBatch.loss_weights``."""
+    rollout_correction: str = "none"
+    """``losses.ROLLOUT_CORRECTIONS``; ``tis`` needs ``MicroBatch.rollout_logprobs``."""
+    rollout_correction_cap: float = 2.0
+    """The TIS truncation C (``losses.truncated_is_weights``)."""
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got "
+                             f"{self.aggregation!r}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of "
+                             f"{', '.join(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
 
 
 @dataclass
 class StepResult:
     """What one ``train_step`` returns, identical on every rank.
 
-    loss: L of the module docstring (float). num_tokens: N. metrics: the reduced
-    ``losses.LossMetrics`` (``losses.loss_metrics`` + sums ``entropy_sum``, ``loss_sum``).
+    loss: L of the module docstring (float). num_tokens: N (kept valid tokens; 0 when every
+    token of the mini-batch is filtered out: the gradients are zero and the caller should not
+    step). metrics: the reduced ``losses.LossMetrics`` (``losses.loss_metrics`` + sums
+    ``entropy_sum``, ``loss_sum`` (= L * W), ``weight_sum`` when weighted, TIS's when on).
     """
 
     loss: float
@@ -158,9 +188,27 @@ def _dp_group():
     return ps.get_data_parallel_group()
 
 
-def _check_micro_batch(mb: MicroBatch, index: int, need_loss_inputs: bool) -> None:
+def _check_micro_batch(mb: MicroBatch, index: int, need_loss_inputs: bool,
+                       loss: LossConfig | None = None) -> None:
     if need_loss_inputs and (mb.old_logprobs is None or mb.advantages is None):
         raise ValueError(f"micro_batches[{index}] lacks old_logprobs or advantages")
+    if loss is None:
+        return
+    if loss.aggregation != "token_mean" and mb.loss_weights is None:
+        raise ValueError(f"micro_batches[{index}] lacks loss_weights, which aggregation "
+                         f"{loss.aggregation!r} needs (losses.sample_loss_weights per sample)")
+    if loss.rollout_correction == "tis" and mb.rollout_logprobs is None:
+        raise ValueError(f"micro_batches[{index}] lacks rollout_logprobs, which "
+                         f"rollout_correction 'tis' needs")
+
+
+def _valid_and_weights(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+    """The tokens in the loss ([S] bool: loss_mask and, when weighted, weight > 0) and the
+    aggregation weights ([S] float64, or None on the unweighted path)."""
+    if mb.loss_weights is None:
+        return mb.loss_mask.bool(), None
+    weights = mb.loss_weights.double()
+    return mb.loss_mask.bool() & (weights > 0), weights
 
 
 def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, *,
@@ -190,19 +238,35 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
     if not all(hasattr(m, "zero_grad_buffer") for m in models):
         raise TypeError("train_step needs models wrapped by model.wrap_ddp")
     for i, mb in enumerate(micro_batches):
-        _check_micro_batch(mb, i, need_loss_inputs=True)
+        _check_micro_batch(mb, i, need_loss_inputs=True, loss=loss)
+    weighted = {mb.loss_weights is not None for mb in micro_batches}
+    if len(weighted) > 1:
+        raise ValueError("some micro_batches carry loss_weights and some do not")
+    weighted = weighted == {True}
     vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
     device = _device(models)
 
-    local_tokens = sum(int(mb.loss_mask.bool().sum()) for mb in micro_batches)
-    total = torch.tensor(float(local_tokens), dtype=torch.float64, device=device)
+    # N (valid tokens) and, when weighted, W = sum_t c_t, both over every DP rank: Megatron
+    # divides the gradients by N, so each micro-batch's loss sum is scaled by N / W.
+    counts = [0.0, 0.0]
+    for mb in micro_batches:
+        valid, weights = _valid_and_weights(mb)
+        counts[0] += float(valid.sum())
+        if weighted:
+            counts[1] += float(torch.where(valid, weights, 0.0).sum())
+    total = torch.tensor(counts if weighted else counts[:1], dtype=torch.float64, device=device)
     dist.all_reduce(total, group=_dp_group())
-    num_tokens = int(total.item())
+    num_tokens = int(total[0].item())
+    weight_sum = float(total[1].item()) if weighted else float(num_tokens)
+    # policy_loss divides its sum by ``scale``; Megatron then by N: the total is 1 / W.
+    scale = weight_sum / num_tokens if weighted and num_tokens else 1.0
 
     seen = {}
 
     def finalize(model_chunks, tokens, **kwargs):
-        finalize_model_grads(model_chunks, tokens, **kwargs)
+        # no kept token anywhere (every group of the mini-batch filtered out): the gradients
+        # are exact zeros; 1/0 would turn them into NaN
+        finalize_model_grads(model_chunks, tokens if num_tokens else None, **kwargs)
         seen["megatron_tokens"] = int(tokens.item()) if tokens is not None else None
 
     config.finalize_model_grads_func = finalize
@@ -220,12 +284,27 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         logp, entropy = logprobs_and_entropy(logits, mb.targets[None],
                                              temperature=loss.temperature,
                                              chunk_size=loss.chunk_size, vocab_size=vocab_size)
+        valid, weights = _valid_and_weights(mb)
+        valid, tis = valid[None], None
+        if loss.rollout_correction == "tis":
+            tis, tis_metrics = truncated_is_weights(mb.old_logprobs[None],
+                                                    mb.rollout_logprobs[None], valid,
+                                                    loss.rollout_correction_cap)
+        if weights is not None or tis is not None:
+            token_weights = weights[None] if weights is not None else 1.0
+            token_weights = token_weights * tis if tis is not None else token_weights
+        else:
+            token_weights = None
         loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs[None],
-                                        mb.advantages[None], mb.loss_mask[None], loss.hyperparams,
-                                        num_tokens=1.0)
-        valid = mb.loss_mask[None]
+                                        mb.advantages[None], valid, loss.hyperparams,
+                                        num_tokens=scale, weights=token_weights)
         metrics.sums["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
-        metrics.sums["loss_sum"] = loss_sum.detach().double()
+        metrics.sums["loss_sum"] = loss_sum.detach().double() * scale
+        if weighted:
+            metrics.sums["weight_sum"] = torch.where(valid, weights[None], 0.0).sum()
+        if tis is not None:
+            for (into, _, _), (group, _, _) in zip(metrics.groups(), tis_metrics.groups()):
+                into.update(group)
         parts.append(metrics)
         return loss_sum, valid.sum().to(torch.int), {}
 
@@ -236,7 +315,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
 
     merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
     reduced = reduce_metrics(merged, group=_dp_group())
-    loss_value = float(reduced["loss_sum"]) / num_tokens if num_tokens else 0.0
+    loss_value = float(reduced["loss_sum"]) / weight_sum if num_tokens else 0.0
     return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced)
 
 

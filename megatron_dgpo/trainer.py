@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo import data, model, policy, telemetry
-from megatron_dgpo.advantages import group_advantages
+from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
 from megatron_dgpo.checkpoint import (TrainerState, export_hf, latest_checkpoint,
                                       load_checkpoint, save_checkpoint)
 from megatron_dgpo.config import to_dict
 from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import (Experience, pack_update, plan_updates, prompt_order,
                                       rollout_metrics)
-from megatron_dgpo.losses import merge_metrics
+from megatron_dgpo.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.recipe import RunConfig, save_recipe
@@ -53,7 +53,10 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
         state = load_checkpoint(latest, models, optimizer)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     loss_cfg = LossConfig(method=cfg.algorithm.method, temperature=cfg.rollout.temperature,
-                          hyperparams=cfg.algorithm.loss, chunk_size=cfg.train.log_prob_chunk_size)
+                          hyperparams=cfg.algorithm.loss, chunk_size=cfg.train.log_prob_chunk_size,
+                          aggregation=cfg.algorithm.loss_aggregation,
+                          rollout_correction=cfg.algorithm.rollout_correction,
+                          rollout_correction_cap=cfg.algorithm.rollout_correction_cap)
     group, num_updates = cfg.rollout.group_size, cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
     engine = pool = logger = None
     try:
@@ -81,6 +84,13 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 batch.advantages, adv_stats = group_advantages(
                     torch.tensor(batch.rewards), group, eps=cfg.algorithm.advantage_eps,
                     unbiased=cfg.algorithm.advantage_unbiased_std)
+                # issue 14 hook: per-sample aggregation weights over whole groups, 0 for groups
+                # the degenerate filter drops (None on the default path: token_mean, no filter)
+                kept = (drop_degenerate_groups(batch.rewards, group)
+                        if cfg.algorithm.drop_degenerate_groups else None)
+                batch.loss_weights = sample_loss_weights(
+                    [len(r) for r in batch.response_tokens], group,
+                    cfg.algorithm.loss_aggregation, kept and kept.keep)
 
             with timer("old_logprobs"):
                 lengths = [len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)]
@@ -100,6 +110,9 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
                 for rows_u in updates:
                     result = train_step(models, rows_u, loss_cfg)
+                    if not result.num_tokens:  # issue 14: all its groups dropped: no update
+                        parts.append(result.metrics)
+                        continue
                     stepped, grad_norm = step_if_finite(optimizer, models, result.loss)
                     skipped += not stepped
                     parts.append(result.metrics)
@@ -114,6 +127,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
             # Logged before the checkpoint: a crash after the save cannot lose this step's line
             # (a resumed run drops lines past its checkpoint). The save's time goes to the next line.
             metrics = {**rollout_metrics(batch, group), **adv_stats.as_dict(), **mismatch,
+                       **(kept.as_dict() if kept else {}),  # issue 14: dropped-group count
                        **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                        "train/skipped_updates_total": float(state.skipped_updates),
                        **timer.metrics(batch, trained_tokens, dp_size), **save_time}

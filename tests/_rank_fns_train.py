@@ -30,6 +30,60 @@ def sequences():
     return out
 
 
+# Prompt groups for the aggregation cases: sequence i answers prompt i % 4 (4 groups of 2), so
+# a group's two responses sit 4 apart: in different micro-batches and, at DP 2 and 4, on
+# different DP ranks. The filter case drops groups 2 and 3, which at DP 4 leaves rank 1 with
+# no kept token at all.
+GROUP_SIZE, NUM_GROUPS, DROPPED_GROUPS, TIS_CAP = 2, 4, (2, 3), 1.2
+CASES = {  # name -> (aggregation, drop degenerate groups, TIS)
+    "group": ("group_token_mean", False, False),
+    "seq": ("seq_mean_token_mean", False, False),
+    "drop": ("token_mean", True, False),
+    "group_drop_tis": ("group_token_mean", True, True),
+}
+
+
+def case_weights(case: str) -> torch.Tensor | None:
+    """[8] float64 per-sequence aggregation weights of ``case`` (None: unweighted), computed by
+    ``losses.sample_loss_weights`` on the group-major order of the sequences."""
+    from megatron_dgpo.losses import sample_loss_weights
+
+    aggregation, drop, _ = CASES[case]
+    order = sorted(range(len(LENGTHS)), key=lambda i: (i % NUM_GROUPS, i))  # group-major
+    lengths = torch.tensor([LENGTHS[i] - PROMPTS[i] for i in order])
+    keep = torch.tensor([i % NUM_GROUPS not in DROPPED_GROUPS for i in order]) if drop else None
+    weights = sample_loss_weights(lengths, GROUP_SIZE, aggregation, keep)
+    if weights is None:
+        return None
+    out = torch.zeros(len(LENGTHS), dtype=torch.float64)
+    out[order] = weights
+    return out
+
+
+def rollout_logprobs():
+    """The rollout engine's log-probs of each sequence: old log-probs + noise (TIS cases)."""
+    gen = torch.Generator().manual_seed(12)
+    return [old + 0.5 * torch.randn(len(old), generator=gen) for _, _, old, _ in sequences()]
+
+
+def _attach_case(mb, idx: list[int], case: str):
+    """Fill ``loss_weights`` / ``rollout_logprobs`` of a padded micro-batch of sequences idx
+    (row r holds sequence idx[r] at offset r * width; values shifted like old_logprobs)."""
+    weights, rollout = case_weights(case), rollout_logprobs()
+    width = int(mb.cu_seqlens[1])
+    if weights is not None:
+        mb.loss_weights = torch.zeros(len(mb.tokens), dtype=torch.float64)
+    if CASES[case][2]:
+        mb.rollout_logprobs = torch.zeros(len(mb.tokens))
+    for row, i in enumerate(idx):
+        span = slice(row * width, row * width + LENGTHS[i] - 1)
+        if weights is not None:
+            mb.loss_weights[span] = weights[i]
+        if CASES[case][2]:
+            mb.rollout_logprobs[span] = rollout[i][1:]
+    return mb
+
+
 def micro_batch_indices(dp_rank: int, dp_size: int, n_micro: int) -> list[list[int]]:
     """Global sequence indices of each micro-batch: a contiguous DP share, strided pieces."""
     per = len(LENGTHS) // dp_size
@@ -37,14 +91,22 @@ def micro_batch_indices(dp_rank: int, dp_size: int, n_micro: int) -> list[list[i
     return [mine[k::n_micro] for k in range(n_micro) if mine[k::n_micro]]  # unequal lengths
 
 
-def micro_batches(dp_rank: int, dp_size: int, n_micro: int):
-    """This DP rank's share of the sequences cut into ``n_micro`` padded pieces."""
+def micro_batches(dp_rank: int, dp_size: int, n_micro: int, case: str | None = None,
+                  only: list[int] | None = None):
+    """This DP rank's share of the sequences cut into ``n_micro`` padded pieces (with the loss
+    fields of ``case``; ``only``: just those sequences)."""
     from megatron_dgpo.packing import padded_micro_batch
 
     seqs = sequences()
-    return [padded_micro_batch([seqs[i][0] for i in idx], [seqs[i][1] for i in idx],
-                               [seqs[i][2] for i in idx], [seqs[i][3] for i in idx])
-            for idx in micro_batch_indices(dp_rank, dp_size, n_micro)]
+    out = []
+    for idx in micro_batch_indices(dp_rank, dp_size, n_micro):
+        idx = [i for i in idx if only is None or i in only]
+        if not idx:
+            continue
+        mb = padded_micro_batch([seqs[i][0] for i in idx], [seqs[i][1] for i in idx],
+                                [seqs[i][2] for i in idx], [seqs[i][3] for i in idx])
+        out.append(_attach_case(mb, idx, case) if case else mb)
+    return out
 
 
 def forward_error(models, dp_rank, dp_size, n_micro, want_logp, want_ent) -> float:
@@ -112,11 +174,44 @@ def _grads(models, vocab):
     return out, pad_ok
 
 
-def _step(models, mbs):
+def _step(models, mbs, case: str | None = None):
     from megatron_dgpo.losses import LossHyperparams
     from megatron_dgpo.train_step import LossConfig, train_step
 
-    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=LossHyperparams(**HYPER)))
+    extra = {}
+    if case:
+        aggregation, _, tis = CASES[case]
+        extra = dict(aggregation=aggregation, rollout_correction="tis" if tis else "none",
+                     rollout_correction_cap=TIS_CAP)
+    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=LossHyperparams(**HYPER),
+                                              **extra))
+
+
+def _case_loss64(mb, logp, case: str) -> float:
+    """The case's loss in float64 from ``losses`` directly: weights per token, W = their sum."""
+    from megatron_dgpo.losses import LossHyperparams, policy_loss, truncated_is_weights
+
+    valid = mb.loss_mask.clone()
+    weights = torch.ones(len(valid), dtype=torch.float64)
+    if mb.loss_weights is not None:
+        valid &= mb.loss_weights > 0
+        weights = mb.loss_weights.double()
+    normaliser = torch.where(valid, weights, 0.0).sum()
+    if CASES[case][2]:
+        weights = weights * truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, valid,
+                                                 TIS_CAP)[0]
+    loss, _ = policy_loss(METHOD, logp.double(), mb.old_logprobs.double(), mb.advantages.double(),
+                          valid, LossHyperparams(**HYPER), num_tokens=normaliser, weights=weights)
+    return float(loss)
+
+
+def _case_runs(models, vocab, dp_rank, dp_size, n_micro) -> dict:
+    """{case: (StepResult, grads)} for every aggregation case."""
+    out = {}
+    for case in CASES:
+        res = _step(models, micro_batches(dp_rank, dp_size, n_micro, case), case)
+        out[case] = (res, _grads(models, vocab)[0])
+    return out
 
 
 def reference_fn(rank, world_size):
@@ -141,6 +236,37 @@ def reference_fn(rank, world_size):
         res = _step(models, packed_micro_batches(2))  # 2 packed micro-batches
         runs["packed"] = (res, _grads(models, vocab)[0])
 
+        # aggregation / TIS / filter cases: one micro-batch (the reference) and 8 (each
+        # sequence alone, so every group straddles micro-batches)
+        cases = {case: dict(loss=res.loss, metrics=res.metrics, grads=grads_, summary=res.summary,
+                            num_tokens=res.num_tokens)
+                 for case, (res, grads_) in _case_runs(models, vocab, 0, 1, 1).items()}
+        case_splits = _case_runs(models, vocab, 0, 1, 8)
+        kept = [i for i in range(len(LENGTHS)) if i % NUM_GROUPS not in DROPPED_GROUPS]
+        kept_only = _step(models, micro_batches(0, 1, 1, only=kept))
+        kept_only = dict(loss=kept_only.loss, num_tokens=kept_only.num_tokens,
+                         metrics=kept_only.metrics, grads=_grads(models, vocab)[0])
+        # Eq. 1 / the sequence mean from the token-mean path alone: the mean over groups
+        # (samples) of the token-mean loss and gradient of that group (sample) by itself
+        by_definition = {}
+        for case, members in (("group", [[i for i in range(len(LENGTHS)) if i % NUM_GROUPS == g]
+                                         for g in range(NUM_GROUPS)]),
+                              ("seq", [[i] for i in range(len(LENGTHS))])):
+            losses_, grads_ = [], []
+            for only in members:
+                losses_.append(_step(models, micro_batches(0, 1, 1, only=only)).loss)
+                grads_.append(_grads(models, vocab)[0])
+            by_definition[case] = dict(
+                loss=sum(losses_) / len(members),
+                grads={k: sum(g[k].double() for g in grads_) / len(members) for k in grads_[0]})
+        nothing_kept = micro_batches(0, 1, 2, "drop")
+        for mb in nothing_kept:
+            mb.loss_weights.zero_()
+        res = _step(models, nothing_kept, "drop")
+        zero_grads = _grads(models, vocab)[0].values()
+        nothing_kept = dict(loss=res.loss, num_tokens=res.num_tokens,
+                            grad_max=max(float(g.abs().max()) for g in zero_grads))
+
         # temperature != 1 and the loss value against independent references
         mb = micro_batches(0, 1, 1)[0]
         temperature = 0.8
@@ -155,12 +281,18 @@ def reference_fn(rank, world_size):
         (logp1, ent1), = forward_logprobs(models, [mb])
         loss64, _ = policy_loss(METHOD, logp1.double(), mb.old_logprobs.double(),
                                 mb.advantages.double(), mb.loss_mask, LossHyperparams(**HYPER))
+        for case in CASES:
+            cases[case]["loss64"] = _case_loss64(_attach_case(micro_batches(0, 1, 1)[0],
+                                                              list(range(len(LENGTHS))), case),
+                                                 logp1, case)
         results[tied] = dict(
             loss=ref.loss, num_tokens=ref.num_tokens, metrics=ref.metrics, summary=ref.summary,
             grads=grads, pad_ok=pad_ok, runs=runs,
             temp_logp_err=float((logp.double() - want_logp).abs().max()),
             temp_ent_err=float((entropy.double() - want_ent).abs().max()),
             loss64=float(loss64), n_params=ps.get_tensor_model_parallel_world_size(),
+            cases=cases, case_splits=case_splits, kept_only=kept_only,
+            nothing_kept=nothing_kept, by_definition=by_definition,
             logp=logp1.view(rows, -1), entropy=ent1.view(rows, -1))
         destroy_parallel()
     return results
@@ -187,8 +319,11 @@ def split_fn(rank, world_size, reference):
             grads, pad_ok = _grads(models, vocab)
             fwd_err = forward_error(models, dp_rank, dp_size, n_micro, want["logp"],
                                     want["entropy"])
+            cases = {case: compare(case_res, case_grads, want["cases"][case])
+                     for case, (case_res, case_grads)
+                     in _case_runs(models, vocab, dp_rank, dp_size, n_micro).items()}
             out.append(dict(layout=(tp, pp, dp_size, n_micro), tied=tied, fwd_err=fwd_err,
-                            **compare(res, grads, want), pad_ok=pad_ok))
+                            **compare(res, grads, want), pad_ok=pad_ok, cases=cases))
             destroy_parallel()
     return out
 

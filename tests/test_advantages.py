@@ -53,3 +53,17 @@ def test_group_of_one_and_errors():
         group_advantages(torch.tensor([1.0, float("nan")]), 2)
     with pytest.raises(ValueError, match="1-D"):
         group_advantages(torch.ones(2, 2), 2)
+
+
+def test_drop_degenerate_groups_keeps_informative_groups_only():
+    from megatron_dgpo.advantages import drop_degenerate_groups
+
+    rewards = [1, -1, 1,   1, 1, 1,   -1, -1, -1,   0.5, 0.5, 1,   2, 2, 2]
+    kept = drop_degenerate_groups(rewards, 3)
+    assert kept.indices == [0, 1, 2, 9, 10, 11]
+    assert kept.keep.tolist() == [i in kept.indices for i in range(15)]
+    assert kept.num_dropped == 3 == group_advantages(torch.tensor(rewards), 3)[1].num_degenerate
+    assert kept.as_dict() == {"adv/num_dropped_groups": 3.0}
+    assert drop_degenerate_groups([1.0, -1.0], 1).num_dropped == 2  # G = 1: no signal
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        drop_degenerate_groups(rewards, 4)

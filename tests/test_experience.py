@@ -132,3 +132,31 @@ def test_thd_params_carry_the_packers_cu_seqlens():
     params = _packed_seq_params(row, "cpu")
     assert torch.equal(params.cu_seqlens_q, row.cu_seqlens) and params.qkv_format == "thd"
     assert params.max_seqlen_q == int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max())
+
+
+def test_loss_weights_travel_from_the_batch_to_the_packed_rows():
+    """The trainer's issue-14 hook: per-sample weights (group_token_mean, one group dropped)
+    land on exactly the response targets of their sample; None stays None."""
+    from megatron_dgpo.advantages import drop_degenerate_groups
+    from megatron_dgpo.losses import sample_loss_weights
+
+    batch = Experience(prompt_tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9], [1, 2]],
+                       response_tokens=[[10, 11], [12, 13, 14, 15], [16], [17, 18, 19]],
+                       rollout_logprobs=[[-1.0, -2.0], [-0.5, -0.1, -3.0, -1.5], [-0.2],
+                                         [-1.0] * 3],
+                       rewards=[1.0, -1.0, 1.0, 1.0], truncated=[False] * 4,
+                       advantages=torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    assert all(row.loss_weights is None for row in pack_update(batch, [0, 1, 2, 3], 12, 1))
+    kept = drop_degenerate_groups(batch.rewards, 2)
+    batch.loss_weights = sample_loss_weights([len(r) for r in batch.response_tokens], 2,
+                                             "group_token_mean", kept.keep)
+    assert batch.loss_weights.tolist() == [1 / 6, 1 / 6, 0.0, 0.0]
+    for row in pack_update(batch, [0, 1, 2, 3], budget=12, pad_multiple=1):
+        ends = row.cu_seqlens.tolist()
+        want = torch.zeros(len(row.tokens), dtype=torch.float64)
+        for k, sample in enumerate(row.sample_indices):
+            start = ends[k] + len(batch.prompt_tokens[sample]) - 1
+            want[start:start + len(batch.response_tokens[sample])] = batch.loss_weights[sample]
+        assert row.loss_weights.dtype == torch.float64
+        assert torch.equal(row.loss_weights, want)
+        assert torch.equal(row.loss_weights > 0, row.loss_mask & (want > 0))

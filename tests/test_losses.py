@@ -285,3 +285,111 @@ def test_cli_self_check_and_plot(tmp_path):
     out = tmp_path / "f.png"
     assert losscheck.main(["--n", "2", "--m", "3", "--plot", str(out)]) == 0
     assert out.stat().st_size > 20_000
+
+
+def _grouped_batch(group_size=4, groups=3, seed=3):
+    """Prompt groups of responses of unequal lengths, flattened to tokens: per-token tensors
+    [T], the sample of each token, and the response lengths [B]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (group_size * groups,), generator=gen)
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    logp, old, _, _ = random_batch(shape=(len(sample),), seed=seed)
+    adv = torch.randn(len(lengths), generator=gen, dtype=torch.float64)[sample]
+    return logp, old, adv, sample, lengths
+
+
+@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
+@pytest.mark.parametrize("method", ["dgpo", "grpo"])
+def test_each_aggregation_gradient_is_its_formula(aggregation, method):
+    """grad = -F A / (N), -F A / (T_g #groups), -F A / (L_i #samples): written per token."""
+    G, groups = 4, 3
+    logp, old, adv, sample, lengths = _grouped_batch(G, groups)
+    logp.requires_grad_(True)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    sample_w = losses.sample_loss_weights(lengths, G, aggregation)
+    weights = None if sample_w is None else sample_w[sample]
+    normaliser = mask.sum() if weights is None else weights.sum()
+    loss, _ = policy_loss(method, logp, old, adv, mask, **kwargs(), num_tokens=normaliser,
+                          weights=weights)
+    loss.backward()
+    w = (logp.detach() - old).exp()
+    group_tokens = [int(lengths[g * G:(g + 1) * G].sum()) for g in range(groups)]
+    want = np.zeros(len(logp))
+    for t in range(len(logp)):
+        i = int(sample[t])
+        f = reference_F(method, w[t].item(), adv[t].item(), 1, 2)
+        denominator = {"token_mean": len(logp),
+                       "group_token_mean": group_tokens[i // G] * groups,
+                       "seq_mean_token_mean": int(lengths[i]) * len(lengths)}[aggregation]
+        want[t] = -f * adv[t].item() / denominator
+    np.testing.assert_allclose(logp.grad.numpy(), want, rtol=1e-12, atol=1e-15)
+    if weights is not None:  # the normaliser is the number of groups / samples
+        assert float(normaliser) == pytest.approx(
+            groups if aggregation == "group_token_mean" else len(lengths), rel=1e-14)
+
+
+def test_sample_loss_weights_keep_and_errors():
+    lengths = torch.tensor([2, 3, 5, 4])
+    assert losses.sample_loss_weights(lengths, 2, "token_mean") is None
+    keep = torch.tensor([False, False, True, True])
+    assert losses.sample_loss_weights(lengths, 2, "token_mean", keep).tolist() == [0, 0, 1, 1]
+    assert losses.sample_loss_weights(lengths, 2, "group_token_mean", keep).tolist() == \
+        [0, 0, 1 / 9, 1 / 9]
+    assert losses.sample_loss_weights(lengths, 2, "seq_mean_token_mean").tolist() == \
+        [1 / 2, 1 / 3, 1 / 5, 1 / 4]
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        losses.sample_loss_weights(lengths, 2, "mean")
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        losses.sample_loss_weights(lengths, 3, "group_token_mean")
+    with pytest.raises(ValueError, match="at least one token"):
+        losses.sample_loss_weights(torch.tensor([0, 1]), 2, "seq_mean_token_mean")
+
+
+def test_tis_gradient_and_metrics_float64():
+    """TIS: grad = -min(pi_old / pi_rollout, C) F A / N per token; the weight is detached."""
+    cap = 2.0
+    logp, old, adv, mask = random_batch(shape=(5, 40), seed=9)
+    gen = torch.Generator().manual_seed(4)
+    rollout = old + torch.randn(old.shape, generator=gen, dtype=torch.float64) * 0.8
+    rollout.requires_grad_(True)
+    logp.requires_grad_(True)
+    tis, tis_metrics = losses.truncated_is_weights(old, rollout, mask, cap)
+    loss, loss_metrics = policy_loss("dgpo", logp, old, adv, mask, **kwargs(), weights=tis)
+    loss.backward()
+    assert rollout.grad is None  # no gradient through the weight
+    num_tokens = mask.sum().item()
+    w = (logp.detach() - old).exp()
+    want = np.zeros(logp.shape)
+    ratios, weights = [], []
+    for idx in np.ndindex(*logp.shape):
+        if mask[idx]:
+            ratio = math.exp(old[idx].item() - rollout[idx].item())
+            v = min(ratio, cap)
+            ratios.append(ratio)
+            weights.append(v)
+            f = reference_F("dgpo", w[idx].item(), adv[idx].item(), 1, 2)
+            want[idx] = -v * f * adv[idx].item() / num_tokens
+    np.testing.assert_allclose(logp.grad.numpy(), want, rtol=1e-12, atol=1e-15)
+    clipped = sum(r > cap for r in ratios)
+    assert 0 < clipped < len(ratios)  # the cap is exercised and not everywhere
+    summary = losses.summarize_metrics(losses.merge_metrics([tis_metrics, loss_metrics]))
+    assert summary["tis/weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-12)
+    assert summary["tis/clip_frac"] == pytest.approx(clipped / len(ratios), rel=1e-12)
+    assert summary["tis/ratio_max"] == pytest.approx(max(ratios), rel=1e-12)
+    assert summary["tis/ratio_min"] == pytest.approx(min(ratios), rel=1e-12)
+    assert float(tis[~mask].abs().max()) == 0.0
+    with pytest.raises(ValueError, match="TIS cap must be finite and >= 1"):
+        losses.truncated_is_weights(old, rollout, mask, 0.5)
+
+
+def test_tis_metrics_merge_exactly_across_parts():
+    logp, old, adv, mask = random_batch(shape=(6, 30), seed=2)
+    rollout = old + 0.7 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1),
+                                      dtype=torch.float64)
+    _, whole = losses.truncated_is_weights(old, rollout, mask, 1.5)
+    parts = [losses.truncated_is_weights(old[r], rollout[r], mask[r], 1.5)[1]
+             for r in (slice(0, 2), slice(2, 3), slice(3, 6))]
+    merged = losses.merge_metrics(parts)
+    assert merged.keys() == whole.keys()
+    for key in whole:
+        torch.testing.assert_close(merged[key], whole[key], rtol=1e-12, atol=0)

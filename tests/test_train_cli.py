@@ -19,6 +19,11 @@ RECIPE = "recipes/tiny_cpu.yaml"
     ("train.mini_batch_prompts=5", "rollout_batch_prompts (32) must be a multiple of mini_batch_prompts (5)"),
     ("algorithm.loss.n=0", "algorithm.loss: n must be a positive integer, got 0"),
     ("rollout.max_response_tokens=4096", "train.micro_batch_tokens (1024) must exceed rollout.max_response_tokens"),
+    ("algorithm.loss_aggregation=sum", "algorithm.loss_aggregation: expected one of 'token_mean', "
+     "'group_token_mean', 'seq_mean_token_mean', got 'sum'"),
+    ("algorithm.rollout_correction=is", "algorithm.rollout_correction: expected one of 'none', 'tis'"),
+    ("algorithm.rollout_correction_cap=0.9", "algorithm: rollout_correction_cap must be a finite number >= 1"),
+    ("algorithm.drop_degenerate_groups=maybe", "algorithm.drop_degenerate_groups: expected true or false"),
 ])
 def test_bad_overrides_fail_before_anything_starts_and_name_the_key(override, message, capsys):
     assert main([RECIPE, override]) == 2
@@ -41,6 +46,29 @@ def test_describe_documents_every_key(capsys):
     for key, _, doc in rows:
         assert doc, f"{key} has no documentation under its declaration"
         assert f"{key}  (" in out
+    for key in ("algorithm.loss_aggregation", "algorithm.rollout_correction",  # issue 14
+                "algorithm.rollout_correction_cap", "algorithm.drop_degenerate_groups"):
+        assert f"{key}  (" in out
+
+
+def test_new_algorithm_keys_default_to_todays_behaviour_and_match_losses():
+    from typing import get_args, get_type_hints
+
+    from megatron_dgpo.losses import AGGREGATIONS, ROLLOUT_CORRECTIONS
+    from megatron_dgpo.recipe import AlgorithmConfig
+
+    cfg = load_recipe(RECIPE, ["algorithm.loss_aggregation=group_token_mean",
+                               "algorithm.rollout_correction=tis",
+                               "algorithm.rollout_correction_cap=3",
+                               "algorithm.drop_degenerate_groups=true"]).algorithm
+    assert (cfg.loss_aggregation, cfg.rollout_correction, cfg.rollout_correction_cap,
+            cfg.drop_degenerate_groups) == ("group_token_mean", "tis", 3, True)
+    default = AlgorithmConfig()
+    assert (default.loss_aggregation, default.rollout_correction, default.rollout_correction_cap,
+            default.drop_degenerate_groups) == ("token_mean", "none", 2.0, False)
+    hints = get_type_hints(AlgorithmConfig)  # the Literal the loader checks = losses' names
+    assert get_args(hints["loss_aggregation"]) == AGGREGATIONS
+    assert get_args(hints["rollout_correction"]) == ROLLOUT_CORRECTIONS
 
 
 def test_the_tiny_recipe_loads_with_its_documented_values():

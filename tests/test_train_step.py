@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_dgpo.packing import MicroBatch, padded_micro_batch
-from tests._rank_fns_train import LAYOUTS, compare, reference_fn, split_fn
+from tests._rank_fns_train import (CASES, DROPPED_GROUPS, LAYOUTS, LENGTHS, NUM_GROUPS, PROMPTS,
+                                   compare, reference_fn, split_fn)
 from tests.distributed import run_ranks
 
 TOL = 1e-5
@@ -43,6 +44,54 @@ def test_micro_batch_count_and_packing_do_not_change_anything(reference):
         assert set(ref["runs"]) == {2, 4, 8, "packed"}
 
 
+def test_aggregations_tis_and_filter_single_rank(reference):
+    """Each case's loss equals losses' float64 formula (weights, W = #groups / #samples / kept
+    tokens, TIS); 8 micro-batches (every group split) change nothing; the filter's gradient is
+    the gradient of the kept groups alone."""
+    kept = [i for i in range(len(LENGTHS)) if i % NUM_GROUPS not in DROPPED_GROUPS]
+    kept_tokens = sum(LENGTHS[i] - PROMPTS[i] for i in kept)
+    want_w = {"group": NUM_GROUPS, "seq": len(LENGTHS), "drop": kept_tokens,
+              "group_drop_tis": NUM_GROUPS - len(DROPPED_GROUPS)}
+    for tied, ref in reference.items():
+        assert set(ref["cases"]) == set(CASES)
+        for case, want in ref["cases"].items():
+            assert abs(want["loss"] - want["loss64"]) <= TOL * max(1.0, abs(want["loss64"])), case
+            assert float(want["metrics"]["weight_sum"]) == pytest.approx(want_w[case], rel=1e-12)
+            drop = CASES[case][1]
+            assert want["num_tokens"] == (kept_tokens if drop else ref["num_tokens"]), case
+            assert want["summary"]["tokens"] == want["num_tokens"]
+            errs = compare(*ref["case_splits"][case], want)
+            for key in ("loss_err", "metric_err", "grad_err"):
+                assert errs[key] <= TOL, (tied, case, key, errs[key])
+            # the weighting matters: a token-mean gradient would fail the comparisons above
+            differs = max(float((want["grads"][k] - ref["grads"][k]).abs().max()
+                                / ref["grads"][k].abs().max()) for k in ref["grads"])
+            assert differs > 1e-2, (case, differs)
+        tis = ref["cases"]["group_drop_tis"]["summary"]
+        assert 0 < tis["tis/clip_frac"] < 1 and tis["tis/ratio_max"] > 1.2
+        assert 0 < tis["tis/weight_mean"] <= 1.2
+        assert "tis/clip_frac" not in ref["cases"]["group"]["summary"]
+        # filter: same loss, token count, metrics and gradients as the kept groups alone
+        drop, alone = ref["cases"]["drop"], ref["kept_only"]
+        assert drop["num_tokens"] == alone["num_tokens"] == kept_tokens
+        assert abs(drop["loss"] - alone["loss"]) <= TOL * max(1.0, abs(alone["loss"]))
+        for key in alone["metrics"]:
+            a, b = float(drop["metrics"][key]), float(alone["metrics"][key])
+            assert a == b or abs(a - b) <= TOL * max(1.0, abs(b)), key
+        for name, grad in alone["grads"].items():
+            err = float((drop["grads"][name] - grad).abs().max() / grad.abs().max())
+            assert err <= TOL, (name, err)
+        # the weighted path's loss and gradient against the formulas built from token means
+        for case, want in ref["by_definition"].items():
+            got = ref["cases"][case]
+            assert abs(got["loss"] - want["loss"]) <= TOL * max(1.0, abs(want["loss"])), case
+            for name, grad in want["grads"].items():
+                err = float((got["grads"][name].double() - grad).abs().max() / grad.abs().max())
+                assert err <= TOL, (case, name, err)
+        # every group dropped: no token, a zero loss and exactly zero (not NaN) gradients
+        assert ref["nothing_kept"] == dict(loss=0.0, num_tokens=0, grad_max=0.0)
+
+
 def test_tp_pp_dp_layouts_match_single_rank(reference):
     results = run_ranks(split_fn, 4, reference)
     layouts = set()
@@ -54,6 +103,11 @@ def test_tp_pp_dp_layouts_match_single_rank(reference):
                 assert case["tied"] == tied and case["layout"][:2] == (tp, pp)
                 for key in ("loss_err", "metric_err", "grad_err"):
                     assert case[key] <= TOL, (key, case["layout"], tied, case[key])
+                assert set(case["cases"]) == set(CASES)
+                for name, errs in case["cases"].items():  # groups split across DP and micro
+                    for key in ("loss_err", "metric_err", "grad_err"):
+                        assert errs[key] <= TOL, (name, key, case["layout"], tied, errs[key])
+                    assert errs["num_tokens"] == reference[tied]["cases"][name]["num_tokens"]
                 assert case["pad_ok"]
                 assert case["fwd_err"] <= TOL, ("forward_logprobs", case["layout"], tied)
                 assert case["num_tokens"] == reference[tied]["num_tokens"]
@@ -84,3 +138,19 @@ def test_micro_batch_validation():
     assert mb.tokens.tolist() == [5, 6, 7, 8, 9, 0] and mb.cu_seqlens.tolist() == [0, 3, 6]
     assert mb.targets.tolist() == [6, 7, 0, 9, 0, 0]
     assert mb.loss_mask.tolist() == [True, True, False, True, False, False]
+
+
+def test_loss_config_and_micro_batch_checks_for_the_new_options():
+    from megatron_dgpo.train_step import LossConfig, _check_micro_batch
+
+    with pytest.raises(ValueError, match="aggregation must be one of token_mean"):
+        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="rollout_correction must be one of none, tis"):
+        LossConfig(rollout_correction="is")
+    mb = padded_micro_batch([torch.tensor([5, 6, 7])], [torch.tensor([0, 1, 1])],
+                            [torch.zeros(3)], [torch.ones(3)])
+    _check_micro_batch(mb, 0, True, LossConfig())
+    with pytest.raises(ValueError, match=r"micro_batches\[3\] lacks loss_weights"):
+        _check_micro_batch(mb, 3, True, LossConfig(aggregation="group_token_mean"))
+    with pytest.raises(ValueError, match=r"micro_batches\[0\] lacks rollout_logprobs"):
+        _check_micro_batch(mb, 0, True, LossConfig(rollout_correction="tis"))
