@@ -171,7 +171,7 @@ def layer_spec(config=None, *, platform: Platform | None = None):
 
 
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
-                **overrides) -> list:
+                platform: Platform | None = None, **overrides) -> list:
     """This rank's model chunks: ``list[GPTModel]``, one per virtual pipeline stage (one w/o VPP).
 
     Needs Megatron's parallel state initialised (``megatron_dgpo.parallel.initialize_parallel``);
@@ -183,6 +183,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
 
     Returns chunks on the current CUDA device (GPU) or the CPU; ``chunk.hf_spec`` holds the
     ``ModelSpec`` (HF vocab size, RoPE, tying) and ``chunk.config`` the ``TransformerConfig``.
+    ``platform`` (default ``Platform.detect()``) decides the layer spec and the GPU flags
+    (``gpu_config``); e.g. ``Platform(cuda=True)`` builds the local spec on a GPU.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -196,7 +198,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
     if seed is not None:
         seed_model_parallel_rng(seed)
     overrides.setdefault("params_dtype", dtype)
-    config, spec = transformer_config_from_hf(hf_config, **overrides)
+    platform = Platform.detect() if platform is None else platform
+    config, spec = transformer_config_from_hf(hf_config, platform=platform, **overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
@@ -204,7 +207,7 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config),
+            transformer_layer_spec=layer_spec(config, platform=platform),
             vocab_size=padded_vocab_size(spec.vocab_size, tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
