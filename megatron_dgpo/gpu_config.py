@@ -92,12 +92,12 @@ def sequence_parallel(tp: int, platform: Platform) -> bool:
     return platform.cuda and tp > 1
 
 
-def pad_multiple(tp: int, platform: Platform, cp: int = 1) -> int:
-    """Every packed sample is padded to a multiple of this: t with sequence parallelism (the
-    row is split over the TP ranks), 2 c t with context parallelism (Megatron splits each THD
-    sequence into 2 c chunks, each again over TP), else 1."""
-    multiple = tp if sequence_parallel(tp, platform) else 1
-    return multiple * (2 * cp if cp > 1 else 1)
+def pad_multiple(tp: int, cp: int = 1) -> int:
+    """Every packed sample is padded to a multiple of this: t (sequence parallelism splits the
+    row over the TP ranks; on CPU, without it, the padding is merely harmless, and keeping it
+    makes the CPU and GPU runs pack alike), 2 c t with context parallelism (Megatron splits
+    each THD sequence into 2 c chunks, each again over TP)."""
+    return tp * (2 * cp if cp > 1 else 1)
 
 
 def transformer_flags(platform: Platform, tp: int) -> dict:

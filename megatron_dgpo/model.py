@@ -233,16 +233,20 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
 # ------------------------------------------------------------------ the policy of a training job
 
 def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
-             use_distributed_optimizer: bool = False, bucket_size: int | None = None) -> list:
+             use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
+             bucket_size: int | None = None) -> list:
     """Wrap model chunks in Megatron's ``DistributedDataParallel`` (gradients in ``main_grad``).
 
-    Chunks after the first skip bucketing, as Megatron's training loop does for VPP.
+    Chunks after the first skip bucketing, as Megatron's training loop does for VPP. The
+    trainer passes ``gpu_config.ddp_flags`` (overlapped grad reduce and param gather on a GPU;
+    ``train_step`` then gives the schedules ``gpu_config.schedule_sync_hooks``).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
     return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
                                     disable_bucketing=i > 0) for i, m in enumerate(models)]
 

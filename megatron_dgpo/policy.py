@@ -13,6 +13,7 @@ import torch
 
 from megatron_dgpo.convert import load_model
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
+from megatron_dgpo.gpu_config import Platform, ddp_flags
 from megatron_dgpo.model import dtype_named, wrap_ddp
 
 
@@ -58,7 +59,10 @@ def _materialise_model(config, run_dir, seed: int):
 def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
     """Collective: ``(models, hf_config, dtype)``: this rank's DDP-wrapped chunks of the policy
     loaded from ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, the HF config and
-    the parameter dtype. bf16 models get Megatron's Float16Module (fp32 logits out)."""
+    the parameter dtype. bf16 models get Megatron's Float16Module (``train_step`` asks it for
+    logits in bf16, ``fp32_output=False``). The DDP settings are ``gpu_config.ddp_flags`` of
+    this machine (overlapped grad reduce, and param gather with the distributed optimizer, on a
+    GPU)."""
     dtype = dtype_named(config.dtype)
     overrides = {"bf16": True} if dtype == torch.bfloat16 else {}
     if config.recompute_activations:
@@ -74,7 +78,8 @@ def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
             wrapper.hf_spec = chunk.hf_spec
             wrapped.append(wrapper)
         chunks = wrapped
-    models = wrap_ddp(chunks, use_distributed_optimizer=use_distributed_optimizer)
+    models = wrap_ddp(chunks, **ddp_flags(Platform.detect(),
+                                          use_distributed_optimizer=use_distributed_optimizer))
     return models, read_hf_config(str(hf_dir)), dtype
 
 

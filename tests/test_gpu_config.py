@@ -30,7 +30,6 @@ def test_cpu_path_keeps_every_gpu_choice_off():
         kwargs = transformer_kwargs(TINY_QWEN2, platform=CPU, tensor_model_parallel_size=tp)
         assert not any(kwargs[name] for name in GPU_FLAGS)
         assert kwargs["use_cpu_initialization"] is True
-        assert pad_multiple(tp, CPU) == 1
     config, _ = transformer_config_from_hf(TINY_QWEN2, platform=CPU, tensor_model_parallel_size=2)
     assert not config.sequence_parallel and not config.apply_rope_fusion
     assert ddp_flags(CPU, use_distributed_optimizer=False) == dict(
@@ -97,5 +96,5 @@ def test_ddp_overlap_follows_cuda_and_the_distributed_optimizer():
 def test_packed_samples_are_padded_to_tp_multiples():
     """Sequence parallel splits the packed row over TP; context parallel splits every THD
     sequence into 2 CP chunks, each again over TP."""
-    assert [pad_multiple(tp, GPU) for tp in (1, 2, 4, 8)] == [1, 2, 4, 8]
-    assert pad_multiple(4, GPU, cp=2) == 16 and pad_multiple(1, GPU, cp=2) == 4
+    assert [pad_multiple(tp) for tp in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert pad_multiple(4, cp=2) == 16 and pad_multiple(1, cp=2) == 4

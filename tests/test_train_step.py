@@ -84,3 +84,17 @@ def test_micro_batch_validation():
     assert mb.tokens.tolist() == [5, 6, 7, 8, 9, 0] and mb.cu_seqlens.tolist() == [0, 3, 6]
     assert mb.targets.tolist() == [6, 7, 0, 9, 0, 0]
     assert mb.loss_mask.tolist() == [True, True, False, True, False, False]
+
+
+def test_overlapped_grad_reduce_and_bf16_logits():
+    from tests._rank_fns_train import overlap_and_logits_fn
+
+    for result in run_ranks(overlap_and_logits_fn, 2):
+        assert result["dp_size"] == 2
+        assert result["overlap_err"] <= TOL
+        # Float16Module: bf16 logits out with the train step's kwargs, the same values as its
+        # fp32 default (which upcasts the bf16 output); a plain fp32 model gets no kwargs
+        assert result["kwargs"] == {"fp32_output": False} and result["plain_kwargs"] == {}
+        assert (result["kept_dtype"], result["default_dtype"]) == ("torch.bfloat16",
+                                                                   "torch.float32")
+        assert result["same_values"]
