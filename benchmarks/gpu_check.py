@@ -16,23 +16,28 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1):
   each is compared with the fp32 local model; TE's error must be within 2x (+ 1e-3) the local
   bf16 path's own error (bf16 rounding, not the attention kernel, sets the tolerance).
 * ``logprobs_v152064``: ``vocab_parallel.logprobs_and_entropy`` forward + backward on bf16
-  logits [8192, 152064]: peak extra memory in multiples of the shard (goal <= 1.0x beside the
-  gradient the backward must return, which is itself 1.0x) and time in multiples of one read of
-  the shard (goal <= 2x), beside Megatron's ``vocab_parallel_cross_entropy`` in the same run;
-  log-probs against float32 ``log_softmax`` on 256 rows.
-* ``distopt_checkpoint``: bf16 policy through ``Float16Module`` (bf16 logits out), Megatron
-  DDP + distributed optimizer with the GPU flags of ``gpu_config`` (overlapped grad reduce and
-  param gather), one update, an async dist-checkpoint save (``checkpoint.AsyncSaver``), then
-  the next update from the live model and from a fresh model loaded from the checkpoint:
-  bitwise equal parameters.
-* ``vllm_colocated``: CUDA vLLM (bf16) beside the trainer on the same GPU: generate -> sleep ->
-  one training update -> wake -> refit (``export_hf_weights``) -> generate -> the rollout vs
-  trainer log-prob mismatch (mean |d|, exp(mean |d|) - 1), before and after the update. The
-  refit worked if the mismatch after it is not larger than before (x3).
-* ``throughput_1p5b``: a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights, TE,
-  packed 8192-token rows, the trainer's GPU flags) forward + backward through the log-prob
-  kernel: tokens/s and MFU (model FLOPs, recompute not counted), recompute off and on. Goal on
-  H100: MFU >= 45% without recompute.
+  logits [8192, 152064]: peak extra memory in multiples of the shard (goal <= 1.0x, the
+  gradient w.r.t. the logits, itself 1.0x, included, as in benchmarks/bench_logprob.py) and
+  time in multiples of one read of the shard (goal <= 2x), beside Megatron's
+  ``vocab_parallel_cross_entropy`` in the same run; log-probs against float32 ``log_softmax``
+  on 256 rows.
+* ``distopt_checkpoint``: the trainer's bf16 policy (``policy.wrap_policy``: Float16Module,
+  Megatron DDP with ``gpu_config.ddp_flags``: overlapped grad reduce and param gather) and the
+  distributed optimizer; one ``train_step`` update, an async dist-checkpoint save
+  (``checkpoint.AsyncSaver``, Megatron's real queue), then the next update from the live model
+  and from a fresh model loaded from the checkpoint: bitwise equal parameters; the save is not
+  published before its writer finished.
+* ``vllm_colocated``: CUDA vLLM (bf16, ``placement="colocated"``: inside this process, on the
+  trainer's GPU, sleep mode) beside the trainer's policy: generate -> ``sleep()`` -> one
+  ``train_step`` update -> refit (``update_weights`` wakes it; ``export_hf_weights``) ->
+  generate -> the rollout vs trainer log-prob mismatch (``rollout.mismatch``: mean |d|,
+  exp(mean |d|) - 1), before and after the update. The refit worked if the mismatch after it
+  is not larger than before (x3): a stale engine would be off by a 2e-3 learning-rate update.
+* ``throughput_1p5b``: a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights, the
+  trainer's policy and GPU flags, TE + THD) ``train_step`` (forward + DGPO loss + backward +
+  gradient reduction) on one packed 8192-token row of unequal samples: tokens/s and MFU (model
+  FLOPs, recompute not counted), recompute off and on. Goal on H100: MFU >= 45% without
+  recompute.
 * ``tiny_gpu_run``: ``python -m megatron_dgpo.train recipes/tiny_gpu.yaml`` for its 5 steps:
   5 metric lines, the last checkpoint published by the async saver, the HF export.
 """
@@ -166,44 +171,55 @@ def _gpu_platform():
     return Platform.detect()
 
 
-def _bf16_policy(hf_config, *, seed: int, recompute: bool = False,
-                 use_distributed_optimizer: bool = True):
-    """The trainer's bf16 policy: GPTModel (this machine's spec and flags) in Float16Module in
-    Megatron DDP with ``gpu_config.ddp_flags``."""
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_dgpo.gpu_config import ddp_flags
+def _policy(hf_config, *, seed: int, recompute: bool = False,
+            use_distributed_optimizer: bool = True):
+    """The trainer's bf16 policy of random weights: ``build_model`` (this machine's spec and
+    ``gpu_config`` flags) wrapped by ``policy.wrap_policy`` (Float16Module, DDP flags)."""
     from megatron_dgpo.model import build_model
+    from megatron_dgpo.policy import model_overrides, wrap_policy
+    from megatron_dgpo.recipe import ModelConfig
 
-    overrides = dict(bf16=True)
-    if recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1)
+    overrides = model_overrides(ModelConfig(dtype="bfloat16", recompute_activations=recompute))
     chunks = build_model(hf_config, dtype=torch.bfloat16, seed=seed, **overrides)
-    flags = ddp_flags(_gpu_platform(), use_distributed_optimizer=use_distributed_optimizer)
-    return _wrap_for_training([Float16Module(c.config, c) for c in chunks], chunks[0].hf_spec,
-                              flags)
+    return wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer)
 
 
-def _policy_update(models, optimizer, row, vocab_size) -> float:
-    """One update on one packed row: bf16 logits (``fp32_output=False``) into the log-prob
-    kernel, backward, grad sync, optimizer step. Returns the loss."""
+def _micro_batch(lengths, vocab: int, seed: int, models=None):
+    """One packed ``MicroBatch`` of random samples of ``lengths`` (a quarter prompt, the rest
+    response; advantages +-1), padded to ``gpu_config.pad_multiple``; with ``models`` its
+    ``old_logprobs`` are the policy's own (as the trainer's forward pass sets them)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_dgpo.gpu_config import pad_multiple
+    from megatron_dgpo.packing import Sample, pack
+    from megatron_dgpo.train_step import forward_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in lengths:
+        start = max(1, n // 4)
+        samples.append(Sample(torch.randint(0, vocab, (n,), generator=gen), start, {
+            "advantages": torch.randint(0, 2, (n - start,), generator=gen).float() * 2 - 1,
+            "old_logprobs": torch.zeros(n - start)}))
+    (row,) = pack(samples, budget=10**9,
+                  pad_multiple=pad_multiple(ps.get_tensor_model_parallel_world_size()))
+    if models is not None:
+        ((logp, _),) = forward_logprobs(models, [row])
+        row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
+    return row
+
+
+def _update(models, optimizer, row) -> float:
+    """One optimizer update on ``row`` through the trainer's ``train_step`` (THD with TE, bf16
+    logits, overlapped reduction) and ``step_if_finite``. Returns the loss."""
     from megatron_dgpo.optimizer import step_if_finite
+    from megatron_dgpo.train_step import LossConfig, train_step
 
-    tokens, cu, targets, weights = row
-    for model in models:
-        model.zero_grad_buffer()
-    optimizer.zero_grad()
-    logits = _logits(models[0], tokens, cu, thd=_gpu_platform().transformer_engine,
-                     fp32_output=False)
-    loss, _ = _weighted_logprob_loss(logits, targets, weights / len(tokens), vocab_size)
-    loss.backward()
-    for model in models:
-        model.finish_grad_sync()
-    stepped, _ = step_if_finite(optimizer, models, float(loss))
+    result = train_step(models, [row], LossConfig())
+    stepped, _ = step_if_finite(optimizer, models, result.loss)
     if not stepped:
-        raise RuntimeError("the optimizer skipped the update (non-finite gradients)")
-    return float(loss)
+        raise RuntimeError("the optimizer skipped the update (non-finite loss or gradients)")
+    return result.loss
 
 
 def _params(models) -> dict:
@@ -217,39 +233,36 @@ def _params(models) -> dict:
 # ------------------------------------------------------------------------------ checks
 
 
-def _te_vs_local(dtype: torch.dtype):
-    """(log-probs, grads by local name) of the TE+THD and local+mask models (same weights)."""
+def _reference_weights() -> dict:
+    """SMALL_QWEN2's weights (local spec names, fp32): what every agreement run loads."""
     from megatron_dgpo.gpu_config import Platform
     from megatron_dgpo.model import build_model
 
-    te_platform = _gpu_platform()
-    if not te_platform.transformer_engine:
+    model = build_model(SMALL_QWEN2, seed=3, platform=Platform(cuda=True))[0]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _spec_run(spec: str, dtype: torch.dtype, weights: dict):
+    """(log-probs [1, S] fp32, {local name: grad fp32}) of sum_t w_t log p_t on the packed row:
+    ``spec="te"``: TE layer spec + THD (this machine's flags: fused RoPE); ``"local"``: the local
+    spec + block-diagonal mask. Same weights (cast to ``dtype``)."""
+    from megatron_dgpo.gpu_config import Platform
+    from megatron_dgpo.model import build_model
+
+    platform = _gpu_platform() if spec == "te" else Platform(cuda=True)
+    if spec == "te" and not platform.transformer_engine:
         raise RuntimeError("Transformer-Engine is not installed: nothing to compare")
-    kwargs = dict(dtype=dtype, seed=3, gradient_accumulation_fusion=False)  # no DDP main_grad
-    te = build_model(SMALL_QWEN2, platform=te_platform, **kwargs)[0]
-    local = build_model(SMALL_QWEN2, platform=Platform(cuda=True), **kwargs)[0]
-    te_params = dict(te.named_parameters())
+    # no DDP here, so no main_grad for gradient-accumulation fusion to write into
+    model = build_model(SMALL_QWEN2, dtype=dtype, seed=3, platform=platform,
+                        gradient_accumulation_fusion=False)[0]
     with torch.no_grad():
-        for name, param in local.named_parameters():
-            param.copy_(te_params[_find_te_name(te_params, name)])
-    row = _packed_row(PACKED_LENGTHS, SMALL_QWEN2["vocab_size"], seed=0)
-    out = {}
-    for label, model, thd in (("te", te, True), ("local", local, False)):
-        logits = _logits(model, row[0], row[1], thd=thd)
-        loss, logp = _weighted_logprob_loss(logits, row[2], row[3], SMALL_QWEN2["vocab_size"])
-        loss.backward()
-        names = {n: (n if label == "local" else _te_to_local(n)) for n, _ in
-                 model.named_parameters()}
-        out[label] = (logp.float(), {names[n]: p.grad.float() for n, p in
-                                     model.named_parameters()})
-    return out
-
-
-def _find_te_name(te_params: dict, local_name: str) -> str:
-    for name in te_params:
-        if _te_to_local(name) == local_name:
-            return name
-    raise KeyError(f"no TE parameter for {local_name}")
+        for name, param in model.named_parameters():
+            param.copy_(weights[_te_to_local(name)])
+    tokens, cu, targets, w = _packed_row(PACKED_LENGTHS, SMALL_QWEN2["vocab_size"], seed=0)
+    logits = _logits(model, tokens, cu, thd=spec == "te")
+    loss, logp = _weighted_logprob_loss(logits, targets, w, SMALL_QWEN2["vocab_size"])
+    loss.backward()
+    return logp.float(), {_te_to_local(n): p.grad.float() for n, p in model.named_parameters()}
 
 
 def _agreement(a, b) -> tuple[float, float, float]:
@@ -263,8 +276,9 @@ def _agreement(a, b) -> tuple[float, float, float]:
 
 def check_te_thd_fp32() -> Row:
     goal = "max |d logp| <= 1e-4, grads <= 1e-3 rel."
-    out = _te_vs_local(torch.float32)
-    lp_max, lp_mean, grad = _agreement(out["te"], out["local"])
+    weights = _reference_weights()
+    lp_max, lp_mean, grad = _agreement(_spec_run("te", torch.float32, weights),
+                                       _spec_run("local", torch.float32, weights))
     ok = lp_max <= 1e-4 and grad <= 1e-3
     return Row("te_thd_fp32", ok, f"max |d logp| {lp_max:.2e}, mean {lp_mean:.2e}, "
                f"grads {grad:.2e} rel.", goal,
@@ -273,10 +287,10 @@ def check_te_thd_fp32() -> Row:
 
 def check_te_thd_bf16() -> Row:
     goal = "TE+THD bf16 error vs fp32 <= 2x local bf16 error + 1e-3"
-    reference = _te_vs_local(torch.float32)["local"]
-    out = _te_vs_local(torch.bfloat16)
-    te = _agreement(out["te"], reference)
-    local = _agreement(out["local"], reference)
+    weights = _reference_weights()
+    reference = _spec_run("local", torch.float32, weights)
+    te = _agreement(_spec_run("te", torch.bfloat16, weights), reference)
+    local = _agreement(_spec_run("local", torch.bfloat16, weights), reference)
     ok = te[0] <= 2 * local[0] + 1e-3 and te[2] <= 2 * local[2] + 1e-3
     return Row("te_thd_bf16", ok,
                f"vs fp32: TE max|d logp| {te[0]:.2e} grads {te[2]:.2e}; local bf16 "
@@ -291,7 +305,7 @@ def check_logprobs_v152064() -> Row:
 
     from megatron_dgpo.vocab_parallel import logprobs_and_entropy
 
-    goal = "extra memory <= 1.0x shard beside the gradient; time <= 2x one read"
+    goal = "extra memory (gradient included) <= 1.0x shard; time <= 2x one read"
     tokens = ROW_TOKENS
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(tokens, V_QWEN2, device="cuda", generator=gen) * 3).bfloat16()
@@ -305,8 +319,10 @@ def check_logprobs_v152064() -> Row:
         (logp * weights).sum().backward()
         return logp.detach(), x.grad
 
-    def megatron(copy):
-        loss = vocab_parallel_cross_entropy(copy[:, None], targets[:, None])  # [s, b] layout
+    def megatron():
+        # [s, b, V] as Megatron's loss takes it; it upcasts bf16 to an fp32 copy and works on it
+        x = logits.detach().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x[:, None], targets[:, None])
         (loss[:, 0] * weights).sum().backward()
 
     read = _timed(lambda: logits.amax())
@@ -316,13 +332,11 @@ def check_logprobs_v152064() -> Row:
     with torch.no_grad():
         ref = torch.log_softmax(logits[:256].float(), -1).gather(1, targets[:256, None])[:, 0]
     error = float((logp[:256] - ref).abs().max())
-    copy = logits.detach().clone().requires_grad_()  # Megatron's kernel works in place
-    m_extra, _ = _peak_extra(lambda: megatron(copy))
-    t_meg = _timed(lambda: megatron(logits.detach().clone().requires_grad_()))
-    beside_grad = extra / shard - 1.0
-    ok = beside_grad <= 1.0 and t_ours / read <= 2.0 and error <= 1e-3
+    m_extra, _ = _peak_extra(megatron)
+    t_meg = _timed(megatron)
+    ok = extra / shard <= 1.0 and t_ours / read <= 2.0 and error <= 1e-3
     return Row("logprobs_v152064", ok,
-               f"dgpo: {extra / shard:.2f}x shard ({beside_grad:.2f}x beside the gradient), "
+               f"dgpo: {extra / shard:.2f}x shard (the gradient is 1.0x), "
                f"{t_ours / read:.1f}x one read ({t_ours * 1e3:.1f} ms); megatron CE: "
                f"{m_extra / shard:.2f}x, {t_meg / read:.1f}x; |d logp| vs fp32 {error:.1e}",
                goal, dict(shard_bytes=shard, read_ms=read * 1e3, dgpo_ms=t_ours * 1e3,
@@ -334,159 +348,124 @@ def check_logprobs_v152064() -> Row:
 def check_distopt_checkpoint() -> Row:
     from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
                                           load_checkpoint, save_checkpoint)
-    from megatron_dgpo.model import unwrap_model
+    from megatron_dgpo.model import padded_vocab_of
     from megatron_dgpo.optimizer import build_optimizer
     from megatron_dgpo.recipe import OptimizerConfig
 
     goal = "next update bitwise equal after save/load"
     config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
     vocab = SMALL_QWEN2["vocab_size"]
-    rows = [_packed_row(PACKED_LENGTHS, vocab, seed=s) for s in (1, 2)]
 
     def policy(seed):
-        models = _bf16_policy(SMALL_QWEN2, seed=seed)
+        models = _policy(SMALL_QWEN2, seed=seed)
         return models, build_optimizer(config, models, lr=1e-3, bf16=True)
 
     live, live_opt = policy(seed=1)
-    _policy_update(live, live_opt, rows[0], vocab)
+    _update(live, live_opt, _micro_batch(PACKED_LENGTHS, vocab, seed=1, models=live))
+    second = _micro_batch(PACKED_LENGTHS, vocab, seed=2, models=live)  # old log-probs fixed
     with tempfile.TemporaryDirectory() as root:
         saver = AsyncSaver()
         begin = time.perf_counter()
         save_checkpoint(root, TrainerState(step=1), live, live_opt, hf_config=SMALL_QWEN2,
-                        padded_vocab_size=unwrap_model(live[0]).vocab_size,
-                        dtype=torch.bfloat16, saver=saver)
+                        padded_vocab_size=padded_vocab_of(live), dtype=torch.bfloat16,
+                        saver=saver)
         blocked = time.perf_counter() - begin
         published_early = latest_checkpoint(root) is not None
         saver.wait()
-        _policy_update(live, live_opt, rows[1], vocab)
+        _update(live, live_opt, second)
         expected = _params(live)
         fresh, fresh_opt = policy(seed=2)
         load_checkpoint(latest_checkpoint(root), fresh, fresh_opt)
-        _policy_update(fresh, fresh_opt, rows[1], vocab)
+        _update(fresh, fresh_opt, second)
         got = _params(fresh)
     unequal = [n for n in expected if not torch.equal(expected[n], got[n])]
-    ok = not unequal
+    ok = not unequal and not published_early
     return Row("distopt_checkpoint", ok,
                f"{len(expected) - len(unequal)}/{len(expected)} tensors bitwise equal; async "
-               f"save returned after {blocked:.2f} s (published before wait: "
-               f"{published_early})", goal,
+               f"save returned after {blocked:.2f} s, published before it finished: "
+               f"{published_early}", goal + "; async save published only when written",
                dict(tensors=len(expected), unequal=unequal[:10], save_blocking_s=blocked,
                     published_before_wait=published_early))
 
 
 def _colocated_engine(hf_dir: str):
-    """The rollout engine on this GPU with sleep mode, and its (sleep, wake) calls: the
-    engine's own ``sleep`` where it has one (its refit wakes it), else vLLM's
-    ``LLM.sleep(level=1)`` / ``wake_up()``. The only place this check touches the engine API
-    beyond ``generate`` / ``update_weights``."""
-    import dataclasses
-
+    """CUDA vLLM inside this process (``placement="colocated"``), bf16, with sleep mode: the
+    only place this check builds an engine (``sleep()`` frees its memory; ``update_weights``
+    wakes it, reloads in buckets and wakes the KV cache; ``generate`` wakes what still sleeps)."""
     from megatron_dgpo.rollout import VLLMConfig, VLLMEngine
 
-    fields = {f.name for f in dataclasses.fields(VLLMConfig)}
-    kwargs = dict(model=hf_dir, dtype="bfloat16", seed=0, max_model_len=512, max_num_seqs=64,
-                  gpu_memory_utilization=0.25)
-    if "sleep_mode" in fields:
-        kwargs["sleep_mode"] = True
-    else:
-        kwargs["engine_kwargs"] = {"enable_sleep_mode": True}
-    engine = VLLMEngine(VLLMConfig(**kwargs))
-    if hasattr(engine, "sleep"):
-        return engine, engine.sleep, (lambda: None)
-    return engine, (lambda: engine.llm.sleep(level=1)), (lambda: engine.llm.wake_up())
+    return VLLMEngine(VLLMConfig(model=hf_dir, dtype="bfloat16", seed=0, max_model_len=512,
+                                 max_num_seqs=64, gpu_memory_utilization=0.25,
+                                 placement="colocated", sleep_mode=True))
 
 
-def _trainer_logprobs(models, samples, prompts, vocab_size):
-    """(trainer log-probs, vLLM log-probs) of the sampled tokens, one packed row."""
-    tokens, cu, picks = [], [0], []
-    for sample in samples:
-        prompt = prompts[sample.prompt_index]
-        seq = list(prompt) + list(sample.token_ids)
-        start = cu[-1]
-        picks.extend(range(start + len(prompt) - 1, start + len(seq) - 1))
-        tokens.extend(seq)
-        cu.append(start + len(seq))
-    tokens = torch.tensor(tokens)
-    targets = torch.roll(tokens, -1)
-    with torch.no_grad():
-        logits = _logits(models[0], tokens, torch.tensor(cu, dtype=torch.int32),
-                         thd=_gpu_platform().transformer_engine, fp32_output=False)
-        from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+def _rollout_row(groups, prompts):
+    """The samples of ``groups`` as one packed ``MicroBatch`` with their rollout log-probs."""
+    from megatron_dgpo.packing import Sample, pack
 
-        logp, _ = logprobs_and_entropy(logits, targets[None].cuda(), vocab_size=vocab_size)
-    trainer = logp[0, torch.tensor(picks, device="cuda")].float().cpu()
-    rollout = torch.tensor([lp for s in samples for lp in s.logprobs])
-    return trainer, rollout
+    samples = []
+    for group in groups:
+        for c in group:
+            prompt = list(prompts[c.prompt_index])
+            samples.append(Sample(torch.tensor(prompt + list(c.token_ids)), len(prompt), {
+                "rollout_logprobs": torch.tensor(c.logprobs),
+                "advantages": torch.randn(len(c.token_ids)).sign(),
+                "old_logprobs": torch.tensor(c.logprobs)}))
+    (row,) = pack(samples, budget=10**9)
+    return row
 
 
 def check_vllm_colocated() -> Row:
-    from megatron_dgpo.convert import export_hf_weights, load_model
     from megatron_dgpo.optimizer import build_optimizer
-    from megatron_dgpo.recipe import OptimizerConfig
+    from megatron_dgpo.policy import build_policy
+    from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
+    from megatron_dgpo.rollout.mismatch import mismatch_metrics
     from megatron_dgpo.tiny import make_tiny_model
+    from megatron_dgpo.train_step import forward_logprobs
 
-    goal = "mismatch after sleep/train/wake/refit <= 3x before (bf16)"
+    goal = "mismatch after sleep/train/refit <= 3x before (bf16)"
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(make_tiny_model(Path(tmp) / "policy", seed=0, hidden_size=256,
-                                     intermediate_size=512, num_attention_heads=4,
-                                     num_key_value_heads=2))
-        engine, sleep, wake = _colocated_engine(hf_dir)
+        tiny = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                    num_key_value_heads=2)
+        hf_dir = str(make_tiny_model(Path(tmp) / "policy", seed=0, **tiny))
+        models, _, _ = build_policy(ModelConfig(tiny=tiny, dtype="bfloat16"), hf_dir,
+                                    use_distributed_optimizer=True)
+        optimizer = build_optimizer(OptimizerConfig(lr=2e-3, use_distributed_optimizer=True),
+                                    models, lr=2e-3, bf16=True)
+        engine = _colocated_engine(hf_dir)
         try:
-            from megatron.core.transformer.module import Float16Module
-
-            from megatron_dgpo.gpu_config import ddp_flags
-
-            chunks = load_model(hf_dir, dtype=torch.bfloat16, bf16=True)
-            spec = chunks[0].hf_spec
-            models = _wrap_for_training([Float16Module(c.config, c) for c in chunks], spec,
-                                        ddp_flags(_gpu_platform(),
-                                                  use_distributed_optimizer=True))
-            optimizer = build_optimizer(OptimizerConfig(lr=2e-3, use_distributed_optimizer=True),
-                                        models, lr=2e-3, bf16=True)
-            tokenizer = engine.tokenizer
-            prompts = [tokenizer.encode(f"Repeat the digit {d}.") for d in range(8)]
-            stats = []
+            prompts = [engine.tokenizer.encode(f"Repeat the digit {d}.") for d in range(8)]
+            stats, seconds = {}, {}
             for phase in ("before", "after"):
                 begin = time.perf_counter()
                 groups = engine.generate(prompts, n=4, temperature=1.0, max_tokens=48, seed=7)
-                generate_s = time.perf_counter() - begin
-                samples = [s for g in groups for s in g]
-                trainer, rollout = _trainer_logprobs(models, samples, prompts, spec.vocab_size)
-                d = (trainer - rollout).abs()
-                stats.append(dict(phase=phase, mean_abs=float(d.mean()), max_abs=float(d.max()),
-                                  token_mult_error=math.expm1(float(d.mean())),
-                                  tokens=int(d.numel()), generate_s=generate_s))
+                seconds[f"generate_{phase}"] = time.perf_counter() - begin
+                row = _rollout_row(groups, prompts)
+                ((logp, _),) = forward_logprobs(models, [row])
+                row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
+                stats[phase] = mismatch_metrics([row]).as_dict()
                 if phase == "after":
                     break
-                sleep()
-                free_asleep = torch.cuda.mem_get_info()[0]
-                row = _packed_row((300, 200, 12), spec.vocab_size, seed=5)
-                _policy_update(models, optimizer, row, spec.vocab_size)
-                wake()
+                engine.sleep()
+                free_asleep = torch.cuda.mem_get_info()[0] / 2**30
+                _update(models, optimizer, row)
                 begin = time.perf_counter()
+                from megatron_dgpo.convert import export_hf_weights
                 from megatron_dgpo.optimizer import sync_params
 
                 sync_params(models)
                 engine.update_weights(export_hf_weights(models, consumer="first"))
-                refit_s = time.perf_counter() - begin
+                seconds["refit"] = time.perf_counter() - begin
         finally:
             engine.shutdown()
-    before, after = stats
-    ok = after["mean_abs"] <= 3 * max(before["mean_abs"], 1e-3)
+    key, mult = "mismatch/mean_abs_diff", "mismatch/token_mult_error"
+    before, after = stats["before"][key], stats["after"][key]
+    ok = after <= 3 * max(before, 1e-3)
     return Row("vllm_colocated", ok,
-               f"mean |d| {before['mean_abs']:.2e} -> {after['mean_abs']:.2e} (token mult. "
-               f"error {after['token_mult_error']:.2e}); refit {refit_s:.2f} s", goal,
-               dict(before=before, after=after, refit_s=refit_s,
-                    free_gib_while_asleep=free_asleep / 2**30))
-
-
-def _wrap_for_training(chunks, spec, flags):
-    """``chunks`` (in Float16Module) in Megatron DDP with ``gpu_config.ddp_flags``."""
-    from megatron_dgpo.train_step import wrap_ddp
-
-    for chunk in chunks:
-        chunk.hf_spec = spec
-    return wrap_ddp(chunks, **flags)
+               f"mean |d| {before:.2e} -> {after:.2e} (token mult. error "
+               f"{stats['after'][mult]:.2e}); {free_asleep:.0f} GiB free asleep; refit "
+               f"{seconds['refit']:.2f} s", goal,
+               dict(stats, seconds=seconds, free_gib_while_asleep=free_asleep))
 
 
 def _peak_flops() -> float | None:
@@ -515,21 +494,16 @@ def _model_flops(cfg: dict, lengths) -> float:
     return 3 * (2 * n_mm * sum(lengths) + attention)
 
 
-def _forward_backward(hf_config, row, *, recompute: bool):
-    """A closure: one forward + backward of a fresh bf16 policy on ``row`` (no optimizer)."""
-    models = _bf16_policy(hf_config, seed=0, recompute=recompute, use_distributed_optimizer=False)
-    thd = _gpu_platform().transformer_engine
+def _train_step_seconds(hf_config, lengths, recompute: bool) -> tuple[float, float]:
+    """(best seconds of one ``train_step`` forward + backward of a fresh random bf16 policy on
+    one packed row of ``lengths``, peak GiB allocated)."""
+    from megatron_dgpo.train_step import LossConfig, train_step
 
-    def step():
-        for model in models:
-            model.zero_grad_buffer()
-        logits = _logits(models[0], row[0], row[1], thd=thd, fp32_output=False)
-        loss, _ = _weighted_logprob_loss(logits, row[2], row[3], hf_config["vocab_size"])
-        loss.backward()
-        for model in models:
-            model.finish_grad_sync()
-
-    return step
+    models = _policy(hf_config, seed=0, recompute=recompute, use_distributed_optimizer=False)
+    row = _micro_batch(lengths, hf_config["vocab_size"], seed=0, models=models)
+    torch.cuda.reset_peak_memory_stats()
+    seconds = _timed(lambda: train_step(models, [row], LossConfig()), repeats=5)
+    return seconds, torch.cuda.max_memory_allocated() / 2**30
 
 
 def check_throughput_1p5b() -> Row:
@@ -540,21 +514,21 @@ def check_throughput_1p5b() -> Row:
         n = min(left, int(torch.randint(300, 3000, (1,), generator=gen)))
         lengths.append(n)
         left -= n
-    row = _packed_row(lengths, QWEN2_1P5B["vocab_size"], seed=0)
     flops = _model_flops(QWEN2_1P5B, lengths)
     peak = _peak_flops()
     results = {}
     for recompute in (False, True):
-        torch.cuda.reset_peak_memory_stats()
-        seconds = _timed(_forward_backward(QWEN2_1P5B, row, recompute=recompute), repeats=5)
-        key = "recompute" if recompute else "no_recompute"
-        results[key] = dict(seconds=seconds, tokens_per_s=ROW_TOKENS / seconds,
-                            mfu=flops / seconds / peak if peak else None,
-                            peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        seconds, peak_gib = _train_step_seconds(QWEN2_1P5B, lengths, recompute)
+        results["recompute" if recompute else "no_recompute"] = dict(
+            seconds=seconds, tokens_per_s=ROW_TOKENS / seconds,
+            mfu=flops / seconds / peak if peak else None, peak_gib=peak_gib)
         torch.cuda.empty_cache()
     off, on = results["no_recompute"], results["recompute"]
     ok = (off["mfu"] >= 0.45) if off["mfu"] is not None else None
-    mfu = (lambda r: f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a")
+
+    def mfu(r):
+        return f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+
     return Row("throughput_1p5b", ok,
                f"{off['tokens_per_s']:,.0f} tok/s MFU {mfu(off)} ({off['peak_gib']:.0f} GiB); "
                f"recompute {on['tokens_per_s']:,.0f} tok/s MFU {mfu(on)} "
@@ -598,8 +572,8 @@ CHECKS = (
     ("te_thd_bf16", check_te_thd_bf16),
     ("logprobs_v152064", check_logprobs_v152064),
     ("distopt_checkpoint", check_distopt_checkpoint),
-    ("vllm_colocated", check_vllm_colocated),
     ("throughput_1p5b", check_throughput_1p5b),
+    ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
     ("tiny_gpu_run", check_tiny_gpu_run),
 )
 
