@@ -20,8 +20,8 @@ Why each condition (Megatron-Core 0.16):
 * Sequence parallelism shards the norm inputs, the layer inputs and every tensor the linear
   layers save over the TP ranks (activations / t instead of ~4 h unsharded per token and
   layer). It needs the packed row length divisible by t: samples are padded to ``pad_multiple``
-  (t; 2 c t with context parallelism, which Megatron's THD split needs). Off on CPU, where gloo
-  has no reduce-scatter of tensors and the CPU tests run without it.
+  (t; 2 c t with context parallelism, which Megatron's THD split needs). Off on CPU: the CPU
+  path keeps the configuration its tests were written against (and memory is no issue there).
 * RoPE fusion: without it THD RoPE takes Megatron's unfused path, which reads ``cu_seqlens``
   with ``.tolist()`` in every attention layer (a host sync per layer and micro-batch). The
   fused kernels (``fused_apply_rotary_pos_emb[_thd]``) come from Transformer-Engine only;
