@@ -12,7 +12,8 @@ Layout of ``<run_dir>/checkpoints``::
 Atomicity: every rank writes into ``.incomplete-<name>``; after a barrier, rank 0 renames the
 folder to ``<name>`` (one ``rename`` on one file system) and only then replaces ``latest``
 (write a temporary file, fsync, ``os.replace``). A process killed at any point leaves ``latest``
-naming a complete checkpoint. The model keys are those of ``convert.hf_to_megatron``, so a
+naming a complete checkpoint. An async save (``AsyncSaver``, GPU) keeps that order: the rename
+and ``latest`` run as the save's finalize step, after every rank's writer has finished. The model keys are those of ``convert.hf_to_megatron``, so a
 training checkpoint is also a converter checkpoint: ``dgpo-convert megatron-to-hf`` exports it.
 
 Another layout. Model and optimizer are resharded by dist_checkpointing, so a run saved at one
@@ -35,6 +36,7 @@ import os
 import random
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -115,9 +117,57 @@ def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
     return state
 
 
+class AsyncSaver:
+    """Checkpoints written in the background: Megatron's async ``torch_dist`` save.
+
+    ``save_checkpoint(..., saver=saver)`` returns once the state is staged on the host; a
+    forked writer process per rank writes the files while training goes on. The checkpoint
+    is published (renamed from ``.incomplete-<name>``, then ``latest`` replaced) by a
+    finalize function that Megatron runs only after the write has finished on every rank,
+    from ``poll`` (call it once per step; non-blocking) or ``wait`` (blocking). So the
+    "never half-written" guarantee is the synchronous save's: until then ``latest`` names the
+    previous checkpoint. One save is in flight at a time (a new save waits for the previous
+    one, whose clean-up would otherwise remove the new staging folder). Call ``wait`` before
+    reading a checkpoint just saved (the final HF export) and before exiting.
+
+    ``queue`` is Megatron's ``AsyncCallsQueue`` (default), which needs CUDA: its finalisation
+    all-reduces a CUDA tensor, so on CPU ``checkpoint.async_save`` is refused here.
+    """
+
+    def __init__(self, queue=None):
+        if queue is None:
+            if not torch.cuda.is_available():
+                raise ValueError("checkpoint.async_save: Megatron's async checkpoint save needs "
+                                 "CUDA (its finalisation all-reduces a CUDA tensor); set it to "
+                                 "false on CPU")
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            queue = AsyncCallsQueue(persistent=False)
+        self._queue = queue
+
+    @property
+    def pending(self) -> int:
+        """Saves scheduled and not yet published."""
+        return self._queue.get_num_unfinalized_calls()
+
+    def schedule(self, request) -> None:
+        """Collective: start writing ``request`` (an ``AsyncRequest`` with its finalize fns)."""
+        self.wait()
+        self._queue.schedule_async_request(request)
+
+    def poll(self) -> None:
+        """Collective: publish the saves that have finished on every rank (non-blocking)."""
+        self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Collective: block until every scheduled save is written and published."""
+        self._queue.maybe_finalize_async_calls(blocking=True)
+
+
 def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, optimizer, *,
                     hf_config: dict, padded_vocab_size: int, dtype: torch.dtype,
-                    hf_dir: str | None = None, keep_last: int = 2) -> Path:
+                    hf_dir: str | None = None, keep_last: int = 2,
+                    saver: AsyncSaver | None = None) -> Path:
     """Collective: write checkpoint ``step_<state.step>`` atomically; returns its path.
 
     ``state`` is written to ``trainer_state.json`` with ``extra.layout`` set to the current
@@ -126,11 +176,18 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
     ``hf_config`` / ``padded_vocab_size`` / ``dtype`` / ``hf_dir`` (tokenizer files) make the
     checkpoint exportable to HF. Older complete checkpoints beyond ``keep_last`` and leftover
     incomplete ones are removed after the new one is in place.
+
+    With ``saver`` (``checkpoint.async_save``) the shards are written in the background and the
+    returned path exists only once the saver has published it (``AsyncSaver``).
     """
     from megatron.core import dist_checkpointing
 
     from megatron_dgpo.convert import write_metadata
+    from megatron_dgpo.optimizer import sync_params
 
+    if saver is not None:
+        saver.wait()  # one save in flight: the previous one is published before this starts
+    sync_params(models)  # overlapped param gather: the weights of the last step, not the one before
     root = Path(root)
     name = checkpoint_name(state.step)
     staging = root / f"{INCOMPLETE_PREFIX}{name}"
@@ -141,22 +198,34 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
             shutil.rmtree(staging)
         staging.mkdir()
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False), str(staging))
+    request = dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False),
+                                      str(staging), async_sharded_save=saver is not None)
     record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
     if rank0:
         write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
         _write_json(staging / STATE_FILE, record)
-        _fsync_dir(staging)
-    dist.barrier()
-    final = root / name
+    publish = partial(_publish, root, name, keep_last)
+    if saver is None:
+        publish()
+    else:
+        request.add_finalize_fn(publish)  # runs after Megatron's own finalisation (metadata)
+        saver.schedule(request)
+    return root / name
+
+
+def _publish(root: Path, name: str, keep_last: int) -> None:
+    """Collective: the staged checkpoint ``name`` becomes complete: rename, then ``latest``."""
+    staging, final = root / f"{INCOMPLETE_PREFIX}{name}", root / name
+    rank0 = dist.get_rank() == 0
+    dist.barrier()  # every rank's shards are written
     if rank0:
+        _fsync_dir(staging)
         if final.exists():  # a step saved twice (e.g. re-run after a crash past the pointer)
             shutil.rmtree(final)
         os.rename(staging, final)
         _replace_text(root / LATEST_FILE, name + "\n")
         _prune(root, keep=max(1, keep_last), newest=name)
     dist.barrier()
-    return final
 
 
 def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> TrainerState:

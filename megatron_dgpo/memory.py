@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from megatron_dgpo.gpu_config import GPU
+from megatron_dgpo.gpu_config import sequence_parallel as gpu_sequence_parallel
 from megatron_dgpo.models import describe, padded_vocab_size
 
 GIB = 1 << 30
@@ -208,8 +210,7 @@ def optimizer_bytes(params: int, dp: int, distributed: bool) -> int:
 
 def activation_elements_per_token_layer(arch: Architecture) -> int:
     """Elements one layer saves for backward per token, without recompute (flash attention,
-    no dropout, SwiGLU, RMSNorm; sizes on one GPU are this divided by t with sequence
-    parallelism):
+    no dropout, SwiGLU, RMSNorm; whole, before any TP sharding):
 
         h [attn norm input] + h [QKV input] + a d [Q] + 2 g d [K, V] + a d [attention out = proj
         input] + h [MLP norm input] + h [fc1 input] + 2 f [fc1 out = SwiGLU input] + f [fc2 in]
@@ -221,31 +222,56 @@ def activation_elements_per_token_layer(arch: Architecture) -> int:
     return 4 * arch.hidden + 2 * arch.q_dim + 2 * arch.kv_dim + 3 * arch.intermediate
 
 
-def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: int, tp: int,
-                     recompute: bool, dtype_bytes: int = 2) -> int:
-    """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch:
+def activation_split(arch: Architecture, sequence_parallel: bool) -> tuple[int, int]:
+    """``activation_elements_per_token_layer`` as (whole on every TP rank, sharded over TP):
 
-        no recompute:   in_flight  layers  tokens  E b / t
-        full recompute: in_flight  layers  tokens  h b / t  [each layer's input]
-                        +          tokens  E b / t          [the one layer being recomputed]
-
-    E = activation_elements_per_token_layer; / t is sequence parallelism (Megatron requires it
-    with TP > 1 here; it also shards the norm inputs); ``in_flight`` micro-batches are alive at
-    once (1F1B: up to p on stage 0, 1 on the last stage).
+        sequence parallel:  (0, 4 h + 2 a d + 2 g d + 3 f)     every saved tensor is sharded
+        without it:         (4 h, 2 a d + 2 g d + 3 f)         the two norm inputs and the
+                                                               QKV and fc1 inputs are whole
     """
-    per_token_layer = activation_elements_per_token_layer(arch) * dtype_bytes
+    sharded = 2 * arch.q_dim + 2 * arch.kv_dim + 3 * arch.intermediate
+    if sequence_parallel:
+        return 0, 4 * arch.hidden + sharded
+    return 4 * arch.hidden, sharded
+
+
+def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: int, tp: int,
+                     recompute: bool, dtype_bytes: int = 2, *,
+                     sequence_parallel: bool | None = None) -> int:
+    """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch, with
+    (W, S) = ``activation_split`` (W = 0, S = E with sequence parallelism; W = 4 h without):
+
+        no recompute:   in_flight  layers  tokens  (W + S / t) b
+        full recompute: in_flight  layers  tokens  h b / t'     [each layer's input]
+                        +          tokens  (W + S / t) b        [the one layer being recomputed]
+
+    t' = t with sequence parallelism (the layer inputs are sharded along the sequence), 1
+    without. ``sequence_parallel`` defaults to what the trainer runs on a GPU
+    (``gpu_config.sequence_parallel``: on whenever t > 1). ``in_flight`` micro-batches are
+    alive at once (1F1B: up to p on stage 0, 1 on the last stage).
+    """
+    if sequence_parallel is None:
+        sequence_parallel = gpu_sequence_parallel(tp, GPU)
+    whole, sharded = activation_split(arch, sequence_parallel)
+
+    def one_layer(count: int) -> int:  # bytes of `count` token-layers' full activations
+        return count * whole * dtype_bytes + count * sharded * dtype_bytes // tp
+
     if not recompute:
-        return in_flight * layers * tokens * per_token_layer // tp
-    checkpoints = in_flight * layers * tokens * arch.hidden * dtype_bytes // tp
-    return checkpoints + tokens * per_token_layer // tp
+        return one_layer(in_flight * layers * tokens)
+    shard = tp if sequence_parallel else 1
+    checkpoints = in_flight * layers * tokens * arch.hidden * dtype_bytes // shard
+    return checkpoints + one_layer(tokens)
 
 
 def logits_bytes(tokens: int, vocab_rows: int, tp: int, dtype_bytes: int = 2) -> int:
-    """The logits shard and its gradient on the last stage: 2 tokens (V_pad / t) b.
+    """The logits shard and its gradient on the last stage: 2 tokens (V_pad / t) b_l.
 
-    The output layer returns logits [tokens, V_pad / t] in the training dtype; the log-prob
-    kernel saves them and its backward allocates a gradient of the same shape. For bf16 this
-    is 4 bytes per logit, the size of one fp32 copy.
+    b_l is the dtype the logits reach the log-prob kernel in: the trainer keeps them in the
+    model's dtype (``Float16Module`` with ``fp32_output=False``; the kernel upcasts chunk by
+    chunk), so b_l = b. The kernel saves them and its backward allocates a gradient of the
+    same shape and dtype. For bf16 this is 4 bytes per logit; fp32 logits out of
+    ``Float16Module``'s default would be 8 (+ the transient bf16 gradient of the cast).
     """
     return 2 * tokens * (vocab_rows // tp) * dtype_bytes
 
@@ -301,6 +327,9 @@ class Workload:
     distributed_optimizer: bool = True
     dtype_bytes: int = 2
     grad_dtype_bytes: int = 4
+    logits_dtype_bytes: int | None = None
+    """Bytes per logit into the log-prob kernel; None: ``dtype_bytes`` (the trainer keeps the
+    logits in the model's dtype)."""
     log_prob_chunk_size: int | None = None
     colocated_rollout: bool = True
     """vLLM lives on the training GPUs (global rank 0 and its vLLM TP peers)."""
@@ -461,7 +490,7 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
             activations=activation_bytes(arch, tokens, arch.layers // p,
                                          min(p - stage, micro_batches), t, work.recompute,
                                          work.dtype_bytes),
-            logits=(logits_bytes(tokens, rows, t, work.dtype_bytes)
+            logits=(logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
                     + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
                     if last else 0),
             vllm=vllm if has_vllm else 0,

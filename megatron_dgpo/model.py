@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_dgpo.gpu_config import Platform, transformer_flags
 from megatron_dgpo.models import describe, hf_config_dict, padded_vocab_size
 
 
@@ -55,23 +56,54 @@ class ModelSpec:
     """The HF config the model was built from (the converter's export reads its family map)."""
 
 
-def transformer_config_from_hf(hf_config: Any, **overrides):
+def transformer_config_from_hf(hf_config: Any, *, platform: Platform | None = None,
+                               **overrides):
     """``(TransformerConfig, ModelSpec)`` for an HF config of a family in
     ``megatron_dgpo.models.FAMILIES`` (dimensions and quirks come from ``models.describe``).
 
     Defaults chosen for RL training: no dropout, ``calculate_per_token_loss=True`` (the train
     step's normalisation relies on it), ``variable_seq_lengths=True`` (micro-batches of unequal
-    lengths under PP), ``use_cpu_initialization`` and fusions off without a GPU. ``overrides``
-    are ``TransformerConfig`` fields (e.g. ``tensor_model_parallel_size``, ``params_dtype``,
+    lengths under PP). The machine-dependent settings come from
+    ``gpu_config.transformer_flags(platform, TP)``: on a GPU sequence parallelism with TP > 1,
+    fused RoPE with Transformer-Engine, gradient-accumulation fusion with apex, the bias /
+    softmax / norm fusions and GPU initialisation; all off on CPU. ``platform`` defaults to
+    ``Platform.detect()`` (pass one to build a GPU layout's config on CPU). ``overrides`` are
+    ``TransformerConfig`` fields (e.g. ``tensor_model_parallel_size``, ``params_dtype``,
     ``bf16``, ``pipeline_dtype``, ``recompute_granularity``) and win over everything.
     """
-    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
+    return TransformerConfig(**transformer_kwargs(hf_config, platform=platform, **overrides)), \
+        model_spec(hf_config)
+
+
+def model_spec(hf_config: Any) -> ModelSpec:
+    """What the HF config says that ``TransformerConfig`` does not carry."""
     cfg = hf_config_dict(hf_config)
     desc = describe(cfg)
+    return ModelSpec(
+        family=desc.family.name,
+        vocab_size=desc.dims.vocab,
+        max_position_embeddings=desc.max_position_embeddings,
+        rotary_base=desc.rope.theta,
+        rope_scaling=desc.rope.scaling,
+        rope_scaling_factor=desc.rope.factor,
+        tie_word_embeddings=desc.tie_word_embeddings,
+        hf_config=cfg,
+    )
+
+
+def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
+                       **overrides) -> dict:
+    """The ``TransformerConfig`` keyword arguments ``transformer_config_from_hf`` builds with
+    (a pure function of the HF config, the platform, the parallel sizes and ``overrides``:
+    tests check a GPU layout's choices on CPU with it, where ``TransformerConfig`` itself would
+    refuse e.g. ``apply_rope_fusion`` without Transformer-Engine)."""
+    from megatron.core import parallel_state
+
+    desc = describe(hf_config_dict(hf_config))
     dims = desc.dims
-    gpu = torch.cuda.is_available()
+    platform = Platform.detect() if platform is None else platform
 
     tp = overrides.get("tensor_model_parallel_size")
     pp = overrides.get("pipeline_model_parallel_size")
@@ -108,27 +140,11 @@ def transformer_config_from_hf(hf_config: Any, **overrides):
         calculate_per_token_loss=True,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # 0.16 needs it for variable_seq_lengths
-        use_cpu_initialization=not gpu,
-        bias_activation_fusion=gpu,
-        bias_dropout_fusion=gpu,
-        masked_softmax_fusion=gpu,
-        persist_layer_norm=gpu,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
         attention_softmax_in_fp32=True,
+        **transformer_flags(platform, tp or 1),
     )
     kwargs.update(overrides)
-    spec = ModelSpec(
-        family=desc.family.name,
-        vocab_size=dims.vocab,
-        max_position_embeddings=desc.max_position_embeddings,
-        rotary_base=desc.rope.theta,
-        rope_scaling=desc.rope.scaling,
-        rope_scaling_factor=desc.rope.factor,
-        tie_word_embeddings=desc.tie_word_embeddings,
-        hf_config=cfg,
-    )
-    return TransformerConfig(**kwargs), spec
+    return kwargs
 
 
 def unwrap_model(model):
@@ -141,26 +157,21 @@ def unwrap_model(model):
 
 def use_transformer_engine() -> bool:
     """True when Transformer-Engine is importable and a GPU is present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine
-    except ImportError:
-        return False
-    return True
+    return Platform.detect().transformer_engine
 
 
-def layer_spec(config=None):
+def layer_spec(config=None, *, platform: Platform | None = None):
     """TE layer spec with TE and CUDA, Megatron's local RMSNorm spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_transformer_engine():
+    platform = Platform.detect() if platform is None else platform
+    if platform.transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
-                **overrides) -> list:
+                platform: Platform | None = None, **overrides) -> list:
     """This rank's model chunks: ``list[GPTModel]``, one per virtual pipeline stage (one w/o VPP).
 
     Needs Megatron's parallel state initialised (``megatron_dgpo.parallel.initialize_parallel``);
@@ -172,6 +183,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
 
     Returns chunks on the current CUDA device (GPU) or the CPU; ``chunk.hf_spec`` holds the
     ``ModelSpec`` (HF vocab size, RoPE, tying) and ``chunk.config`` the ``TransformerConfig``.
+    ``platform`` (default ``Platform.detect()``) decides the layer spec and the GPU flags
+    (``gpu_config``); e.g. ``Platform(cuda=True)`` builds the local spec on a GPU.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -185,7 +198,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
     if seed is not None:
         seed_model_parallel_rng(seed)
     overrides.setdefault("params_dtype", dtype)
-    config, spec = transformer_config_from_hf(hf_config, **overrides)
+    platform = Platform.detect() if platform is None else platform
+    config, spec = transformer_config_from_hf(hf_config, platform=platform, **overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
@@ -193,7 +207,7 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config),
+            transformer_layer_spec=layer_spec(config, platform=platform),
             vocab_size=padded_vocab_size(spec.vocab_size, tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
@@ -219,16 +233,20 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
 # ------------------------------------------------------------------ the policy of a training job
 
 def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
-             use_distributed_optimizer: bool = False, bucket_size: int | None = None) -> list:
+             use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
+             bucket_size: int | None = None) -> list:
     """Wrap model chunks in Megatron's ``DistributedDataParallel`` (gradients in ``main_grad``).
 
-    Chunks after the first skip bucketing, as Megatron's training loop does for VPP.
+    Chunks after the first skip bucketing, as Megatron's training loop does for VPP. The
+    trainer passes ``gpu_config.ddp_flags`` (overlapped grad reduce and param gather on a GPU;
+    ``train_step`` then gives the schedules ``gpu_config.schedule_sync_hooks``).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
     return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
                                     disable_bucketing=i > 0) for i, m in enumerate(models)]
 

@@ -36,7 +36,9 @@ def build_optimizer(config: OptimizerConfig, models: list, *, lr: float, bf16: b
     """Megatron ``MegatronOptimizer`` over the DDP-wrapped ``models`` (see ``wrap_ddp``).
 
     Weight decay applies to matrices only (Megatron's default: no decay on biases and norms,
-    put into the param groups by ``_apply_constant_schedule``).
+    put into the param groups by ``_apply_constant_schedule``). ``overlap_param_gather``
+    follows the models' DDP config (Megatron wants the two to agree); with it, read weights
+    only after ``sync_params``.
     """
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -56,6 +58,7 @@ def build_optimizer(config: OptimizerConfig, models: list, *, lr: float, bf16: b
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer(config),
+        overlap_param_gather=_overlap_param_gather(models),
     )
     optimizer = get_megatron_optimizer(megatron_config, models)
     _apply_constant_schedule(optimizer, lr, config.weight_decay)
@@ -71,6 +74,28 @@ def _apply_constant_schedule(optimizer, lr: float, weight_decay: float) -> None:
     OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
                             lr_decay_steps=1, lr_decay_style="constant", start_wd=weight_decay,
                             end_wd=weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+
+def _overlap_param_gather(models: list) -> bool:
+    ddp = getattr(models[0], "ddp_config", None)
+    return bool(ddp is not None and ddp.overlap_param_gather)
+
+
+def sync_params(models: list) -> None:
+    """Collective over DP: make every rank's parameters the updated ones now.
+
+    With overlapped parameter gathering (``gpu_config.ddp_flags``: CUDA and the distributed
+    optimizer), ``optimizer.step()`` updates only this rank's shard of the main weights and
+    leaves the all-gather of the new parameters to the forward pre-hooks of the next forward
+    pass. Code that reads the weights without a forward in between (refit of the rollout
+    engine, checkpoint save) calls this first: Megatron's synchronous all-gather of every
+    bucket (``start_param_sync(force_sync=True)``, as Megatron-LM does before saving). The
+    next forward's pre-hooks then find nothing left to gather. No-op without the overlap.
+    """
+    if not _overlap_param_gather(models):
+        return
+    for model in models:
+        model.start_param_sync(force_sync=True)
 
 
 def gradients_finite(models: list) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from megatron_dgpo.convert import load_model
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
+from megatron_dgpo.gpu_config import Platform, ddp_flags
 from megatron_dgpo.model import dtype_named, wrap_ddp
 
 
@@ -55,17 +56,22 @@ def _materialise_model(config, run_dir, seed: int):
                                                                 "*.model", "*.txt", "*.jinja"]))
 
 
-def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
-    """Collective: ``(models, hf_config, dtype)``: this rank's DDP-wrapped chunks of the policy
-    loaded from ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, the HF config and
-    the parameter dtype. bf16 models get Megatron's Float16Module (fp32 logits out)."""
-    dtype = dtype_named(config.dtype)
-    overrides = {"bf16": True} if dtype == torch.bfloat16 else {}
+def model_overrides(config) -> dict:
+    """``TransformerConfig`` overrides that ``config`` (a recipe's ``ModelConfig``) asks for:
+    bf16, and full-layer recomputation (uniform, one layer per checkpoint)."""
+    overrides = {"bf16": True} if dtype_named(config.dtype) == torch.bfloat16 else {}
     if config.recompute_activations:
         overrides.update(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1)
-    chunks = load_model(str(hf_dir), dtype=dtype, **overrides)
-    if dtype == torch.bfloat16:
+    return overrides
+
+
+def wrap_policy(chunks: list, *, use_distributed_optimizer: bool) -> list:
+    """Collective: built model chunks as the trainer trains them. bf16 chunks go into Megatron's
+    Float16Module (``train_step`` asks it for logits in bf16, ``fp32_output=False``); then
+    Megatron DDP with ``gpu_config.ddp_flags`` of this machine (overlapped grad reduce, and
+    param gather with the distributed optimizer, on a GPU)."""
+    if chunks and chunks[0].config.bf16:
         from megatron.core.transformer.module import Float16Module
 
         wrapped = []
@@ -74,7 +80,17 @@ def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
             wrapper.hf_spec = chunk.hf_spec
             wrapped.append(wrapper)
         chunks = wrapped
-    models = wrap_ddp(chunks, use_distributed_optimizer=use_distributed_optimizer)
+    return wrap_ddp(chunks, **ddp_flags(Platform.detect(),
+                                        use_distributed_optimizer=use_distributed_optimizer))
+
+
+def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
+    """Collective: ``(models, hf_config, dtype)``: this rank's chunks of the policy loaded from
+    ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, wrapped by ``wrap_policy``, the
+    HF config and the parameter dtype."""
+    dtype = dtype_named(config.dtype)
+    chunks = load_model(str(hf_dir), dtype=dtype, **model_overrides(config))
+    models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer)
     return models, read_hf_config(str(hf_dir)), dtype
 
 

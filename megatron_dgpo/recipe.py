@@ -254,6 +254,11 @@ class CheckpointConfig:
     """Write the final policy as an HF folder (``<run_dir>/hf``) through the converter."""
     export_dtype: Literal["float32", "bfloat16"] | None = None
     """dtype of the HF export; None: the training dtype."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron's async torch_dist save, GPU only):
+    training continues while a forked writer per rank writes the shards; the checkpoint is
+    renamed into place and named by ``latest`` only after every rank's writer has finished,
+    so a crash still leaves the previous complete checkpoint. Refused on CPU."""
 
 
 @dataclass

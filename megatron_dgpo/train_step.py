@@ -57,6 +57,17 @@ being relative. With the local spec a row gets the block-diagonal causal mask bu
 ``cu_seqlens``; with Transformer-Engine (GPU) it goes in as THD ``PackedSeqParams`` with the
 same ``cu_seqlens`` (the longest sample read on the host), because TE's causal kernel ignores
 arbitrary masks. The THD path needs a GPU with TE and has not been run yet (no GPU here).
+
+Logits dtype. A bf16 model is wrapped in Megatron's ``Float16Module``, which by default upcasts
+the last stage's output to fp32: an fp32 copy of the [S, V / TP] logits (8 bytes per logit with
+its gradient instead of 4). The forward step asks it for ``fp32_output=False`` instead, so the
+logits reach ``vocab_parallel.logprobs_and_entropy`` in bf16 and are upcast there one chunk at
+a time (bf16 -> fp32 is exact: the log-probs are the same).
+
+Overlapped gradient reduction (``gpu_config.ddp_flags`` on a GPU): the schedule gets
+``gpu_config.schedule_sync_hooks`` (DDP's ``no_sync`` for all but the last micro-batch, as
+Megatron-LM's training loop sets them), so each bucket is reduced once, after the last
+micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dgpo.gpu_config import schedule_sync_hooks
 from megatron_dgpo.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
                                   LossMetrics, merge_metrics, policy_loss, reduce_metrics,
                                   summarize_metrics, truncated_is_weights)
@@ -139,6 +151,19 @@ def _packed_seq_params(mb: MicroBatch, device):
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
+def _forward_kwargs(model) -> dict:
+    """``{"fp32_output": False}`` when ``model`` (or a wrapper inside it) is Megatron's
+    ``Float16Module``: logits stay in the model's dtype (module docstring); else nothing."""
+    from megatron.core.transformer.module import Float16Module
+
+    while True:
+        if isinstance(model, Float16Module):
+            return {"fp32_output": False}
+        if not hasattr(model, "module"):
+            return {}
+        model = model.module
+
+
 def _device(models) -> torch.device:
     return next(unwrap_model(models[0]).parameters()).device
 
@@ -160,14 +185,15 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
     device = _device(models)
 
     thd = use_transformer_engine()
+    extra = _forward_kwargs(models[0])
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
         if thd:
             output = model(mb.tokens[None], mb.position_ids[None], None,
-                           packed_seq_params=_packed_seq_params(mb, device))
+                           packed_seq_params=_packed_seq_params(mb, device), **extra)
         else:
-            output = model(mb.tokens[None], mb.position_ids[None], mb.attention_mask())
+            output = model(mb.tokens[None], mb.position_ids[None], mb.attention_mask(), **extra)
         return output, partial(loss_fn, mb)
 
     iterators = [iter(micro_batches) for _ in models]
@@ -270,6 +296,8 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         seen["megatron_tokens"] = int(tokens.item()) if tokens is not None else None
 
     config.finalize_model_grads_func = finalize
+    for name, hook in schedule_sync_hooks(models).items():
+        setattr(config, name, hook)
     for model in models:
         if zero_grad:
             model.zero_grad_buffer()

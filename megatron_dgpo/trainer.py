@@ -20,14 +20,16 @@ import torch.distributed as dist
 
 from megatron_dgpo import data, model, policy, telemetry
 from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
-from megatron_dgpo.checkpoint import (TrainerState, export_hf, latest_checkpoint,
+from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, export_hf, latest_checkpoint,
                                       load_checkpoint, save_checkpoint)
 from megatron_dgpo.config import to_dict
 from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import (Experience, pack_update, plan_updates, prompt_order,
                                       rollout_metrics)
+from megatron_dgpo.gpu_config import pad_multiple
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
-from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
+from megatron_dgpo.optimizer import (build_optimizer, step_if_finite, sync_params,
+                                     use_distributed_optimizer)
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.recipe import RunConfig, save_recipe
 from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
@@ -48,6 +50,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
         cfg.model, hf_dir, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))
     lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
+    saver = AsyncSaver() if cfg.checkpoint.async_save else None  # refused on CPU
     state = TrainerState(extra=_run_record(cfg, lr))
     if resume and (latest := latest_checkpoint(run_dir / "checkpoints")) is not None:
         state = load_checkpoint(latest, models, optimizer)
@@ -73,6 +76,8 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
         save_time = {}
         for step in range(state.step + 1, cfg.train.steps + 1):
             timer = telemetry.PhaseTimer()
+            if saver is not None:
+                saver.poll()  # publish a background save that has finished on every rank
             with timer("rollout"):
                 batch = None
                 if rank0:
@@ -97,7 +102,8 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 plan = plan_updates(len(batch), num_updates, dp_rank, dp_size, seed=cfg.train.seed,
                                     step=step, lengths=lengths)
                 updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
-                                       pad_multiple=cfg.parallel.tensor_parallel) for indices in plan]
+                                       pad_multiple=pad_multiple(cfg.parallel.tensor_parallel))
+                           for indices in plan]
                 rows = [row for rows_u in updates for row in rows_u]
                 outputs = forward_logprobs(models, rows,
                                            temperature=cfg.rollout.temperature,
@@ -139,9 +145,12 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 begin = time.perf_counter()
                 save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
                                 hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
+                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
+                                saver=saver)
                 save_time = {"time/checkpoint": time.perf_counter() - begin}
 
+        if saver is not None:
+            saver.wait()  # the last checkpoint is published before it is exported or we exit
         if cfg.checkpoint.export_hf and rank0:
             export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
                       cfg.checkpoint.export_dtype and model.dtype_named(cfg.checkpoint.export_dtype))
@@ -165,6 +174,7 @@ def _run_record(cfg: RunConfig, lr: float) -> dict:
 
 def _refit(models: list, engine) -> None:
     """Stream the trained weights into the rollout engine (collective over model parallel)."""
+    sync_params(models)  # overlapped param gather: the updated weights, not the last forward's
     pairs = export_hf_weights(models, consumer="first")
     if engine is not None:
         engine.update_weights(pairs)

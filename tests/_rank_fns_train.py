@@ -349,3 +349,43 @@ def compare(res, grads, want) -> dict:
     return dict(loss_err=rel(res.loss, want["loss"]), metric_err=metric_err, grad_err=grad_err,
                 metric_keys=sorted(res.metrics), covered=covered, num_tokens=res.num_tokens,
                 summary=res.summary)
+
+
+def overlap_and_logits_fn(rank, world_size):
+    """DP = world_size. (1) Overlapped grad reduce (the GPU's DDP setting) gives the gradients of
+    the plain reduction on a mini-batch of 4 micro-batches that follows one of 2 (RL updates
+    pack into varying counts; Megatron's bucket counts are learnt on the first one, so only
+    ``no_sync`` for all but the last micro-batch keeps them right). (2) A bf16 model in
+    Float16Module returns bf16 logits through DDP with the train step's forward kwargs, fp32
+    by Megatron's default."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_dgpo.model import build_model, wrap_ddp
+    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.train_step import _forward_kwargs
+
+    initialize_parallel(ParallelConfig(), seed=5)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    grads = {}
+    for overlap in (False, True):
+        chunks = build_model(TINY_QWEN2)
+        load_full_state(chunks, hf_to_megatron_full(hf_model(TINY_QWEN2).state_dict(),
+                                                    TINY_QWEN2))
+        models = wrap_ddp(chunks, overlap_grad_reduce=overlap)
+        _step(models, micro_batches(dp_rank, dp_size, 2))
+        _step(models, micro_batches(dp_rank, dp_size, 4))
+        grads[overlap] = {n: p.main_grad.clone() for n, p in models[0].module.named_parameters()}
+    overlap_err = max(float((grads[True][n] - grads[False][n]).abs().max() /
+                            grads[False][n].abs().max()) for n in grads[False])
+
+    chunk = build_model(TINY_QWEN2, dtype=torch.bfloat16, bf16=True)[0]
+    model = wrap_ddp([Float16Module(chunk.config, chunk)])[0]
+    mb = micro_batches(0, 1, 1)[0]
+    inputs = (mb.tokens[None], mb.position_ids[None], mb.attention_mask())
+    kept = model(*inputs, **_forward_kwargs(model))
+    default = model(*inputs)
+    return dict(dp_size=dp_size, overlap_err=overlap_err, kwargs=_forward_kwargs(model),
+                plain_kwargs=_forward_kwargs(models[0]), kept_dtype=str(kept.dtype),
+                default_dtype=str(default.dtype),
+                same_values=bool(torch.equal(kept.float(), default)))

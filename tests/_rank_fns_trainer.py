@@ -116,16 +116,39 @@ def optimizer_and_skipping(rank, world):
     return out
 
 
+class _HeldQueue:
+    """Megatron's ``AsyncCallsQueue`` contract, executed in this process (the real queue forks
+    a writer and all-reduces a CUDA tensor, so it needs a GPU): ``schedule_async_request``
+    holds the request; a blocking finalise runs it with Megatron's own ``execute_sync`` (the
+    write, a barrier, then the finalize fns: Megatron's metadata, then the publication)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def get_num_unfinalized_calls(self):
+        return len(self.requests)
+
+    def schedule_async_request(self, request):
+        self.requests.append(request)
+
+    def maybe_finalize_async_calls(self, blocking=False):
+        while blocking and self.requests:
+            self.requests.pop(0).execute_sync()
+
+
 def checkpoint_round_trip(rank, world, root):
-    """save (keep_last=1 prunes), load into a differently initialised model + optimizer, and
-    the next update from both is identical."""
-    from megatron_dgpo.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint,
-                                          save_checkpoint)
+    """save (keep_last=1 prunes; the second save through the async path), load into a
+    differently initialised model + optimizer, and the next update from both is identical."""
+    import os
+
+    from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
+                                          load_checkpoint, save_checkpoint)
     from megatron_dgpo.optimizer import step_if_finite
 
     models, optimizer = _setup(seed=5)
     meta = dict(hf_config=TINY_QWEN2, padded_vocab_size=models[0].module.vocab_size,
                 dtype=torch.float32)
+    saver = AsyncSaver(_HeldQueue())
     for step in (1, 2):
         step_if_finite(optimizer, models, _grads(models).loss)
         # a stale layout (as a run resumed from another layout carries): the save records its own
@@ -133,7 +156,16 @@ def checkpoint_round_trip(rank, world, root):
                                            extra={"layout": {"tensor_parallel": 8,
                                                              "pipeline_parallel": 3},
                                                   "note": "kept"}),
-                        models, optimizer, keep_last=1, **meta)
+                        models, optimizer, keep_last=1, saver=saver if step == 2 else None,
+                        **meta)
+    # the async save is staged, not published: `latest` still names step 1, no shard written
+    pending = {"pending": saver.pending,
+               "latest": latest_checkpoint(root).name,
+               "listing": sorted(os.listdir(root)),
+               "staged_files": sorted(os.listdir(os.path.join(root, ".incomplete-step_000002")))}
+    torch.distributed.barrier()
+    saver.wait()
+    pending["after_wait"] = saver.pending
     saved = _params(models)
     drawn = torch.rand(4)  # the RNG state saved at this layout is restored on load
     step_if_finite(optimizer, models, _grads(models).loss)
@@ -148,7 +180,7 @@ def checkpoint_round_trip(rank, world, root):
     next_equal = all(torch.equal(after_next[n], p) for n, p in _params(fresh).items())
     return {"differs_before": differs_before, "loaded_equal": loaded_equal,
             "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed,
-            "rng_restored": rng_restored, "extra": state.extra}
+            "rng_restored": rng_restored, "extra": state.extra, "async": pending}
 
 
 def _adam(optimizer):

@@ -33,6 +33,17 @@ def test_non_finite_updates_are_skipped_on_every_rank(optimizer_results):
 LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1}
 
 
+def test_async_save_is_refused_on_cpu():
+    import torch
+
+    from megatron_dgpo.checkpoint import AsyncSaver
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the async save runs in benchmarks/gpu_check.py")
+    with pytest.raises(ValueError, match="checkpoint.async_save: .*needs CUDA"):
+        AsyncSaver()
+
+
 def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     results = run_ranks(fns.checkpoint_round_trip, 2, str(tmp_path))
     for result in results:
@@ -40,6 +51,13 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
         assert (result["step"], result["consumed"]) == (2, 64)
         assert result["rng_restored"]
         assert result["extra"] == {"layout": LAYOUT, "note": "kept"}
+        # async save: until Megatron's write has finished and the finalize step ran, the
+        # checkpoint is only a staging folder (no shard written yet) and `latest` is the old one
+        staged = result["async"]
+        assert staged["pending"] == 1 and staged["after_wait"] == 0
+        assert staged["latest"] == "step_000001"
+        assert staged["listing"] == [".incomplete-step_000002", "latest", "step_000001"]
+        assert not any(f.endswith(".distcp") for f in staged["staged_files"])
     # the layout recorded is the one saved at (TP=2), not the stale one in the state passed in
     import json
 

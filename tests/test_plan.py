@@ -127,6 +127,48 @@ def test_memory_terms_by_hand():
     assert tight == 251968 * 2 + needed - 1 and "holds ~3 full-length" in notes[0]
 
 
+def test_activations_follow_sequence_parallelism_by_hand():
+    """Without sequence parallelism the two norm inputs and the QKV and fc1 inputs (4 h per
+    token and layer) and, under recompute, the layer inputs stay whole on every TP rank; the
+    planner's default is what the trainer runs on a GPU: sequence parallel whenever TP > 1."""
+    tokens, layers, in_flight, tp = 2048, 2, 2, 2
+    whole = 4 * 64  # norm in, QKV in, norm in, fc1 in
+    sharded = 64 + 32 + 32 + 64 + 192 + 96  # Q, K, V, attention out, fc1 out, fc2 in
+    assert activation_bytes(SMALL, tokens, layers, in_flight, tp, recompute=False,
+                            sequence_parallel=False) == \
+        in_flight * layers * tokens * (whole * 2 + sharded * 2 // tp)
+    assert activation_bytes(SMALL, tokens, layers, in_flight, tp, recompute=True,
+                            sequence_parallel=False) == \
+        in_flight * layers * tokens * 64 * 2 + tokens * (whole * 2 + sharded * 2 // tp)
+    for recompute in (False, True):
+        on = activation_bytes(SMALL, tokens, layers, in_flight, tp, recompute,
+                              sequence_parallel=True)
+        assert activation_bytes(SMALL, tokens, layers, in_flight, tp, recompute) == on
+        # TP 1: nothing to shard, the flag changes nothing
+        assert activation_bytes(SMALL, tokens, layers, in_flight, 1, recompute,
+                                sequence_parallel=False) == \
+            activation_bytes(SMALL, tokens, layers, in_flight, 1, recompute)
+    # the 14B recipe at TP4, 16k-token rows, full recompute: 8.5 GiB without sequence
+    # parallelism (the trainer before it was on), 2.4 GiB with it
+    qwen14 = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"]
+    off = activation_bytes(qwen14, 16384, 48, 1, 4, True, sequence_parallel=False) / GIB
+    on = activation_bytes(qwen14, 16384, 48, 1, 4, True) / GIB
+    assert (round(off, 2), round(on, 2)) == (8.54, 2.44)
+
+
+def test_logits_bytes_follow_the_logits_dtype():
+    """The logits term uses the dtype the logits reach the kernel in: the model's by default
+    (the trainer keeps bf16 logits), fp32 when asked (Float16Module's default output)."""
+    cluster = Cluster(gpus_per_node=8, nodes=1, gpu_memory_gb=80)
+    layout = Layout(tp=2, pp=1, cp=1, dp=4)
+    workspace = 2 * 256 * 512 * 4
+    bf16 = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False))
+    fp32 = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False,
+                                                        logits_dtype_bytes=4))
+    assert bf16.logits == 2 * 4096 * 512 * 2 + workspace
+    assert fp32.logits == 2 * 4096 * 512 * 4 + workspace
+
+
 def test_published_bytes_per_parameter():
     """Megatron-Core's distributed-optimizer guide: bf16 params with fp32 grads take 18 bytes
     per parameter without it, 6 + 12/d with it; ZeRO (Rajbhandari et al. 2020, Fig. 1): 7.5B

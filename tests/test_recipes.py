@@ -138,3 +138,24 @@ def test_layout_is_what_dgpo_plan_picks_for_the_headers_node_count(name, capsys)
     assert pick["fits"]
     assert (pick["layout"]["tp"], pick["layout"]["pp"], pick["layout"]["cp"]) == (
         cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, 1)
+
+
+def test_tiny_gpu_recipe_is_a_five_step_bf16_gpu_run(capsys):
+    """recipes/tiny_gpu.yaml (gpu_check.py's end-to-end run): 5 steps, bf16 training and vLLM,
+    the distributed optimizer and async saves, at least one save before the end; it fits one
+    80 GB GPU with room to spare by the planner."""
+    import json
+
+    from megatron_dgpo import plan
+
+    cfg = load_recipe(RECIPES / "tiny_gpu.yaml")
+    assert cfg.train.steps == 5 and cfg.checkpoint.save_every < cfg.train.steps
+    assert cfg.model.dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16"
+    assert cfg.rollout.engine == "vllm" and cfg.optimizer.use_distributed_optimizer is True
+    assert cfg.checkpoint.async_save is True
+    assert cfg.model.tiny["hidden_size"] // cfg.model.tiny["num_attention_heads"] % 16 == 0, \
+        "TE's fused attention wants a head size that is a multiple of 16"
+    assert plan.main([str(RECIPES / "tiny_gpu.yaml"), "--gpus-per-node", "1", "--nodes", "1",
+                      "--gpu-memory-gb", "80", "--json"]) == 0
+    pick = json.loads(capsys.readouterr().out)["pick"]
+    assert pick["fits"] and pick["gib"]["total"] < 0.5 * 80

@@ -154,3 +154,17 @@ def test_loss_config_and_micro_batch_checks_for_the_new_options():
         _check_micro_batch(mb, 3, True, LossConfig(aggregation="group_token_mean"))
     with pytest.raises(ValueError, match=r"micro_batches\[0\] lacks rollout_logprobs"):
         _check_micro_batch(mb, 0, True, LossConfig(rollout_correction="tis"))
+
+
+def test_overlapped_grad_reduce_and_bf16_logits():
+    from tests._rank_fns_train import overlap_and_logits_fn
+
+    for result in run_ranks(overlap_and_logits_fn, 2):
+        assert result["dp_size"] == 2
+        assert result["overlap_err"] <= TOL
+        # Float16Module: bf16 logits out with the train step's kwargs, the same values as its
+        # fp32 default (which upcasts the bf16 output); a plain fp32 model gets no kwargs
+        assert result["kwargs"] == {"fp32_output": False} and result["plain_kwargs"] == {}
+        assert (result["kept_dtype"], result["default_dtype"]) == ("torch.bfloat16",
+                                                                   "torch.float32")
+        assert result["same_values"]

@@ -1,0 +1,663 @@
+"""The GPU path, checked in one command on one 80 GB GPU (under 10 minutes).
+
+    python benchmarks/gpu_check.py [--out benchmarks/results] [--only NAME ...]
+
+Prints one row per check and writes ``<out>/gpu_check.md`` and ``<out>/gpu_check.json``
+(device, versions, every number). Each check is its own function; one that raises is reported
+as an error row and the others still run. Exit status 1 if a check failed, else 0. Without
+CUDA it prints one line saying it skipped and exits 0 (the CPU test suite runs it that way).
+
+Checks (one GPU, a world of one rank, TP = PP = DP = 1):
+
+* ``te_thd_fp32`` / ``te_thd_bf16``: the Transformer-Engine layer spec with a packed row as
+  THD ``PackedSeqParams`` (fused RoPE where TE has it) against Megatron's local spec with a
+  block-diagonal causal mask, same weights, same packed row: log-probs and parameter gradients
+  of sum_t w_t log p_t. fp32: tight (max |d log p| <= 1e-4, gradients <= 1e-3 relative). bf16:
+  each is compared with the fp32 local model; TE's error must be within 2x (+ 1e-3) the local
+  bf16 path's own error (bf16 rounding, not the attention kernel, sets the tolerance).
+* ``logprobs_v152064``: ``vocab_parallel.logprobs_and_entropy`` forward + backward on bf16
+  logits [8192, 152064]: peak extra memory in multiples of the shard (goal <= 1.0x, the
+  gradient w.r.t. the logits, itself 1.0x, included, as in benchmarks/bench_logprob.py) and
+  time in multiples of one read of the shard (goal <= 2x), beside Megatron's
+  ``vocab_parallel_cross_entropy`` in the same run; log-probs against float32 ``log_softmax``
+  on 256 rows.
+* ``distopt_checkpoint``: the trainer's bf16 policy (``policy.wrap_policy``: Float16Module,
+  Megatron DDP with ``gpu_config.ddp_flags``: overlapped grad reduce and param gather) and the
+  distributed optimizer; one ``train_step`` update, an async dist-checkpoint save
+  (``checkpoint.AsyncSaver``, Megatron's real queue), then the next update from the live model
+  and from a fresh model loaded from the checkpoint: bitwise equal parameters; the save is not
+  published before its writer finished.
+* ``vllm_colocated``: CUDA vLLM (bf16, ``placement="colocated"``: inside this process, on the
+  trainer's GPU, sleep mode) beside the trainer's policy: generate -> ``sleep()`` -> one
+  ``train_step`` update -> refit (``update_weights`` wakes it; ``export_hf_weights``) ->
+  generate -> the rollout vs trainer log-prob mismatch (``rollout.mismatch``: mean |d|,
+  exp(mean |d|) - 1), before and after the update. The refit worked if the mismatch after it
+  is not larger than before (x3): a stale engine would be off by a 2e-3 learning-rate update.
+* ``throughput_1p5b``: a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights, the
+  trainer's policy and GPU flags, TE + THD) ``train_step`` (forward + DGPO loss + backward +
+  gradient reduction) on one packed 8192-token row of unequal samples: tokens/s and MFU (model
+  FLOPs, recompute not counted), recompute off and on. Goal on H100: MFU >= 45% without
+  recompute.
+* ``tiny_gpu_run``: ``python -m megatron_dgpo.train recipes/tiny_gpu.yaml`` for its 5 steps:
+  5 metric lines, the last checkpoint published by the async saver, the HF export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform as host
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SKIP_LINE = "gpu_check: skipped: no CUDA device (the GPU checks need one)"
+
+# a small Qwen2 for the agreement checks: GQA, QKV bias, head size 64
+SMALL_QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096,
+                   hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, rope_theta=1.0e6, hidden_act="silu",
+                   tie_word_embeddings=False)
+# DeepSeek-R1-Distill-Qwen-1.5B's config.json shape
+QWEN2_1P5B = dict(SMALL_QWEN2, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  max_position_embeddings=131072, rope_theta=10000.0)
+PACKED_LENGTHS = (1000, 37, 2048, 611, 500)  # one packed row of unequal samples
+ROW_TOKENS = 8192
+V_QWEN2 = 152064
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    check: str
+    ok: bool | None
+    """True / False against the goal; None where the number is reported without a pass mark."""
+    result: str
+    goal: str
+    numbers: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _packed_row(lengths, vocab: int, seed: int):
+    """(tokens [S] int64, cu_seqlens [k+1] int32 on the host, targets [S], weights [S])."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return (torch.randint(0, vocab, (total,), generator=gen), cu,
+            torch.randint(0, vocab, (total,), generator=gen), torch.rand(total, generator=gen))
+
+
+def _block_causal_mask(cu_seqlens, device):
+    """[1, 1, S, S] bool, True = masked: causal within each sample, nothing across samples."""
+    widths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seg = torch.repeat_interleave(torch.arange(len(widths)), widths).to(device)
+    pos = torch.arange(len(seg), device=device)
+    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    return (~allowed)[None, None]
+
+
+def _logits(model, tokens, cu_seqlens, *, thd: bool, **kwargs):
+    """[1, S, V] logits of one packed row: THD ``PackedSeqParams`` (host cu_seqlens and
+    max_seqlen, as the trainer passes them) or a block-diagonal mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids = tokens[None].cuda()
+    pos = torch.arange(ids.shape[1], device="cuda")[None]
+    if not thd:
+        return model(ids, pos, _block_causal_mask(cu_seqlens, "cuda"), **kwargs)
+    cu = cu_seqlens.to("cuda", non_blocking=True)
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return model(ids, pos, None, packed_seq_params=params, **kwargs)
+
+
+def _weighted_logprob_loss(logits, targets, weights, vocab_size):
+    from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+
+    logp, _ = logprobs_and_entropy(logits, targets[None].cuda(), vocab_size=vocab_size)
+    return (logp * weights[None].cuda()).sum(), logp.detach()
+
+
+def _te_to_local(name: str) -> str:
+    """TE spec parameter name -> local spec name (TE fuses the norms into the next linear)."""
+    return (name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+            .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+
+
+def _timed(fn, repeats: int = 5) -> float:
+    """Best wall time of ``fn`` over ``repeats`` runs after one warm-up (CUDA synchronised)."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _peak_extra(fn) -> tuple[int, object]:
+    """(peak bytes allocated beyond what was allocated before, fn's result)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
+def _gpu_platform():
+    from megatron_dgpo.gpu_config import Platform
+
+    return Platform.detect()
+
+
+def _policy(hf_config, *, seed: int, recompute: bool = False,
+            use_distributed_optimizer: bool = True):
+    """The trainer's bf16 policy of random weights: ``build_model`` (this machine's spec and
+    ``gpu_config`` flags) wrapped by ``policy.wrap_policy`` (Float16Module, DDP flags)."""
+    from megatron_dgpo.model import build_model
+    from megatron_dgpo.policy import model_overrides, wrap_policy
+    from megatron_dgpo.recipe import ModelConfig
+
+    overrides = model_overrides(ModelConfig(dtype="bfloat16", recompute_activations=recompute))
+    chunks = build_model(hf_config, dtype=torch.bfloat16, seed=seed, **overrides)
+    return wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer)
+
+
+def _micro_batch(lengths, vocab: int, seed: int, models=None):
+    """One packed ``MicroBatch`` of random samples of ``lengths`` (a quarter prompt, the rest
+    response; advantages +-1), padded to ``gpu_config.pad_multiple``; with ``models`` its
+    ``old_logprobs`` are the policy's own (as the trainer's forward pass sets them)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_dgpo.gpu_config import pad_multiple
+    from megatron_dgpo.packing import Sample, pack
+    from megatron_dgpo.train_step import forward_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in lengths:
+        start = max(1, n // 4)
+        samples.append(Sample(torch.randint(0, vocab, (n,), generator=gen), start, {
+            "advantages": torch.randint(0, 2, (n - start,), generator=gen).float() * 2 - 1,
+            "old_logprobs": torch.zeros(n - start)}))
+    (row,) = pack(samples, budget=10**9,
+                  pad_multiple=pad_multiple(ps.get_tensor_model_parallel_world_size()))
+    if models is not None:
+        ((logp, _),) = forward_logprobs(models, [row])
+        row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
+    return row
+
+
+def _update(models, optimizer, row) -> float:
+    """One optimizer update on ``row`` through the trainer's ``train_step`` (THD with TE, bf16
+    logits, overlapped reduction) and ``step_if_finite``. Returns the loss."""
+    from megatron_dgpo.optimizer import step_if_finite
+    from megatron_dgpo.train_step import LossConfig, train_step
+
+    result = train_step(models, [row], LossConfig())
+    stepped, _ = step_if_finite(optimizer, models, result.loss)
+    if not stepped:
+        raise RuntimeError("the optimizer skipped the update (non-finite loss or gradients)")
+    return result.loss
+
+
+def _params(models) -> dict:
+    from megatron_dgpo.model import unwrap_model
+    from megatron_dgpo.optimizer import sync_params
+
+    sync_params(models)
+    return {n: p.detach().clone() for n, p in unwrap_model(models[0]).named_parameters()}
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def _reference_weights() -> dict:
+    """SMALL_QWEN2's weights (local spec names, fp32): what every agreement run loads."""
+    from megatron_dgpo.gpu_config import Platform
+    from megatron_dgpo.model import build_model
+
+    model = build_model(SMALL_QWEN2, seed=3, platform=Platform(cuda=True))[0]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _spec_run(spec: str, dtype: torch.dtype, weights: dict):
+    """(log-probs [1, S] fp32, {local name: grad fp32}) of sum_t w_t log p_t on the packed row:
+    ``spec="te"``: TE layer spec + THD (this machine's flags: fused RoPE); ``"local"``: the local
+    spec + block-diagonal mask. Same weights (cast to ``dtype``)."""
+    from megatron_dgpo.gpu_config import Platform
+    from megatron_dgpo.model import build_model
+
+    platform = _gpu_platform() if spec == "te" else Platform(cuda=True)
+    if spec == "te" and not platform.transformer_engine:
+        raise RuntimeError("Transformer-Engine is not installed: nothing to compare")
+    # no DDP here, so no main_grad for gradient-accumulation fusion to write into
+    model = build_model(SMALL_QWEN2, dtype=dtype, seed=3, platform=platform,
+                        gradient_accumulation_fusion=False)[0]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[_te_to_local(name)])
+    tokens, cu, targets, w = _packed_row(PACKED_LENGTHS, SMALL_QWEN2["vocab_size"], seed=0)
+    logits = _logits(model, tokens, cu, thd=spec == "te")
+    loss, logp = _weighted_logprob_loss(logits, targets, w, SMALL_QWEN2["vocab_size"])
+    loss.backward()
+    return logp.float(), {_te_to_local(n): p.grad.float() for n, p in model.named_parameters()}
+
+
+def _agreement(a, b) -> tuple[float, float, float]:
+    """(max |d log p|, mean |d log p|, max over parameters of max|d grad| / max|grad|)."""
+    (lp_a, g_a), (lp_b, g_b) = a, b
+    d = (lp_a - lp_b).abs()
+    grad = max(float((g_a[n] - g_b[n]).abs().max() / g_b[n].abs().max().clamp_min(1e-30))
+               for n in g_b)
+    return float(d.max()), float(d.mean()), grad
+
+
+def check_te_thd_fp32() -> Row:
+    goal = "max |d logp| <= 1e-4, grads <= 1e-3 rel."
+    weights = _reference_weights()
+    lp_max, lp_mean, grad = _agreement(_spec_run("te", torch.float32, weights),
+                                       _spec_run("local", torch.float32, weights))
+    ok = lp_max <= 1e-4 and grad <= 1e-3
+    return Row("te_thd_fp32", ok, f"max |d logp| {lp_max:.2e}, mean {lp_mean:.2e}, "
+               f"grads {grad:.2e} rel.", goal,
+               dict(logp_max_abs=lp_max, logp_mean_abs=lp_mean, grad_max_rel=grad))
+
+
+def check_te_thd_bf16() -> Row:
+    goal = "TE+THD bf16 error vs fp32 <= 2x local bf16 error + 1e-3"
+    weights = _reference_weights()
+    reference = _spec_run("local", torch.float32, weights)
+    te = _agreement(_spec_run("te", torch.bfloat16, weights), reference)
+    local = _agreement(_spec_run("local", torch.bfloat16, weights), reference)
+    ok = te[0] <= 2 * local[0] + 1e-3 and te[2] <= 2 * local[2] + 1e-3
+    return Row("te_thd_bf16", ok,
+               f"vs fp32: TE max|d logp| {te[0]:.2e} grads {te[2]:.2e}; local bf16 "
+               f"{local[0]:.2e} / {local[2]:.2e}", goal,
+               dict(te_logp_max_abs=te[0], te_logp_mean_abs=te[1], te_grad_max_rel=te[2],
+                    local_logp_max_abs=local[0], local_logp_mean_abs=local[1],
+                    local_grad_max_rel=local[2]))
+
+
+def check_logprobs_v152064() -> Row:
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+
+    goal = "extra memory (gradient included) <= 1.0x shard; time <= 2x one read"
+    tokens = ROW_TOKENS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(tokens, V_QWEN2, device="cuda", generator=gen) * 3).bfloat16()
+    targets = torch.randint(0, V_QWEN2, (tokens,), device="cuda", generator=gen)
+    weights = torch.rand(tokens, device="cuda", generator=gen)
+    shard = logits.numel() * logits.element_size()
+
+    def ours():
+        x = logits.detach().requires_grad_()
+        logp, _ = logprobs_and_entropy(x, targets)
+        (logp * weights).sum().backward()
+        return logp.detach(), x.grad
+
+    def megatron():
+        # [s, b, V] as Megatron's loss takes it; it upcasts bf16 to an fp32 copy and works on it
+        x = logits.detach().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x[:, None], targets[:, None])
+        (loss[:, 0] * weights).sum().backward()
+
+    read = _timed(lambda: logits.amax())
+    extra, (logp, grad) = _peak_extra(ours)
+    del grad
+    t_ours = _timed(ours)
+    with torch.no_grad():
+        ref = torch.log_softmax(logits[:256].float(), -1).gather(1, targets[:256, None])[:, 0]
+    error = float((logp[:256] - ref).abs().max())
+    m_extra, _ = _peak_extra(megatron)
+    t_meg = _timed(megatron)
+    ok = extra / shard <= 1.0 and t_ours / read <= 2.0 and error <= 1e-3
+    return Row("logprobs_v152064", ok,
+               f"dgpo: {extra / shard:.2f}x shard (the gradient is 1.0x), "
+               f"{t_ours / read:.1f}x one read ({t_ours * 1e3:.1f} ms); megatron CE: "
+               f"{m_extra / shard:.2f}x, {t_meg / read:.1f}x; |d logp| vs fp32 {error:.1e}",
+               goal, dict(shard_bytes=shard, read_ms=read * 1e3, dgpo_ms=t_ours * 1e3,
+                          dgpo_extra_x_shard=extra / shard, dgpo_time_x_read=t_ours / read,
+                          megatron_ms=t_meg * 1e3, megatron_extra_x_shard=m_extra / shard,
+                          megatron_time_x_read=t_meg / read, logp_max_abs_vs_fp32=error))
+
+
+def check_distopt_checkpoint() -> Row:
+    from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
+                                          load_checkpoint, save_checkpoint)
+    from megatron_dgpo.model import padded_vocab_of
+    from megatron_dgpo.optimizer import build_optimizer
+    from megatron_dgpo.recipe import OptimizerConfig
+
+    goal = "next update bitwise equal after save/load"
+    config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
+    vocab = SMALL_QWEN2["vocab_size"]
+
+    def policy(seed):
+        models = _policy(SMALL_QWEN2, seed=seed)
+        return models, build_optimizer(config, models, lr=1e-3, bf16=True)
+
+    live, live_opt = policy(seed=1)
+    _update(live, live_opt, _micro_batch(PACKED_LENGTHS, vocab, seed=1, models=live))
+    second = _micro_batch(PACKED_LENGTHS, vocab, seed=2, models=live)  # old log-probs fixed
+    with tempfile.TemporaryDirectory() as root:
+        saver = AsyncSaver()
+        begin = time.perf_counter()
+        save_checkpoint(root, TrainerState(step=1), live, live_opt, hf_config=SMALL_QWEN2,
+                        padded_vocab_size=padded_vocab_of(live), dtype=torch.bfloat16,
+                        saver=saver)
+        blocked = time.perf_counter() - begin
+        published_early = latest_checkpoint(root) is not None
+        saver.wait()
+        _update(live, live_opt, second)
+        expected = _params(live)
+        fresh, fresh_opt = policy(seed=2)
+        load_checkpoint(latest_checkpoint(root), fresh, fresh_opt)
+        _update(fresh, fresh_opt, second)
+        got = _params(fresh)
+    unequal = [n for n in expected if not torch.equal(expected[n], got[n])]
+    ok = not unequal and not published_early
+    return Row("distopt_checkpoint", ok,
+               f"{len(expected) - len(unequal)}/{len(expected)} tensors bitwise equal; async "
+               f"save returned after {blocked:.2f} s, published before it finished: "
+               f"{published_early}", goal + "; async save published only when written",
+               dict(tensors=len(expected), unequal=unequal[:10], save_blocking_s=blocked,
+                    published_before_wait=published_early))
+
+
+def _colocated_engine(hf_dir: str):
+    """CUDA vLLM inside this process (``placement="colocated"``), bf16, with sleep mode: the
+    only place this check builds an engine (``sleep()`` frees its memory; ``update_weights``
+    wakes it, reloads in buckets and wakes the KV cache; ``generate`` wakes what still sleeps)."""
+    from megatron_dgpo.rollout import VLLMConfig, VLLMEngine
+
+    return VLLMEngine(VLLMConfig(model=hf_dir, dtype="bfloat16", seed=0, max_model_len=512,
+                                 max_num_seqs=64, gpu_memory_utilization=0.25,
+                                 placement="colocated", sleep_mode=True))
+
+
+def _rollout_row(groups, prompts):
+    """The samples of ``groups`` as one packed ``MicroBatch`` with their rollout log-probs."""
+    from megatron_dgpo.packing import Sample, pack
+
+    samples = []
+    for group in groups:
+        for c in group:
+            prompt = list(prompts[c.prompt_index])
+            samples.append(Sample(torch.tensor(prompt + list(c.token_ids)), len(prompt), {
+                "rollout_logprobs": torch.tensor(c.logprobs),
+                "advantages": torch.randn(len(c.token_ids)).sign(),
+                "old_logprobs": torch.tensor(c.logprobs)}))
+    (row,) = pack(samples, budget=10**9)
+    return row
+
+
+def check_vllm_colocated() -> Row:
+    from megatron_dgpo.optimizer import build_optimizer
+    from megatron_dgpo.policy import build_policy
+    from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
+    from megatron_dgpo.rollout.mismatch import mismatch_metrics
+    from megatron_dgpo.tiny import make_tiny_model
+    from megatron_dgpo.train_step import forward_logprobs
+
+    goal = "mismatch after sleep/train/refit <= 3x before (bf16)"
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                    num_key_value_heads=2)
+        hf_dir = str(make_tiny_model(Path(tmp) / "policy", seed=0, **tiny))
+        models, _, _ = build_policy(ModelConfig(tiny=tiny, dtype="bfloat16"), hf_dir,
+                                    use_distributed_optimizer=True)
+        optimizer = build_optimizer(OptimizerConfig(lr=2e-3, use_distributed_optimizer=True),
+                                    models, lr=2e-3, bf16=True)
+        engine = _colocated_engine(hf_dir)
+        try:
+            prompts = [engine.tokenizer.encode(f"Repeat the digit {d}.") for d in range(8)]
+            stats, seconds = {}, {}
+            for phase in ("before", "after"):
+                begin = time.perf_counter()
+                groups = engine.generate(prompts, n=4, temperature=1.0, max_tokens=48, seed=7)
+                seconds[f"generate_{phase}"] = time.perf_counter() - begin
+                row = _rollout_row(groups, prompts)
+                ((logp, _),) = forward_logprobs(models, [row])
+                row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
+                stats[phase] = mismatch_metrics([row]).as_dict()
+                if phase == "after":
+                    break
+                engine.sleep()
+                free_asleep = torch.cuda.mem_get_info()[0] / 2**30
+                _update(models, optimizer, row)
+                begin = time.perf_counter()
+                from megatron_dgpo.convert import export_hf_weights
+                from megatron_dgpo.optimizer import sync_params
+
+                sync_params(models)
+                engine.update_weights(export_hf_weights(models, consumer="first"))
+                seconds["refit"] = time.perf_counter() - begin
+        finally:
+            engine.shutdown()
+    key, mult = "mismatch/mean_abs_diff", "mismatch/token_mult_error"
+    before, after = stats["before"][key], stats["after"][key]
+    ok = after <= 3 * max(before, 1e-3)
+    return Row("vllm_colocated", ok,
+               f"mean |d| {before:.2e} -> {after:.2e} (token mult. error "
+               f"{stats['after'][mult]:.2e}); {free_asleep:.0f} GiB free asleep; refit "
+               f"{seconds['refit']:.2f} s", goal,
+               dict(stats, seconds=seconds, free_gib_while_asleep=free_asleep))
+
+
+def _peak_flops() -> float | None:
+    """Dense bf16 tensor-core peak of this GPU (vendor datasheets), None if unknown."""
+    name = torch.cuda.get_device_name()
+    if "H100" in name and "PCIe" in name:
+        return 756e12
+    if any(k in name for k in ("H100", "H200", "H800", "GH200")):
+        return 989e12
+    if "A100" in name:
+        return 312e12
+    return None
+
+
+def _model_flops(cfg: dict, lengths) -> float:
+    """Training FLOPs of one packed row (forward + backward = 3 forward):
+
+        forward = 2 N_mm S + sum over samples 2 n^2 a d L  (causal QK^T and AV)
+
+    N_mm: parameters in matrix multiplies (QKV, projection, SwiGLU, output layer)."""
+    h, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q = h
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    n_mm = layers * (h * (q + 2 * kv) + q * h + 3 * f * h) + cfg["vocab_size"] * h
+    attention = sum(2 * n * n * q * layers for n in lengths)
+    return 3 * (2 * n_mm * sum(lengths) + attention)
+
+
+def _train_step_seconds(hf_config, lengths, recompute: bool) -> tuple[float, float]:
+    """(best seconds of one ``train_step`` forward + backward of a fresh random bf16 policy on
+    one packed row of ``lengths``, peak GiB allocated)."""
+    from megatron_dgpo.train_step import LossConfig, train_step
+
+    models = _policy(hf_config, seed=0, recompute=recompute, use_distributed_optimizer=False)
+    row = _micro_batch(lengths, hf_config["vocab_size"], seed=0, models=models)
+    torch.cuda.reset_peak_memory_stats()
+    seconds = _timed(lambda: train_step(models, [row], LossConfig()), repeats=5)
+    return seconds, torch.cuda.max_memory_allocated() / 2**30
+
+
+def check_throughput_1p5b() -> Row:
+    goal = "MFU >= 45% on H100 (recompute off)"
+    gen = torch.Generator().manual_seed(0)
+    lengths, left = [], ROW_TOKENS
+    while left > 0:
+        n = min(left, int(torch.randint(300, 3000, (1,), generator=gen)))
+        lengths.append(n)
+        left -= n
+    flops = _model_flops(QWEN2_1P5B, lengths)
+    peak = _peak_flops()
+    results = {}
+    for recompute in (False, True):
+        seconds, peak_gib = _train_step_seconds(QWEN2_1P5B, lengths, recompute)
+        results["recompute" if recompute else "no_recompute"] = dict(
+            seconds=seconds, tokens_per_s=ROW_TOKENS / seconds,
+            mfu=flops / seconds / peak if peak else None, peak_gib=peak_gib)
+        torch.cuda.empty_cache()
+    off, on = results["no_recompute"], results["recompute"]
+    ok = (off["mfu"] >= 0.45) if off["mfu"] is not None else None
+
+    def mfu(r):
+        return f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+
+    return Row("throughput_1p5b", ok,
+               f"{off['tokens_per_s']:,.0f} tok/s MFU {mfu(off)} ({off['peak_gib']:.0f} GiB); "
+               f"recompute {on['tokens_per_s']:,.0f} tok/s MFU {mfu(on)} "
+               f"({on['peak_gib']:.0f} GiB)", goal,
+               dict(results, row_lengths=lengths, flops_per_row=flops, peak_flops=peak))
+
+
+def check_tiny_gpu_run() -> Row:
+    goal = "5 steps, checkpoint step_000005 published, HF export"
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        begin = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_dgpo.train", str(ROOT / "recipes/tiny_gpu.yaml"),
+             f"run_dir={tmp}/run", "logging.progress_bar=false"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+        seconds = time.perf_counter() - begin
+        run = Path(tmp) / "run"
+        lines = []
+        if (run / "metrics.jsonl").is_file():
+            lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        latest = (run / "checkpoints" / "latest")
+        latest = latest.read_text().strip() if latest.is_file() else None
+        exported = (run / "hf" / "config.json").is_file()
+    last = lines[-1] if lines else {}
+    ok = proc.returncode == 0 and len(lines) == 5 and latest == "step_000005" and exported
+    tail = "" if ok else " | " + (proc.stderr or proc.stdout)[-300:].replace("\n", " ")
+    return Row("tiny_gpu_run", ok,
+               f"rc {proc.returncode}, {len(lines)} steps in {seconds:.0f} s, latest {latest}, "
+               f"export {exported}, last mismatch "
+               f"{last.get('mismatch/mean_abs_diff', float('nan')):.2e}{tail}", goal,
+               dict(returncode=proc.returncode, steps=len(lines), seconds=seconds,
+                    latest=latest, exported=exported, last_metrics=last,
+                    stderr_tail=(proc.stderr or "")[-2000:]))
+
+
+CHECKS = (
+    ("te_thd_fp32", check_te_thd_fp32),
+    ("te_thd_bf16", check_te_thd_bf16),
+    ("logprobs_v152064", check_logprobs_v152064),
+    ("distopt_checkpoint", check_distopt_checkpoint),
+    ("throughput_1p5b", check_throughput_1p5b),
+    ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
+    ("tiny_gpu_run", check_tiny_gpu_run),
+)
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def _environment() -> dict:
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    return dict(device=torch.cuda.get_device_name(), host=host.node(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                torch=torch.__version__, cuda=torch.version.cuda,
+                megatron_core=version("megatron-core"),
+                transformer_engine=version("transformer-engine") or version("transformer_engine"),
+                vllm=version("vllm"), platform=asdict(_gpu_platform()))
+
+
+def _table(rows: list[Row]) -> str:
+    mark = {True: "pass", False: "FAIL", None: "-"}
+    lines = ["| check | | result | goal |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r.check} | {mark[r.ok]} | {r.result} | {r.goal} |" for r in rows]
+    return "\n".join(lines)
+
+
+def run_checks(names=None) -> list[Row]:
+    """Every check (or those in ``names``) in this process; failures become rows."""
+    from megatron_dgpo.parallel import ParallelConfig, init_distributed, initialize_parallel
+    from megatron_dgpo.train import _single_process_world
+
+    _single_process_world()
+    init_distributed()
+    initialize_parallel(ParallelConfig(), seed=1234)
+    rows = []
+    for name, fn in CHECKS:
+        if names and name not in names:
+            continue
+        begin = time.perf_counter()
+        try:
+            row = fn()
+        except Exception as exc:  # reported in the table; the other checks still run
+            row = Row(name, False, f"error: {type(exc).__name__}: {exc}"[:400], "runs",
+                      dict(traceback=traceback.format_exc()))
+        row.numbers["check_seconds"] = time.perf_counter() - begin
+        print(f"{row.check:20s} {'pass' if row.ok else 'FAIL' if row.ok is False else '-':5s} "
+              f"{row.result}", flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                        help="folder for gpu_check.md and gpu_check.json")
+    parser.add_argument("--only", nargs="*", choices=[name for name, _ in CHECKS],
+                        help="run only these checks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(SKIP_LINE)
+        return 0
+    env = _environment()
+    begin = time.perf_counter()
+    rows = run_checks(args.only)
+    env["total_seconds"] = time.perf_counter() - begin
+    table = _table(rows)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"# gpu_check.py on {env['device']}\n\n{env['date']}; torch {env['torch']} "
+              f"(CUDA {env['cuda']}), megatron-core {env['megatron_core']}, TE "
+              f"{env['transformer_engine']}, vLLM {env['vllm']}; {env['total_seconds']:.0f} s "
+              f"in all.\n\n")
+    (out / "gpu_check.md").write_text(header + table + "\n")
+    (out / "gpu_check.json").write_text(json.dumps(
+        dict(environment=env, checks=[asdict(r) for r in rows]), indent=2, default=str) + "\n")
+    return 1 if any(r.ok is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The Megatron-Core settings of the GPU path, as pure functions of what the machine offers.
+
+A Megatron user expects a 14B run to have sequence parallelism, fused RoPE, fused weight-gradient
+accumulation and overlapped gradient reduction / parameter gathering. Each of those needs CUDA
+and some an extension; this module decides them from a ``Platform`` (``Platform.detect()`` on
+the live machine; tests pass ``Platform(cuda=True, ...)`` to check the GPU decisions on CPU):
+
+| setting (where it goes)                           | on when                                   |
+| ------------------------------------------------- | ----------------------------------------- |
+| ``sequence_parallel`` (TransformerConfig)         | CUDA and TP > 1                           |
+| ``apply_rope_fusion`` (TransformerConfig)         | CUDA and Transformer-Engine               |
+| ``gradient_accumulation_fusion`` (Transformer...) | CUDA and apex's fused_weight_gradient_mlp |
+| bias/softmax/layer-norm fusions, GPU init         | CUDA                                      |
+| ``overlap_grad_reduce`` (DDP config)              | CUDA                                      |
+| ``overlap_param_gather`` (DDP + optimizer config) | CUDA and the distributed optimizer        |
+| logits dtype into ``logprobs_and_entropy``        | the model's dtype (bf16: no fp32 copy)    |
+
+Why each condition (Megatron-Core 0.16):
+
+* Sequence parallelism shards the norm inputs, the layer inputs and every tensor the linear
+  layers save over the TP ranks (activations / t instead of ~4 h unsharded per token and
+  layer). It needs the packed row length divisible by t: samples are padded to ``pad_multiple``
+  (t; 2 c t with context parallelism, which Megatron's THD split needs). Off on CPU: the CPU
+  path keeps the configuration its tests were written against (and memory is no issue there).
+* RoPE fusion: without it THD RoPE takes Megatron's unfused path, which reads ``cu_seqlens``
+  with ``.tolist()`` in every attention layer (a host sync per layer and micro-batch). The
+  fused kernels (``fused_apply_rotary_pos_emb[_thd]``) come from Transformer-Engine only;
+  ``TransformerConfig`` refuses the flag without them.
+* Gradient-accumulation fusion accumulates weight gradients straight into the fp32
+  ``main_grad`` from the GEMM. TE's linear layers do it natively, but ``GPTModel``'s output
+  layer is Megatron's own ``ColumnParallelLinear``, which raises unless apex's
+  ``fused_weight_gradient_mlp_cuda`` extension imports (the NGC PyTorch containers ship it).
+  It needs ``main_grad``: models trained with it must be wrapped in Megatron's DDP (they are).
+* Overlapped grad reduce launches each bucket's all-reduce / reduce-scatter during backward;
+  the schedule must then be told to hold it until the last micro-batch
+  (``schedule_sync_hooks``). Overlapped param gather (distributed optimizer only) defers the
+  all-gather of the updated parameters to the next forward: anything that reads weights
+  directly after ``optimizer.step()`` (refit, checkpoint) first calls
+  ``optimizer.sync_params``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the machine offers the GPU path."""
+
+    cuda: bool
+    """A CUDA device is present."""
+    transformer_engine: bool = False
+    """Transformer-Engine imports (its layer spec, THD attention and the fused RoPE kernels)."""
+    apex_gradient_fusion: bool = False
+    """apex's ``fused_weight_gradient_mlp_cuda`` extension imports."""
+
+    def __post_init__(self):
+        if not self.cuda and (self.transformer_engine or self.apex_gradient_fusion):
+            raise ValueError("Platform: transformer_engine and apex_gradient_fusion need cuda")
+
+    @classmethod
+    def detect(cls) -> "Platform":
+        """This machine: CUDA from torch, TE and apex's extension by import."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(cuda=False)
+        return cls(cuda=True, transformer_engine=_imports("transformer_engine"),
+                   apex_gradient_fusion=_imports("fused_weight_gradient_mlp_cuda"))
+
+
+CPU = Platform(cuda=False)
+"""The CPU path: every GPU choice off (what the CPU tests run)."""
+GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True)
+"""A GPU node as the recipes assume it (NGC PyTorch container: TE and apex); the planner's."""
+
+
+def _imports(module: str) -> bool:
+    try:
+        if importlib.util.find_spec(module) is None:
+            return False
+        importlib.import_module(module)
+    except Exception:  # a broken extension (wrong CUDA/torch build) counts as absent
+        return False
+    return True
+
+
+def sequence_parallel(tp: int, platform: Platform) -> bool:
+    """Megatron sequence parallelism: on with CUDA whenever TP > 1."""
+    return platform.cuda and tp > 1
+
+
+def pad_multiple(tp: int, cp: int = 1) -> int:
+    """Every packed sample is padded to a multiple of this: t (sequence parallelism splits the
+    row over the TP ranks; on CPU, without it, the padding is merely harmless, and keeping it
+    makes the CPU and GPU runs pack alike), 2 c t with context parallelism (Megatron splits
+    each THD sequence into 2 c chunks, each again over TP)."""
+    return tp * (2 * cp if cp > 1 else 1)
+
+
+def transformer_flags(platform: Platform, tp: int) -> dict:
+    """``TransformerConfig`` keyword arguments that depend on the machine (module docstring)."""
+    gpu = platform.cuda
+    return dict(
+        use_cpu_initialization=not gpu,
+        bias_activation_fusion=gpu,
+        bias_dropout_fusion=gpu,
+        masked_softmax_fusion=gpu,
+        persist_layer_norm=gpu,
+        sequence_parallel=sequence_parallel(tp, platform),
+        apply_rope_fusion=gpu and platform.transformer_engine,
+        gradient_accumulation_fusion=gpu and platform.apex_gradient_fusion,
+    )
+
+
+def ddp_flags(platform: Platform, *, use_distributed_optimizer: bool) -> dict:
+    """``DistributedDataParallelConfig`` keyword arguments: fp32 gradient reduction always;
+    overlapped grad reduce with CUDA; overlapped param gather with CUDA and the distributed
+    optimizer (Megatron allows it only there)."""
+    return dict(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=platform.cuda,
+        overlap_param_gather=platform.cuda and use_distributed_optimizer,
+    )
+
+
+def schedule_sync_hooks(models: list) -> dict:
+    """The ``TransformerConfig`` attributes Megatron's schedules read for overlapped reduction
+    (as Megatron-LM's training loop sets them), for the DDP-wrapped ``models``:
+
+    * ``no_sync_func``: gradients of all but the last micro-batch are only accumulated (without
+      it, overlapped reduction would start after the first micro-batch's backward);
+    * ``grad_sync_func``: start each chunk's reduction as soon as its last backward is done
+      (pipeline schedules call it per chunk);
+    * ``param_sync_func``: with overlapped param gather, started by the schedule per chunk.
+
+    Empty without overlap (the schedules then reduce once in ``finalize_model_grads``).
+    """
+    ddp = getattr(models[0], "ddp_config", None)
+    hooks = {}
+    if ddp is None:
+        return hooks
+
+    def one_or_list(fns):
+        return fns[0] if len(fns) == 1 else fns
+
+    if ddp.overlap_grad_reduce:
+        hooks["no_sync_func"] = one_or_list([m.no_sync for m in models])
+        hooks["grad_sync_func"] = one_or_list([m.start_grad_sync for m in models])
+    if ddp.overlap_param_gather and ddp.align_param_gather:
+        hooks["param_sync_func"] = one_or_list([m.start_param_sync for m in models])
+    return hooks

@@ -1,0 +1,100 @@
+"""The GPU path's Megatron settings (megatron_dgpo.gpu_config), decided for a GPU layout and
+checked on CPU: each flag is on exactly when its requirement holds, Megatron-Core accepts the
+combination, and the CPU path keeps every one of them off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dgpo.gpu_config import (CPU, GPU, Platform, ddp_flags, pad_multiple,
+                                      sequence_parallel, transformer_flags)
+from megatron_dgpo.model import transformer_config_from_hf, transformer_kwargs
+from tests._rank_fns_model import TINY_QWEN2
+
+GPU_FLAGS = ("sequence_parallel", "apply_rope_fusion", "gradient_accumulation_fusion",
+             "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+             "persist_layer_norm")
+
+
+def test_this_machine_is_the_cpu_platform():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: benchmarks/gpu_check.py covers it")
+    assert Platform.detect() == CPU
+    with pytest.raises(ValueError, match="need cuda"):
+        Platform(cuda=False, transformer_engine=True)
+
+
+def test_cpu_path_keeps_every_gpu_choice_off():
+    for tp in (1, 2, 4):
+        kwargs = transformer_kwargs(TINY_QWEN2, platform=CPU, tensor_model_parallel_size=tp)
+        assert not any(kwargs[name] for name in GPU_FLAGS)
+        assert kwargs["use_cpu_initialization"] is True
+    config, _ = transformer_config_from_hf(TINY_QWEN2, platform=CPU, tensor_model_parallel_size=2)
+    assert not config.sequence_parallel and not config.apply_rope_fusion
+    assert ddp_flags(CPU, use_distributed_optimizer=False) == dict(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=False, overlap_grad_reduce=False,
+        overlap_param_gather=False)
+
+
+def test_gpu_layout_gets_megatron_users_flags():
+    """TP 4 on a GPU node with TE and apex: sequence parallel, fused RoPE, fused weight-gradient
+    accumulation, the bias/softmax/norm fusions, GPU initialisation."""
+    kwargs = transformer_kwargs(TINY_QWEN2, platform=GPU, tensor_model_parallel_size=4)
+    assert all(kwargs[name] for name in GPU_FLAGS)
+    assert kwargs["use_cpu_initialization"] is False
+    assert kwargs["calculate_per_token_loss"] and kwargs["variable_seq_lengths"]
+    # TP 1: nothing to split the sequence over (Megatron refuses SP without TP)
+    assert transformer_kwargs(TINY_QWEN2, platform=GPU)["sequence_parallel"] is False
+    assert sequence_parallel(1, GPU) is False and sequence_parallel(2, GPU) is True
+    # each extension decides its own flag
+    no_te = Platform(cuda=True, transformer_engine=False, apex_gradient_fusion=True)
+    no_apex = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=False)
+    assert transformer_flags(no_te, 4)["apply_rope_fusion"] is False
+    assert transformer_flags(no_te, 4)["gradient_accumulation_fusion"] is True
+    assert transformer_flags(no_apex, 4)["gradient_accumulation_fusion"] is False
+    assert transformer_flags(no_apex, 4)["apply_rope_fusion"] is True
+    # explicit overrides still win
+    assert transformer_kwargs(TINY_QWEN2, platform=GPU, tensor_model_parallel_size=4,
+                              sequence_parallel=False)["sequence_parallel"] is False
+
+
+def test_megatron_accepts_the_gpu_config_and_enforces_the_requirements():
+    """Megatron-Core's own checks on the GPU layout's config: it accepts sequence parallel with
+    TP 4 and gradient-accumulation fusion (the extension is checked when the output layer is
+    built), refuses RoPE fusion without TE's kernels (why that flag follows TE) and sequence
+    parallelism without TP (why it follows TP > 1)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = transformer_kwargs(TINY_QWEN2, platform=GPU, tensor_model_parallel_size=4,
+                                params_dtype=torch.bfloat16)
+    have_te_rope = rope_utils.fused_apply_rotary_pos_emb_thd is not None
+    if not have_te_rope:
+        with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+            TransformerConfig(**kwargs)
+    config = TransformerConfig(**{**kwargs, "apply_rope_fusion": have_te_rope})
+    assert config.sequence_parallel and config.gradient_accumulation_fusion and config.bf16
+    with pytest.raises(ValueError, match="sequence parallelism without tensor parallelism"):
+        TransformerConfig(**{**kwargs, "apply_rope_fusion": have_te_rope,
+                             "tensor_model_parallel_size": 1})
+
+
+def test_ddp_overlap_follows_cuda_and_the_distributed_optimizer():
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    with_dist_opt = ddp_flags(GPU, use_distributed_optimizer=True)
+    assert with_dist_opt["overlap_grad_reduce"] and with_dist_opt["overlap_param_gather"]
+    # Megatron gathers parameters only with the distributed optimizer
+    plain = ddp_flags(GPU, use_distributed_optimizer=False)
+    assert plain["overlap_grad_reduce"] and not plain["overlap_param_gather"]
+    for flags in (with_dist_opt, plain):
+        assert flags["grad_reduce_in_fp32"]
+        DistributedDataParallelConfig(**flags)  # Megatron accepts the combination
+
+
+def test_packed_samples_are_padded_to_tp_multiples():
+    """Sequence parallel splits the packed row over TP; context parallel splits every THD
+    sequence into 2 CP chunks, each again over TP."""
+    assert [pad_multiple(tp) for tp in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert pad_multiple(4, cp=2) == 16 and pad_multiple(1, cp=2) == 4
