@@ -81,11 +81,11 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                                   tensor_parallel_size=engine_tp if colocated else None)
         if role.grades:
             pool = reward_pool()
-            print(f"dgpo-train: rank {dist.get_rank()} (DP replica {dp_rank}): "
-                  f"{'colocated' if colocated else cfg.rollout.engine + ' separate'} engine, TP "
-                  f"{engine_tp if colocated else cfg.rollout.tensor_parallel_size or 1}, one of "
-                  f"{role.num_engines}; samples batch positions {role.prompts.start}.."
-                  f"{role.prompts.stop - 1} of {cfg.train.rollout_batch_prompts}",
+            kind = "colocated vllm" if colocated else "hf" if cfg.rollout.engine == "hf" else "separate vllm"
+            width = engine_tp if colocated else cfg.rollout.tensor_parallel_size or 1
+            print(f"dgpo-train: rank {dist.get_rank()} (DP replica {dp_rank}): {kind} engine of "
+                  f"TP {width}, one of {role.num_engines}; samples batch positions "
+                  f"{role.prompts.start}..{role.prompts.stop - 1} of {cfg.train.rollout_batch_prompts}",
                   file=sys.stderr, flush=True)
         logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
         logger.truncate_after(state.step)
