@@ -114,7 +114,10 @@ def tiny_job_step_times(steps: int, ranks: int, run_dir: Path) -> dict:
                       f"run_dir={run_dir}", f"train.steps={steps}", "checkpoint.save_every=0",
                       "checkpoint.export_hf=false", "logging.progress_bar=false",
                       "logging.tensorboard=false"]
-    proc = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+    # not this process's own one-rank group's torchrun variables (set for the colocated engine)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    proc = subprocess.run(cmd, cwd=root, env=dict(env, PYTHONPATH=str(root)),
                           capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"tiny job on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
