@@ -11,7 +11,12 @@ this process plus its children, i.e. the separate engine process, sampled every 
     buckets    separate engine, ``VLLMEngine.update_weights`` with --bucket-mib buckets
     in-process colocated engine (external_launcher, 1 rank), ``update_weights`` in process
 
+and then the tiny job's step (``recipes/tiny_cpu.yaml``, ``--job-steps`` steps, medians over
+steps 2..) with 1 engine (1 rank) and with 2 engines (torchrun, 2 ranks, DP=2: each engine
+samples half of the prompts): seconds per step, per rollout, generated tokens/s per engine.
+
     python benchmarks/bench_refit.py [--layers 8 --hidden 1024 --bucket-mib 64 --repeats 3]
+                                     [--job-steps 8]   (0 skips the job)
 """
 
 from __future__ import annotations
@@ -92,12 +97,43 @@ def measure(name, engine, refit, weights, repeats, check) -> dict:
     return {"method": name, "seconds": statistics.median(times), "peak_extra_mb": max(peaks) / 2**20, **info}
 
 
+def tiny_job_step_times(steps: int, ranks: int, run_dir: Path) -> dict:
+    """Run the tiny recipe for ``steps`` steps on ``ranks`` ranks (one colocated engine per
+    rank) and return the medians of its wall-clock metrics over steps 2.. (step 1 warms up)."""
+    import subprocess
+    import sys
+
+    from megatron_dgpo.telemetry import read_metrics
+    from tests.distributed import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-port", str(free_port())]
+    cmd = launcher + ["-m", "megatron_dgpo.train", str(root / "recipes" / "tiny_cpu.yaml"),
+                      f"run_dir={run_dir}", f"train.steps={steps}", "checkpoint.save_every=0",
+                      "checkpoint.export_hf=false", "logging.progress_bar=false",
+                      "logging.tensorboard=false"]
+    # not this process's own one-rank group's torchrun variables (set for the colocated engine)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    proc = subprocess.run(cmd, cwd=root, env=dict(env, PYTHONPATH=str(root)),
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"tiny job on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    records = read_metrics(run_dir)[1:]
+    keys = ("time/step", "time/rollout", "throughput/generation_tokens_per_s_per_engine",
+            "rollout/engines", "rollout/accuracy")
+    return {k: statistics.median(r[k] for r in records) for k in keys}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--job-steps", type=int, default=8)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -152,12 +188,24 @@ def main() -> None:
         engine.shutdown()
         dist.destroy_process_group()
         del torch
+        jobs = [(ranks, tiny_job_step_times(args.job_steps, ranks, Path(tmp) / f"job{ranks}"))
+                for ranks in ((1, 2) if args.job_steps > 1 else ())]
 
     print(f"\n| method | seconds (median of {args.repeats}) | buckets | largest payload MiB | peak extra RSS MiB |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['seconds']:.2f} | {r['buckets']} | {r['max_bucket_bytes'] / 2**20:.0f} | "
               f"{r['peak_extra_mb']:.0f} |")
+
+    if jobs:
+        print(f"\ntiny job (recipes/tiny_cpu.yaml), medians over steps 2..{args.job_steps}:")
+        print("| ranks | engines | s/step | s rollout | gen tokens/s per engine | accuracy |")
+        print("|---|---|---|---|---|---|")
+        for ranks, m in jobs:
+            print(f"| {ranks} | {m['rollout/engines']:.0f} | {m['time/step']:.2f} | "
+                  f"{m['time/rollout']:.2f} | "
+                  f"{m['throughput/generation_tokens_per_s_per_engine']:.0f} | "
+                  f"{m['rollout/accuracy']:.3f} |")
 
 
 if __name__ == "__main__":

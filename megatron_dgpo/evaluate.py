@@ -196,7 +196,8 @@ def _build_engine(args):
                            max_response_tokens=args.max_tokens,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            kv_cache_memory_bytes=(args.kv_cache_mb << 20) if args.kv_cache_mb else None)
-    return build_engine(config, args.model, seed=args.seed, max_model_len=args.max_model_len)
+    return build_engine(config, args.model, seed=args.seed, max_model_len=args.max_model_len,
+                        placement="separate")  # one process, no torch.distributed group
 
 
 def main(argv: Sequence[str] | None = None) -> int:

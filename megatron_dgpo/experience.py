@@ -1,12 +1,16 @@
-"""From one rollout batch to packed, data-parallel-sharded micro-batches: the trainer's plumbing.
+"""From one rollout batch to packed micro-batches, each DP replica on its own share: the
+trainer's plumbing.
 
     order = prompt_order(num_prompts, seed)              # deterministic, epoch by epoch
-    batch = Experience(...)                              # rank 0 fills it, broadcast to all
-    updates = plan_updates(batch, num_updates, dp_rank, dp_size, seed, step)
-    rows = pack_update(batch, indices, budget, pad_multiple)   # this DP rank's packed rows
+    batch = Experience.join(pieces)                      # this replica's groups only
+    updates = plan_updates(first_prompt, num_prompts, group_size, num_updates, lengths)
+    rows = pack_update(batch, indices, budget, pad_multiple)   # this replica's packed rows
+    rollout_metrics(batch, group_size, dp_group)         # batch-wide numbers from reduced sums
 
-Every function is a pure function of its arguments (seeds included), so every rank computes
-the same plan and a resumed run the same batches as an uninterrupted one.
+No rank holds the whole batch: a replica keeps the prompt groups it sampled; what must be
+global (the loss's token count N, metrics, group statistics) is all-reduced as tensors. The
+planning functions are pure functions of their arguments, so a resumed run forms the same
+mini-batches as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ class Experience:
 
     prompt_tokens[i]: [P_i] ids; response_tokens[i]: [R_i] ids; rollout_logprobs[i]: [R_i] the
     engine's log-probs of those tokens; rewards: [N]; truncated: [N] bool (finish "length").
-    advantages ([N]) are filled by the trainer after the broadcast, and so are loss_weights
-    ([N] float64 per-sample aggregation weights, ``losses.sample_loss_weights``; None: all 1).
+    advantages ([N]) are filled by the trainer (per group, so on the replica that holds it),
+    and so are loss_weights ([N] float64 per-sample aggregation weights,
+    ``losses.sample_loss_weights``; None: all 1).
     """
 
     prompt_tokens: list[list[int]]
@@ -55,13 +60,23 @@ class Experience:
     def __len__(self) -> int:
         return len(self.response_tokens)
 
-    def broadcast(self, src: int = 0) -> Experience:
-        """The rank-``src`` batch on every rank (one pickled object broadcast)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+    @staticmethod
+    def join(pieces: list[Experience | None]) -> Experience:
+        """The pieces (None ones skipped) concatenated in order."""
+        pieces = [p for p in pieces if p is not None]
+        return Experience(*(sum((getattr(p, name) for p in pieces), [])
+                            for name in ("prompt_tokens", "response_tokens", "rollout_logprobs",
+                                         "rewards", "truncated")))
+
+    def gather(self, group) -> Experience:
+        """Every rank of ``group`` (a DP replica's model-parallel group) contributes its piece
+        (None where the rank graded nothing); all get the pieces joined in rank order. Only the
+        replica's own share crosses, and only inside the replica."""
+        if group is None or dist.get_world_size(group) == 1:
             return self
-        box = [self if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        pieces = [None] * dist.get_world_size(group)
+        dist.all_gather_object(pieces, self, group=group)
+        return Experience.join(pieces)
 
     def sample(self, i: int) -> Sample:
         """Sample i for ``packing.pack``: per response token the rollout log-prob and the
@@ -77,26 +92,28 @@ class Experience:
                       response_start=len(prompt), per_token=per_token)
 
 
-def plan_updates(num_samples: int, num_updates: int, dp_rank: int, dp_size: int, *,
-                 seed: int, step: int, lengths: list[int]) -> list[list[int]]:
-    """This DP rank's sample indices for each of ``num_updates`` mini-batches.
+def plan_updates(first_prompt: int, num_prompts: int, group_size: int, num_updates: int,
+                 lengths: list[int]) -> list[list[int]]:
+    """This DP replica's local sample indices for each of ``num_updates`` mini-batches.
 
-    The batch is shuffled (seeded by ``seed`` and ``step``) and cut into equal mini-batches;
-    each mini-batch's samples are dealt to DP ranks longest-first, round-robin, so ranks get
-    similar token counts. Every rank gets at least one sample per mini-batch.
+    The replica holds the step's prompt groups at batch positions ``first_prompt ..
+    first_prompt + num_prompts - 1`` (local sample ``k * group_size + j`` is response j of its
+    k-th prompt). Mini-batch u takes the whole groups at positions p with ``p % num_updates ==
+    u`` (the batch is already in a shuffled order, ``prompt_order``), so a mini-batch's samples
+    are the same whatever the number of replicas or engines: the update is the single-replica
+    one, with N all-reduced in ``train_step``. Members are listed longest first. Every replica
+    needs at least one group per mini-batch.
     """
-    if num_samples % num_updates:
-        raise ValueError(f"{num_samples} samples do not split into {num_updates} mini-batches")
-    size = num_samples // num_updates
-    if size < dp_size:
-        raise ValueError(f"a mini-batch of {size} samples cannot feed {dp_size} data-parallel "
-                         f"ranks: raise train.mini_batch_prompts or rollout.group_size")
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    order = torch.randperm(num_samples, generator=generator).tolist()
+    if num_prompts < num_updates:
+        raise ValueError(f"a data-parallel replica holds {num_prompts} prompt groups, fewer than "
+                         f"the {num_updates} mini-batches per step: raise "
+                         f"train.rollout_batch_prompts or train.mini_batch_prompts, or use fewer "
+                         f"data-parallel replicas")
     plan = []
     for u in range(num_updates):
-        members = sorted(order[u * size:(u + 1) * size], key=lambda i: (-lengths[i], i))
-        plan.append(members[dp_rank::dp_size])
+        members = [k * group_size + j for k in range(num_prompts)
+                   if (first_prompt + k) % num_updates == u for j in range(group_size)]
+        plan.append(sorted(members, key=lambda i: (-lengths[i], i)))
     return plan
 
 
@@ -106,17 +123,45 @@ def pack_update(batch: Experience, indices: list[int], budget: int,
     return pack([batch.sample(i) for i in indices], budget, pad_multiple)
 
 
-def rollout_metrics(batch: Experience, group_size: int) -> dict[str, float]:
-    """Reward, accuracy (+1 rewards), lengths, truncation and Pass@G of the batch."""
+def rollout_metrics(batch: Experience, group_size: int, group=None) -> dict[str, float]:
+    """Reward, accuracy (+1 rewards), lengths, truncation and Pass@G of the step's whole batch,
+    from this replica's ``batch`` and sums all-reduced over ``group`` (the DP group: one rank
+    per replica), so they equal the numbers of one engine sampling the whole batch."""
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
     lengths = torch.tensor([len(r) for r in batch.response_tokens], dtype=torch.float64)
     correct = rewards > 0
+    sums = torch.stack([rewards.sum(), correct.double().sum(),
+                        correct.view(-1, group_size).any(dim=1).double().sum(),
+                        torch.tensor(rewards.numel() / group_size, dtype=torch.float64),
+                        lengths.sum(), torch.tensor(batch.truncated, dtype=torch.float64).sum(),
+                        torch.tensor(float(len(batch)), dtype=torch.float64)])
+    longest = lengths.max() if len(lengths) else torch.tensor(0.0, dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    reward, right, passed, groups, length, truncated, n = sums.tolist()
     return {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/accuracy": float(correct.double().mean()),
-        "rollout/pass_at_group": float(correct.view(-1, group_size).any(dim=1).double().mean()),
-        "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/response_length_max": float(lengths.max()),
-        "rollout/truncated_frac": float(torch.tensor(batch.truncated).double().mean()),
-        "rollout/num_samples": float(len(batch)),
+        "rollout/reward_mean": reward / n,
+        "rollout/accuracy": right / n,
+        "rollout/pass_at_group": passed / groups,
+        "rollout/response_length_mean": length / n,
+        "rollout/response_length_max": float(longest),
+        "rollout/truncated_frac": truncated / n,
+        "rollout/num_samples": n,
     }
+
+
+def reduce_group_stats(stats: dict[str, float], group=None) -> dict[str, float]:
+    """Per-replica group statistics (``AdvantageStats.as_dict()``) made batch-wide: ``*num_*``
+    counts are summed over ``group``; every other value is a mean over the replica's groups
+    (all of size G), so it is averaged weighted by the replica's ``num_groups``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return dict(stats)
+    keys = sorted(stats)
+    weight_key = next(k for k in keys if k.endswith("num_groups"))
+    groups = stats[weight_key]
+    values = torch.tensor([stats[k] if "num_" in k else stats[k] * groups for k in keys],
+                          dtype=torch.float64)
+    dist.all_reduce(values, group=group)
+    total = values[keys.index(weight_key)].item()
+    return {k: v if "num_" in k else v / max(total, 1.0) for k, v in zip(keys, values.tolist())}

@@ -14,7 +14,7 @@ parallelism, so ``dgpo-plan`` searches c = 1.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from megatron_dgpo.gpu_config import GPU
 from megatron_dgpo.gpu_config import sequence_parallel as gpu_sequence_parallel
@@ -332,8 +332,16 @@ class Workload:
     logits in the model's dtype)."""
     log_prob_chunk_size: int | None = None
     colocated_rollout: bool = True
-    """vLLM lives on the training GPUs (global rank 0 and its vLLM TP peers)."""
-    rollout_tp: int = 1
+    """vLLM lives on the training GPUs: with ``rollout.placement: colocated`` an engine in every
+    rank (one per ``rollout_tp`` GPUs); with ``separate``, one per DP replica leader (its
+    ``rollout_tp`` GPUs counted from the first of the node)."""
+    rollout_placement: str = "colocated"
+    rollout_tp: int | None = None
+    """GPUs per engine; None = the layout's TP x PP (TP when PP > 1 and DP > 1)."""
+    sleep_mode: bool = True
+    """A colocated engine sleeps during training (vLLM sleep mode level 1: KV cache freed,
+    weights offloaded to host), so its memory and training's activations/logits never
+    coexist: the GPU peak counts max(vLLM, activations + logits)."""
     rollout_dtype_bytes: int = 2
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
@@ -355,6 +363,7 @@ class Workload:
             dtype_bytes=4 if run.model.dtype == "float32" else 2,
             log_prob_chunk_size=run.train.log_prob_chunk_size,
             colocated_rollout=run.rollout.engine == "vllm",
+            rollout_placement=run.rollout.placement,
             rollout_tp=run.rollout.tensor_parallel_size,
             rollout_dtype_bytes=4 if run.rollout.dtype in ("float32", "float") else 2,
             gpu_memory_utilization=run.rollout.gpu_memory_utilization,
@@ -400,11 +409,16 @@ class Estimate:
     overhead: int
     gpu_bytes: int
     notes: list[str] = field(default_factory=list)
+    vllm_sleeps: bool = False
+    """vLLM is asleep while training runs: the peak holds max(vllm, activations + logits)."""
+    engines: int = 0
+    """vLLM engines in the job for this layout."""
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
-                + self.vllm + self.overhead)
+        transient = (max(self.vllm, self.activations + self.logits) if self.vllm_sleeps
+                     else self.activations + self.logits + self.vllm)
+        return self.weights + self.grads + self.optimizer + transient + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -419,7 +433,8 @@ class Estimate:
                  ("weights", "grads", "optimizer", "activations", "logits", "vllm", "overhead")}
         return dict(layout=asdict(self.layout), peak_stage=self.stage,
                     gib={**terms, "total": self.total / GIB, "gpu": self.gpu_bytes / GIB},
-                    fits=self.fits, notes=list(self.notes))
+                    fits=self.fits, notes=list(self.notes), vllm_sleeps=self.vllm_sleeps,
+                    engines=self.engines)
 
 
 def micro_batches_per_update(work: Workload, dp: int) -> int:
@@ -427,6 +442,15 @@ def micro_batches_per_update(work: Workload, dp: int) -> int:
     ceil(ceil(responses / D) max_sequence / s) (every response at full length)."""
     per_rank = -(-work.responses_per_update // dp)
     return max(1, -(-per_rank * work.max_sequence // work.micro_batch_tokens))
+
+
+def engine_tp(work: Workload, layout: Layout) -> int:
+    """GPUs per vLLM engine for ``layout`` (``rollout.tensor_parallel_size`` resolved as the
+    trainer does, ``rollout.placement.engine_tensor_parallel``)."""
+    from megatron_dgpo.rollout.placement import engine_tensor_parallel
+
+    return engine_tensor_parallel(work.rollout_tp, tensor_parallel=layout.tp,
+                                  pipeline_parallel=layout.pp, data_parallel=layout.dp)
 
 
 def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
@@ -437,7 +461,8 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
 
     The KV cache that ``max_num_seqs`` full-length sequences need is
     max_num_seqs (prompt + response) kv_cache_bytes_per_token / t_r; when the reserve holds
-    less, vLLM decodes fewer sequences at once (slower, not out of memory).
+    less, vLLM decodes fewer sequences at once (slower, not out of memory). ``work.rollout_tp``
+    must be resolved (``engine_tp``).
     """
     if not work.colocated_rollout:
         return 0, []
@@ -467,19 +492,27 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
     """The peak GPU of ``layout``: the largest over pipeline stages k = 0 .. p-1 of weights +
     gradients + optimizer + activations + logits + vLLM + overhead, where stage k holds
     min(p - k, micro-batches) micro-batches in flight (1F1B), stage 0 the embedding, the last
-    stage the output layer and the logits, and the stages of global ranks 0 .. t_r - 1 vLLM
-    (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is Megatron's outermost)."""
+    stage the output layer and the logits. vLLM: colocated (the default), an engine of t_r GPUs
+    in every rank, on every stage, asleep during training with ``sleep_mode`` (then the stage
+    holds max(vLLM, activations + logits), not their sum); separate, the stages of global
+    ranks 0 .. t_r - 1 (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is
+    Megatron's outermost)."""
     t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
     tokens = -(-work.micro_batch_tokens // c)
     rows = padded_vocab(arch.vocab, t)
     micro_batches = micro_batches_per_update(work, d)
+    t_r = engine_tp(work, layout)
+    work = replace(work, rollout_tp=t_r)
     vllm, vllm_notes = vllm_bytes(arch, cluster, work)
     gpus_per_stage = cluster.world // p
+    colocated = work.colocated_rollout and work.rollout_placement == "colocated"
+    sleeps = colocated and work.sleep_mode
+    engines = (cluster.world // t_r if colocated else d if work.colocated_rollout else 0)
 
     def stage_estimate(stage: int) -> Estimate:
         params = stage_params(arch, t, p, stage)
         last = stage == p - 1
-        has_vllm = stage * gpus_per_stage < work.rollout_tp
+        has_vllm = colocated or stage * gpus_per_stage < work.rollout_tp
         name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
         return Estimate(
             layout=layout, stage=name,
@@ -495,7 +528,7 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
                     if last else 0),
             vllm=vllm if has_vllm else 0,
             overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,
-            notes=list(vllm_notes) if has_vllm else [])
+            notes=list(vllm_notes) if has_vllm else [], vllm_sleeps=sleeps, engines=engines)
 
     # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
     peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)

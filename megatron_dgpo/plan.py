@@ -85,7 +85,11 @@ def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None,
                "stay on NVLink within a node, PP adds pipeline bubbles and keeps up to PP "
                "micro-batches of activations on the first stage).")
     if pick.vllm:
-        why.append(f"GPU 0 also holds vLLM's {pick.vllm / GIB:.1f} GiB.")
+        where = ("Every GPU also holds its colocated vLLM engine's" if pick.engines > lay.dp
+                 or pick.vllm_sleeps else "GPU 0 also holds vLLM's")
+        why.append(f"{where} {pick.vllm / GIB:.1f} GiB"
+                   + (" (asleep while training: counted against activations + logits, not "
+                      "added)." if pick.vllm_sleeps else "."))
     return pick, " ".join(why)
 
 
@@ -209,7 +213,7 @@ def format_table(plan: Plan, headroom: float) -> str:
              f"cluster: {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_memory_gb:g} GiB; "
              f"micro-batch {work.micro_batch_tokens} tokens, recompute={work.recompute}, "
              f"distributed optimizer={work.distributed_optimizer}, "
-             f"vLLM colocated={work.colocated_rollout}",
+             f"vLLM placement={work.rollout_placement if work.colocated_rollout else 'none'}",
              ""]
     if plan.required_overrides:
         lines[-1:] = [f"as configured, {plan.as_configured[0].lower()}{plan.as_configured[1:]}",
@@ -233,6 +237,14 @@ def format_table(plan: Plan, headroom: float) -> str:
         lay = plan.pick.layout
         lines.append(f"set: parallel.tensor_parallel={lay.tp} parallel.pipeline_parallel={lay.pp}"
                      + "".join(f" {o}" for o in plan.required_overrides))
+        engine_gpus = (cl.world // max(plan.pick.engines, 1)
+                       if work.rollout_placement == "colocated" else work.rollout_tp or 1)
+        lines.append(f"rollout: {plan.pick.engines} vLLM engine(s) of {engine_gpus} GPU(s) "
+                     f"({work.rollout_placement}"
+                     + (", sleep mode: KV cache freed and weights offloaded during training)"
+                        if plan.pick.vllm_sleeps else ")")
+                     if work.colocated_rollout else "rollout: transformers engine on each "
+                     "DP replica leader")
         for note in plan.pick.notes:
             lines.append("note: " + note)
     else:
@@ -308,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb)
     work = replace(Workload.from_recipe(run), overhead_bytes=int(args.overhead_gb * GIB))
-    if work.colocated_rollout and work.rollout_tp > cluster.gpus_per_node:
+    if work.colocated_rollout and (work.rollout_tp or 1) > cluster.gpus_per_node:
         print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
         return 2

@@ -71,9 +71,14 @@ class RolloutConfig:
     """Prompts longer than this (chat template included) are dropped from the dataset."""
     dtype: str = "auto"
     """vLLM weights dtype: "auto" follows the checkpoint; "float32" gives exact log-probs."""
-    tensor_parallel_size: int = 1
-    """vLLM's own tensor parallelism: ranks (GPUs) per engine. With ``placement: colocated``
-    (CPU too) each engine spans this many consecutive trainer ranks; it must divide the world."""
+    tensor_parallel_size: int | None = None
+    """vLLM's own tensor parallelism: ranks (GPUs) per engine. None = the trainer's
+    ``parallel.tensor_parallel`` x ``parallel.pipeline_parallel`` (each DP replica owns one
+    engine on its own GPUs; with PP > 1 and DP > 1: ``parallel.tensor_parallel``). With
+    ``placement: colocated`` (CPU too) an engine spans this many consecutive trainer ranks,
+    which must lie in one DP replica's model-parallel group (it divides
+    ``parallel.tensor_parallel``, or equals TP x PP when PP = 1 or DP = 1); the replica's
+    prompts are split over its engines. ``separate``: the GPUs of each replica leader's engine."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights + KV cache when colocated (GPU)."""
     kv_cache_memory_bytes: int | None = None
@@ -98,6 +103,10 @@ class RolloutConfig:
         if not (isinstance(self.refit_bucket_bytes, int) and 1 <= self.refit_bucket_bytes < (1 << 32) - 1):
             raise ValueError(f"refit_bucket_bytes must be an int in [1, 2**32 - 1) (below vLLM's "
                              f"4 GiB message limit), got {self.refit_bucket_bytes!r}")
+        if self.tensor_parallel_size is not None and not (
+                isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size must be None or a positive int, got "
+                             f"{self.tensor_parallel_size!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if not self.temperature > 0:

@@ -172,12 +172,11 @@ class PhaseTimer:
             torch.cuda.synchronize()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
 
-    def metrics(self, batch, trained_tokens: int, dp_size: int) -> dict[str, float]:
-        """``time/<phase>``, ``time/step`` and rollout/train throughput of the step whose
-        ``Experience`` is ``batch`` (``trained_tokens`` per DP rank)."""
+    def metrics(self, generated: int, trained_tokens: int, dp_size: int) -> dict[str, float]:
+        """``time/<phase>``, ``time/step`` and rollout/train throughput of a step that generated
+        ``generated`` response tokens in all (``trained_tokens`` per DP rank)."""
         out = {f"time/{phase}": s for phase, s in self.seconds.items()}
         out["time/step"] = time.perf_counter() - self.start
-        generated = sum(len(r) for r in batch.response_tokens)
         out["throughput/rollout_tokens_per_s"] = generated / max(self.seconds["rollout"], 1e-9)
         out["throughput/train_tokens_per_s"] = trained_tokens * dp_size / max(self.seconds["update"], 1e-9)
         return out

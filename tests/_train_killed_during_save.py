@@ -14,6 +14,9 @@ import sys
 
 def main() -> int:
     kill_step, argv = int(sys.argv[1]), sys.argv[2:]
+    # first: the trainer's CLI module sets its OpenMP default before torch loads, so this run
+    # computes with the same threads (and float rounding) as `python -m megatron_dgpo.train`
+    from megatron_dgpo.train import main as train_main
     from megatron.core import dist_checkpointing
 
     real_save = dist_checkpointing.save
@@ -25,8 +28,6 @@ def main() -> int:
         return result
 
     dist_checkpointing.save = save_then_die
-    from megatron_dgpo.train import main as train_main
-
     return train_main(argv)
 
 

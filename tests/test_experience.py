@@ -26,18 +26,33 @@ def test_prompt_order_visits_every_prompt_once_per_epoch_and_resumes():
     assert prompt_order(7, seed=3, start=5, count=9) == stream[5:14]  # a resumed run's view
 
 
-def test_plan_updates_partitions_the_batch_over_updates_and_ranks():
-    lengths = [5 + (i * 7) % 23 for i in range(48)]
-    plans = [plan_updates(48, 4, rank, 3, seed=1, step=2, lengths=lengths) for rank in range(3)]
-    everything = sorted(i for plan in plans for update in plan for i in update)
-    assert everything == list(range(48))
-    for u in range(4):
-        tokens = [sum(lengths[i] for i in plans[r][u]) for r in range(3)]
-        assert min(len(plans[r][u]) for r in range(3)) == 4
-        assert max(tokens) - min(tokens) <= max(lengths)  # longest-first dealing balances
-    assert plan_updates(48, 4, 0, 3, seed=1, step=3, lengths=lengths) != plans[0]
-    with pytest.raises(ValueError, match="cannot feed 16 data-parallel"):
-        plan_updates(48, 4, 0, 16, seed=1, step=2, lengths=lengths)
+def test_plan_updates_whole_groups_same_minibatches_whatever_the_replicas():
+    """Each replica plans its own groups; mini-batch u's samples (as batch sample indices) are
+    the same for 1, 2 or 3 replicas, whole groups, and cover the batch once."""
+    from megatron_dgpo.rollout.placement import shard_prompts
+
+    P, G, U = 12, 4, 3
+    lengths = [5 + (i * 7) % 23 for i in range(P * G)]
+
+    def global_plan(replicas):
+        merged = [set() for _ in range(U)]
+        for d in range(replicas):
+            share = shard_prompts(P, replicas, d)
+            local = lengths[share.start * G:share.stop * G]
+            for u, members in enumerate(plan_updates(share.start, len(share), G, U, local)):
+                assert members and sorted(members, key=lambda i: (-local[i], i)) == members
+                merged[u] |= {share.start * G + i for i in members}
+        return merged
+
+    single = global_plan(1)
+    assert sorted(i for update in single for i in update) == list(range(P * G))
+    for u, update in enumerate(single):  # whole groups, strided over the batch's positions
+        groups = {i // G for i in update}
+        assert update == {g * G + j for g in groups for j in range(G)}
+        assert groups == {p for p in range(P) if p % U == u}
+    assert global_plan(2) == single and global_plan(3) == single
+    with pytest.raises(ValueError, match="train.mini_batch_prompts"):
+        plan_updates(0, 2, G, U, lengths[:2 * G])
 
 
 def test_mismatch_metrics_of_packed_rows_equal_the_unpacked_definition():
@@ -160,3 +175,36 @@ def test_loss_weights_travel_from_the_batch_to_the_packed_rows():
         assert row.loss_weights.dtype == torch.float64
         assert torch.equal(row.loss_weights, want)
         assert torch.equal(row.loss_weights > 0, row.loss_mask & (want > 0))
+
+
+def test_rollout_roles_split_whole_groups_over_engines_and_refuse_engines_across_replicas():
+    from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role
+
+    def roles(world, tp, pp, engine_tp, colocated=True, P=10):
+        dp = world // (tp * pp)
+        out = []
+        for rank in range(world):  # Megatron's order tp-dp-pp: PP outermost
+            d = (rank // tp) % dp
+            members = [q * tp * dp + d * tp + k for q in range(pp) for k in range(tp)]
+            out.append(rollout_role(colocated=colocated, engine_tp=engine_tp, rank=rank,
+                                    world_size=world, model_parallel_ranks=members, dp_rank=d,
+                                    dp_size=dp, num_prompts=P))
+        return out
+
+    # DP=2 x TP=2, one TP=2 engine per replica: replica shares are the engines' shares.
+    r = roles(4, 2, 1, engine_tp_default := engine_tensor_parallel(None, tensor_parallel=2,
+                                                                    pipeline_parallel=1,
+                                                                    data_parallel=2))
+    assert engine_tp_default == 2 and [x.prompts for x in r] == [range(0, 5)] * 2 + [range(5, 10)] * 2
+    assert [x.grades for x in r] == [True, False, True, False] and r[0].num_engines == 2
+    # TP=2 trainer, engines of 1 rank: two engines per replica split its share.
+    r = roles(4, 2, 1, 1)
+    assert [x.prompts for x in r] == [range(0, 3), range(3, 5), range(5, 8), range(8, 10)]
+    assert all(x.grades for x in r) and r[0].active_engines == 4
+    # Separate engines: the replica leader only.
+    r = roles(4, 2, 1, 1, colocated=False)
+    assert [x.has_engine for x in r] == [True, False, True, False] and r[1].prompts == range(0)
+    # PP=2, DP=2: the default engine is one per stage (TP); TP x PP would span replicas.
+    assert engine_tensor_parallel(None, tensor_parallel=1, pipeline_parallel=2, data_parallel=2) == 1
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2.*parallel.tensor_parallel"):
+        roles(4, 1, 2, 2)

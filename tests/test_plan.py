@@ -91,8 +91,9 @@ def test_memory_terms_by_hand():
     assert (stage_params(SMALL, 2, 2, 0), stage_params(SMALL, 2, 2, 1)) == (63872, 63936)
     vllm = 251968 * 2 + (1 << 30)  # all weights in bf16 on vLLM's one GPU + its KV cache
 
-    first = estimate(SMALL, cluster, layout, _small_work())
-    assert first.stage == "first"
+    # a separate engine on global rank 0's GPU (stage 0), awake through training: added
+    first = estimate(SMALL, cluster, layout, _small_work(rollout_placement="separate"))
+    assert first.stage == "first" and not first.vllm_sleeps and first.engines == 2
     assert first.weights == 2 * first_params
     assert first.grads == 4 * first_params
     assert first.optimizer == 12 * first_params // (2 * 2)  # sharded over DP x CP
@@ -100,6 +101,21 @@ def test_memory_terms_by_hand():
     assert first.logits == 0 and first.vllm == vllm
     assert first.total == (2 + 4) * first_params + 12 * first_params // 4 \
         + 2 * 2 * tokens * act_token_layer + vllm
+
+    # colocated (the default): an engine of rollout_tp=1 GPU in each of the 16 ranks, on every
+    # stage, asleep while training, so a stage holds max(vLLM, activations + logits)
+    colocated = [estimate(SMALL, cluster, layout, _small_work(sleep_mode=s)) for s in (True, False)]
+    assert [(e.engines, e.vllm, e.vllm_sleeps) for e in colocated] == [(16, vllm, True),
+                                                                        (16, vllm, False)]
+    static = {e.stage: e.weights + e.grads + e.optimizer for e in colocated}
+    assert colocated[0].total == static[colocated[0].stage] + max(
+        vllm, colocated[0].activations + colocated[0].logits)
+    assert colocated[1].total == static[colocated[1].stage] + vllm + \
+        colocated[1].activations + colocated[1].logits
+    default_tp = estimate(SMALL, cluster, layout, _small_work(rollout_tp=None))
+    assert default_tp.engines == 16 // 2  # PP 2 with DP 2: one engine of TP GPUs per stage
+    assert estimate(SMALL, cluster, Layout(tp=8, pp=2, cp=1, dp=1),
+                    _small_work(rollout_tp=None)).engines == 1  # DP 1: TP x PP per engine
 
     last = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False))
     assert last.stage == "last"
@@ -284,6 +300,10 @@ def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
                                                         dp=lay.dp)
     for row in data["layouts"]:
         terms = sum(v for k, v in row["gib"].items() if k not in ("total", "gpu"))
+        if row["vllm_sleeps"]:  # vLLM asleep during training: max(vLLM, transient), not +
+            g = row["gib"]
+            terms -= g["vllm"] + g["activations"] + g["logits"] - max(
+                g["vllm"], g["activations"] + g["logits"])
         assert terms == pytest.approx(row["gib"]["total"])
         assert row["fits"] == (row["gib"]["total"] <= 80)
     assert data["params"] == param_count(arch)
@@ -303,7 +323,10 @@ def test_14b_on_one_24gb_gpu_does_not_fit(capsys):
 def test_recompute_is_proposed_when_nothing_fits_without_it(capsys):
     """Without recompute the 14B recipe's activations do not fit a node; the plan says so and
     proposes the recompute switch with a layout that fits."""
+    # a separate engine stays awake on GPU 0 beside the activations (a sleeping colocated one
+    # would make room for them)
     code, out, _ = _run_main(capsys, [RECIPE_14B, "model.recompute_activations=false",
+                                      "rollout.placement=separate",
                                       "--gpus-per-node", "8", "--gpu-memory-gb", "64"])
     assert code == 0
     assert "as configured, no layout fits" in out

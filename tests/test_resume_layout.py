@@ -26,7 +26,7 @@ RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 COMMON = ["logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=1",
           "checkpoint.keep_last=2", "checkpoint.export_hf=false", "train.steps=2",
           "train.rollout_batch_prompts=16"]  # two updates of 8 prompts per step
-WALL_CLOCK = ("time", "time/", "throughput/")  # everything else in a line is a function of the config
+WALL_CLOCK = ("time", "time/", "throughput/", "refit/seconds")  # everything else in a line is a function of the config
 
 
 def _launch(run_dir: Path, *overrides: str, ranks: int, resume: bool = False) -> subprocess.Popen:

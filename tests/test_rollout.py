@@ -172,6 +172,11 @@ def test_hf_engine_contract(prompts, tiny_model_dir, tiny_model_dir_b):
         [s.token_ids for s in g] for g in out
     ]
     assert _max_diff(_hf_model(tiny_model_dir), prompts, out) < LOGPROB_ATOL
+    # per-prompt seeds (the trainer's global prompt index): a shard's samples equal the whole's
+    tail = engine.generate(prompts[1:], n=3, max_tokens=MAX_TOKENS, seeds=[5, 6])
+    assert [[s.token_ids for s in g] for g in tail] == [[s.token_ids for s in g] for g in out[1:]]
+    with pytest.raises(ValueError, match="seed"):
+        engine.generate(prompts, n=1, max_tokens=MAX_TOKENS, seed=4, seeds=[4, 5, 6])
     engine.update_weights_from_dir(tiny_model_dir_b)
     assert _max_diff(_hf_model(tiny_model_dir_b), prompts, engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=4)) < LOGPROB_ATOL
     with pytest.raises(KeyError, match="unknown tensor"):

@@ -4,7 +4,10 @@ Three jobs share this module (each starts its own vLLM engine, ~30 s):
 * the recipe as written (50 steps): reward rises, telemetry complete, checkpoint + HF export;
 * the same recipe killed in the middle of writing its step-4 checkpoint, then ``--resume``d:
   the previous checkpoint survives, and the resumed run's metrics equal the uninterrupted run's;
-* the same recipe at TP=2 (torchrun, 2 gloo ranks): step 1 equals the TP=1 run's.
+* the same recipe at TP=2 (torchrun, 2 gloo ranks, one TP=2 colocated engine): step 1 equals
+  the TP=1 run's;
+* the same recipe at DP=2 (torchrun, 2 gloo ranks, two colocated engines): each engine samples
+  its replica's half of the batch, and the run equals the single-engine run.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 QUIET = ["logging.progress_bar=false", "logging.tensorboard=false"]
 # Wall-clock measurements; everything else in a metrics line is a function of the config.
-VARYING = ("time", "time/", "throughput/")
+VARYING = ("time", "time/", "throughput/", "refit/seconds")
 
 
 def _run(args: list[str], *, launcher: list[str] | None = None, timeout: int = 900):
@@ -83,7 +87,9 @@ def test_reward_rises_and_telemetry_is_complete(full_run):
                     "train/region/LN_frac", "train/region/HP_frac", "train/region/LP_frac",
                     "train/region/HN_frac", "train/F/LN_mean", "train/grad_norm", "train/lr",
                     "mismatch/mean_abs_diff", "time/rollout", "time/old_logprobs",
-                    "time/update", "time/refit", "throughput/train_tokens_per_s"):
+                    "time/update", "time/refit", "throughput/train_tokens_per_s",
+                    "rollout/engines", "refit/buckets", "refit/max_bucket_bytes", "refit/seconds",
+                    "throughput/generation_tokens_per_s_per_engine"):
             assert key in record, key
         regions = sum(record[f"train/region/{r}_frac"] for r in ("LN", "HP", "LP", "HN", "M"))
         assert math.isclose(regions, 1.0, rel_tol=1e-9)
@@ -137,23 +143,62 @@ def test_killed_mid_save_then_resumed_equals_uninterrupted(full_run, tmp_path):
     assert not list(checkpoints.glob(".incomplete-*"))
 
 
-def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
-    run_dir = tmp_path / "tp2"
+def _torchrun(run_dir: Path, *overrides: str):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port())]
     proc = _run(["-m", "megatron_dgpo.train", str(RECIPE), f"run_dir={run_dir}", *QUIET,
-                 "parallel.tensor_parallel=2", "train.steps=2", "checkpoint.save_every=0"],
-                launcher=launcher)
+                 "train.steps=2", "checkpoint.save_every=0", *overrides], launcher=launcher)
     _check(proc)
-    got, want = read_metrics(run_dir)[0], read_metrics(full_run)[0]
-    # Same initial weights and seeds: identical rollouts; the loss over a vocab split in two
-    # equals the single-rank loss to float32 rounding.
-    assert {k: v for k, v in got.items() if k.startswith("rollout/")} == \
-           {k: v for k, v in want.items() if k.startswith("rollout/")}
-    _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                         {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
-    assert got["mismatch/mean_abs_diff"] < 1e-5
+    return proc
+
+
+def _engine_shares(stderr: str) -> list[tuple[int, int]]:
+    """The batch positions each engine announced it samples (one line per engine leader)."""
+    return sorted((int(a), int(b)) for a, b in
+                  re.findall(r"samples batch positions (\d+)\.\.(\d+) of 32", stderr))
+
+
+def _rollout(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k.startswith("rollout/") and k != "rollout/engines"}
+
+
+def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
+    run_dir = tmp_path / "tp2"
+    proc = _torchrun(run_dir, "parallel.tensor_parallel=2")
+    assert _engine_shares(proc.stderr) == [(0, 31)]  # one TP=2 engine, its leader grades
+    records, reference = read_metrics(run_dir), read_metrics(full_run)
+    got, want = records[0], reference[0]
+    assert got["rollout/engines"] == want["rollout/engines"] == 1
+    assert got["refit/buckets"] >= 1 and got["refit/max_bucket_bytes"] > 0
+    # Same initial weights and seeds: identical rollouts (a TP=2 engine samples the same
+    # tokens in fp32); the loss over a vocab split in two equals the single-rank loss to
+    # float32 rounding. The next step, after a TP=2 update and refit, still learns the same.
+    assert _rollout(got) == _rollout(want)
+    for got, want in zip(records, reference[:2]):
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
+                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        assert got["mismatch/mean_abs_diff"] < 1e-5
     assert (run_dir / "hf" / "config.json").is_file()
+
+
+def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, tmp_path):
+    """DP=2: each rank's colocated engine samples its replica's whole groups (disjoint halves of
+    the batch) with seeds from the global prompt index; no rank receives the other's samples.
+    The metrics (from reduced sums) and the updates (N all-reduced) equal the 1-engine run's."""
+    run_dir = tmp_path / "dp2"
+    proc = _torchrun(run_dir)
+    assert _engine_shares(proc.stderr) == [(0, 15), (16, 31)]
+    records, reference = read_metrics(run_dir), read_metrics(full_run)[:2]
+    assert [r["step"] for r in records] == [1, 2]
+    for got, want in zip(records, reference):
+        assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
+        assert got["throughput/generation_tokens_per_s_per_engine"] > 0
+        assert _rollout(got) == _rollout(want)  # same samples, the batch's union
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("adv/")},
+                             {k: v for k, v in want.items() if k.startswith("adv/")}, rel=1e-12)
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
+                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        assert got["mismatch/mean_abs_diff"] < 1e-5
 
 
 def test_baseline_by_one_override_and_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):

@@ -2,8 +2,11 @@
 
 ``build_engine`` is the one place that turns a ``rollout`` config section into an engine (the
 trainer and ``dgpo-eval`` both call it); ``generate_experience`` samples ``group_size``
-responses for each prompt and grades them in a ``RewardPool`` into an ``Experience`` (rank 0
-only; the trainer broadcasts it).
+responses for each prompt of one engine's share and grades them in a ``RewardPool`` into an
+``Experience`` (on the engine's leader rank; the samples stay on the DP replica that trains
+on them, see ``rollout.placement``). Prompt p of the step's batch is sampled with seed
+``base + p`` whatever engine it lands on, so a step's samples do not depend on the number of
+engines.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import os
 from megatron_dgpo.experience import Experience
 from megatron_dgpo.recipe import RolloutConfig
 from megatron_dgpo.rewards import RewardPool
+from megatron_dgpo.rollout.placement import prompt_seeds
 
 
 def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, placement: str | None = None,
+                 tensor_parallel_size: int | None = None):
     """The rollout engine ``config.engine`` on the HF folder ``model``: vLLM, or transformers'
-    generate. ``max_model_len`` defaults to ``max_prompt_tokens + max_response_tokens``."""
+    generate. ``max_model_len`` defaults to ``max_prompt_tokens + max_response_tokens``;
+    ``placement`` and ``tensor_parallel_size`` default to the config's (the trainer passes the
+    resolved engine TP; ``dgpo-eval``, which has no process group, asks for ``separate``)."""
     if config.engine == "hf":
         from megatron_dgpo.rollout.hf_engine import HFEngine
 
@@ -28,7 +35,9 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
     return VLLMEngine(VLLMConfig(
         model=str(model), dtype=config.dtype, seed=seed,
         max_model_len=max_model_len or config.max_prompt_tokens + config.max_response_tokens,
-        max_num_seqs=config.max_num_seqs, tensor_parallel_size=config.tensor_parallel_size,
+        max_num_seqs=config.max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size or config.tensor_parallel_size or 1,
+        placement=placement or config.placement, refit_bucket_bytes=config.refit_bucket_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes, engine_kwargs=config.engine_kwargs))
 
@@ -38,21 +47,29 @@ def reward_pool() -> RewardPool:
     return RewardPool(num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
 
 
-def generate_experience(engine, pool: RewardPool, tokenizer, prompts: list, indices: list[int],
-                        config: RolloutConfig, *, seed: int) -> Experience:
-    """``config.group_size`` responses for each prompt of ``indices``, graded (+1/-1).
+def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: list,
+                        indices: list[int], positions: range, config: RolloutConfig, *,
+                        base_seed: int) -> Experience | None:
+    """``config.group_size`` responses for the prompts ``indices[p]``, p in ``positions`` (this
+    engine's share of the step's batch ``indices``), graded (+1/-1) when ``pool`` is given.
 
     ``prompts[i]`` is ``(PromptRecord, token_ids)`` as ``data.load_prompts`` returns them;
-    ``seed`` seeds the engine's sampling (prompt k of the call gets ``seed + k``).
+    batch position p is sampled with seed ``base_seed + p`` (``placement.prompt_seeds``).
+    Every rank of a colocated engine must call this with the same arguments; the ranks without
+    a ``pool`` only take part in generation and return None.
     """
-    groups = engine.generate([prompts[i][1] for i in indices], n=config.group_size,
+    share = [indices[p] for p in positions]
+    groups = engine.generate([prompts[i][1] for i in share], n=config.group_size,
                              temperature=config.temperature, top_p=config.top_p,
-                             max_tokens=config.max_response_tokens, seed=seed)
+                             max_tokens=config.max_response_tokens,
+                             seeds=prompt_seeds(base_seed, positions))
+    if pool is None:
+        return None
     samples = [s for g in groups for s in g]
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-    truths = [prompts[i][0].ground_truth for i in indices for _ in range(config.group_size)]
-    rewards = pool.score(texts, truths, grader="train")
-    return Experience(prompt_tokens=[list(prompts[i][1]) for i in indices
+    truths = [prompts[i][0].ground_truth for i in share for _ in range(config.group_size)]
+    rewards = pool.score(texts, truths, grader="train") if samples else []
+    return Experience(prompt_tokens=[list(prompts[i][1]) for i in share
                                      for _ in range(config.group_size)],
                       response_tokens=[list(s.token_ids) for s in samples],
                       rollout_logprobs=[list(s.logprobs) for s in samples],

@@ -47,18 +47,25 @@ class HFEngine(RolloutEngine):
         top_p: float = 1.0,
         max_tokens: int = 256,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
+        """``seeds[i]`` (or ``seed + i``) seeds prompt i, as ``VLLMEngine.generate``."""
         check_generate_args(prompts_token_ids, n, temperature, top_p, max_tokens)
         results: list[list[Completion]] = [[] for _ in prompts_token_ids]
-        if seed is not None:
+        if seeds is not None:
+            if seed is not None or len(seeds) != len(prompts_token_ids):
+                raise ValueError("generate: give seed or one seed per prompt (seeds), not both")
+        elif seed is not None:
+            seeds = [seed + i for i in range(len(prompts_token_ids))]
+        if seeds is not None:
             groups = [[i] for i in range(len(prompts_token_ids))]
         else:
             per_call = max(1, self.batch_size // n)
             groups = [list(range(s, min(s + per_call, len(prompts_token_ids)))) for s in range(0, len(prompts_token_ids), per_call)]
         for group in groups:
             with torch.random.fork_rng(devices=[]):
-                if seed is not None:
-                    torch.manual_seed(seed + group[0])
+                if seeds is not None:
+                    torch.manual_seed(int(seeds[group[0]]))
                 self._generate_group(prompts_token_ids, group, n, temperature, top_p, max_tokens, results)
         return results
 

@@ -63,3 +63,74 @@ def shard_prompts(num_prompts: int, num_engines: int, engine_index: int) -> rang
 def prompt_seeds(base_seed: int, prompt_indices) -> list[int]:
     """Per-prompt sampling seeds from the global prompt index (pass as ``generate(seeds=...)``)."""
     return [int(base_seed) + int(i) for i in prompt_indices]
+
+
+def engine_tensor_parallel(rollout_tp: int | None, *, tensor_parallel: int, pipeline_parallel: int,
+                           data_parallel: int) -> int:
+    """``rollout.tensor_parallel_size`` resolved: None = the trainer's TP x PP (one engine per DP
+    replica), except with PP > 1 and DP > 1, where a replica's ranks are not consecutive
+    (Megatron orders ranks tp-dp-pp, PP outermost): then TP (one engine per stage of a replica)."""
+    if rollout_tp is not None:
+        return rollout_tp
+    if pipeline_parallel > 1 and data_parallel > 1:
+        return tensor_parallel
+    return tensor_parallel * pipeline_parallel
+
+
+@dataclass(frozen=True)
+class RolloutRole:
+    """This rank's part in a step's rollout of ``num_prompts`` prompt groups.
+
+    replica_prompts: the batch positions (a contiguous range, whole groups) its DP replica
+        samples, grades and trains on; ``shard_prompts(P, DP, dp_rank)``.
+    prompts: the positions this rank's engine samples (a sub-range of ``replica_prompts``;
+        empty on ranks without an engine).
+    has_engine: this rank builds an engine (every rank when colocated; the replica leader,
+        i.e. the first rank of its model-parallel group, for separate / transformers engines).
+    grades: this rank grades its engine's samples and contributes them to the replica (one
+        rank per engine).
+    num_engines: engines in the job; active_engines: those with a non-empty share this step.
+    """
+
+    replica_prompts: range
+    prompts: range
+    has_engine: bool
+    grades: bool
+    num_engines: int
+    active_engines: int
+
+
+def rollout_role(*, colocated: bool, engine_tp: int, rank: int, world_size: int,
+                 model_parallel_ranks: list[int], dp_rank: int, dp_size: int,
+                 num_prompts: int) -> RolloutRole:
+    """Where the step's prompts are sampled (see ``RolloutRole``).
+
+    Colocated: engines are blocks of ``engine_tp`` consecutive ranks (``EngineLayout``); each
+    block must lie inside one DP replica's model-parallel group (``model_parallel_ranks``: this
+    rank's TP x PP group, global ranks), so that a replica's samples never cross DP. The
+    replica's prompts are split over its engines with ``shard_prompts``. Separate: one engine
+    per replica, on its leader.
+    """
+    replica = shard_prompts(num_prompts, dp_size, dp_rank)
+    members = sorted(model_parallel_ranks)
+    if not colocated:
+        leader = rank == members[0]
+        return RolloutRole(replica, replica if leader else range(0), leader, leader, dp_size,
+                           sum(len(shard_prompts(num_prompts, dp_size, d)) > 0 for d in range(dp_size)))
+    layout = EngineLayout(world_size, rank, engine_tp)
+    inside = set(members)
+    engines = sorted({r // engine_tp for r in members})
+    for e in engines:
+        block = set(range(e * engine_tp, (e + 1) * engine_tp))
+        if not block <= inside:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={engine_tp}: an engine's ranks {sorted(block)} span "
+                f"several data-parallel replicas (this replica's model-parallel ranks: "
+                f"{members}); it must divide parallel.tensor_parallel, or equal "
+                f"parallel.tensor_parallel x parallel.pipeline_parallel when "
+                f"pipeline_parallel = 1 or there is one replica (or leave it unset)")
+    per_replica = len(engines)
+    sub = shard_prompts(len(replica), per_replica, engines.index(layout.engine_index))
+    active = sum(min(len(shard_prompts(num_prompts, dp_size, d)), per_replica) for d in range(dp_size))
+    return RolloutRole(replica, range(replica.start + sub.start, replica.start + sub.stop),
+                       True, layout.is_engine_leader, layout.num_engines, active)
