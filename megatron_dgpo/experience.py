@@ -85,7 +85,7 @@ class Experience:
         n = len(response)
         per_token = {"rollout_logprobs": torch.tensor(self.rollout_logprobs[i]),
                      "advantages": torch.full((n,), float(self.advantages[i]))}
-        if self.loss_weights is not None:  # issue 14: aggregation weight / dropped group (0)
+        if self.loss_weights is not None:  # aggregation weight; 0 for a dropped group
             per_token["loss_weights"] = torch.full((n,), float(self.loss_weights[i]),
                                                    dtype=torch.float64)
         return Sample(tokens=torch.tensor(prompt + response, dtype=torch.long),

@@ -1,0 +1,134 @@
+"""One data-parallel replica's rollout, as the trainer drives it:
+
+    rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=..., batch_prompts=...)
+    batch, metrics = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
+    metrics = rollout.refit(models)                     # each engine from its own model-parallel group
+    rollout.close()
+
+Every rank constructs it and calls every method (they are collective). Where the engines sit
+and which batch positions each samples is ``placement.rollout_role``; prompt p of a step is
+sampled with seed ``base + p``, so a step's samples do not depend on the number of engines.
+Only the replica's own samples cross ranks, and only inside its model-parallel group; the
+metrics that must be job-wide travel as reduced tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo import data
+from megatron_dgpo.convert import export_hf_weights
+from megatron_dgpo.experience import Experience, prompt_order
+from megatron_dgpo.optimizer import sync_params
+from megatron_dgpo.parallel import ParallelConfig
+from megatron_dgpo.recipe import DataConfig, RolloutConfig
+from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
+from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role
+from megatron_dgpo.rollout.refit import RefitStats
+
+
+class ReplicaRollout:
+    """This rank's engine (if any), grader (if any) and part in each step's rollout."""
+
+    def __init__(self, rollout: RolloutConfig, data_config: DataConfig, parallel: ParallelConfig,
+                 hf_dir: Path, *, seed: int, batch_prompts: int):
+        from megatron.core import parallel_state as ps
+
+        self.config, self.seed, self.batch_prompts = rollout, seed, batch_prompts
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.mp_group = ps.get_model_parallel_group()
+        self.colocated = rollout.engine == "vllm" and rollout.placement == "colocated"
+        engine_tp = engine_tensor_parallel(rollout.tensor_parallel_size,
+                                           tensor_parallel=parallel.tensor_parallel,
+                                           pipeline_parallel=parallel.pipeline_parallel,
+                                           data_parallel=dp_size)
+        self.role = rollout_role(colocated=self.colocated, engine_tp=engine_tp,
+                                 rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                 model_parallel_ranks=dist.get_process_group_ranks(self.mp_group),
+                                 dp_rank=dp_rank, dp_size=dp_size, num_prompts=batch_prompts)
+        self.engine = self.pool = None
+        if self.role.has_engine:
+            self.prompts, self.tokenizer = data.load_prompts(data_config, hf_dir,
+                                                             rollout.max_prompt_tokens)
+            self.engine = build_engine(rollout, hf_dir, seed=seed,
+                                       placement="colocated" if self.colocated else "separate",
+                                       tensor_parallel_size=engine_tp if self.colocated else None)
+        if self.role.grades:
+            self.pool = reward_pool()
+            kind = ("colocated vllm" if self.colocated else
+                    "hf" if rollout.engine == "hf" else "separate vllm")
+            width = engine_tp if self.colocated else rollout.tensor_parallel_size or 1
+            print(f"dgpo-train: rank {dist.get_rank()} (DP replica {dp_rank}): {kind} engine of "
+                  f"TP {width}, one of {self.role.num_engines}; samples batch positions "
+                  f"{self.role.prompts.start}..{self.role.prompts.stop - 1} of {batch_prompts}",
+                  file=sys.stderr, flush=True)
+
+    @property
+    def replica_prompts(self) -> range:
+        """The batch positions (whole prompt groups) this rank's DP replica trains on."""
+        return self.role.replica_prompts
+
+    def sample(self, prompts_consumed: int) -> tuple[Experience, dict[str, float]]:
+        """The replica's samples of the step that starts at stream position
+        ``prompts_consumed`` (graded; identical on every rank of the replica), and
+        ``rollout/engines`` plus generation tokens/s per engine. Collective (world)."""
+        piece, generation_s = None, 0.0
+        if self.role.has_engine:
+            indices = prompt_order(len(self.prompts), self.seed, prompts_consumed,
+                                   self.batch_prompts)
+            begin = time.perf_counter()
+            piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
+                                        indices, self.role.prompts, self.config,
+                                        base_seed=(self.seed << 20) + prompts_consumed)
+            generation_s = time.perf_counter() - begin
+            sleep = getattr(self.engine, "sleep", None)
+            if sleep:  # GPU: free the KV cache for training; CPU: logs once
+                sleep()
+        # A rank that graded nothing takes its replica's samples from the ranks that did.
+        batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(self.mp_group)
+        return batch, self._engine_metrics(piece, generation_s)
+
+    def refit(self, models: list) -> dict[str, float]:
+        """Stream the trained weights into this rank's engine, a collective over the replica's
+        model-parallel group only (each replica feeds its own engines): colocated engines take
+        the full HF tensors on every rank (each engine rank slices its TP shard); a separate or
+        transformers engine on the replica leader takes them there. Returns ``refit/buckets``,
+        ``refit/max_bucket_bytes``, ``refit/seconds`` (largest over the engines; collective:
+        world), or {} without bucket statistics (transformers engine)."""
+        sync_params(models)  # overlapped param gather: the updated weights, not the last forward's
+        pairs = export_hf_weights(models, consumer="all" if self.colocated else "first")
+        if self.engine is not None:
+            stats = self.engine.update_weights(pairs)
+        else:
+            for _ in pairs:  # the other ranks take part in the gathers
+                pass
+            stats = None
+        keys = tuple(RefitStats().as_metrics())
+        values = torch.tensor([stats.as_metrics()[k] if stats is not None else 0.0 for k in keys],
+                              dtype=torch.float64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return dict(zip(keys, values.tolist())) if values.any() else {}
+
+    def close(self) -> None:
+        """Free the engine and the reward workers (Ctrl-C included)."""
+        for closer in (self.engine and self.engine.shutdown, self.pool and self.pool.close):
+            if closer:
+                closer()
+
+    def _engine_metrics(self, piece, generation_s: float) -> dict[str, float]:
+        """``rollout/engines`` (engines that sampled this step) and generation tokens/s per
+        engine (mean over them; each engine's leader contributes its own rate)."""
+        rate = torch.zeros(2, dtype=torch.float64)
+        if piece is not None and len(self.role.prompts):
+            rate[0] = sum(len(r) for r in piece.response_tokens) / max(generation_s, 1e-9)
+            rate[1] = 1.0
+        if dist.get_world_size() > 1:
+            dist.all_reduce(rate)
+        return {"rollout/engines": float(self.role.active_engines),
+                "throughput/generation_tokens_per_s_per_engine": float(rate[0] / max(rate[1], 1.0))}
