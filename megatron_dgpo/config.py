@@ -33,6 +33,12 @@ class ConfigError(ValueError):
     """A config key is unknown, missing or of the wrong type; the message names the key."""
 
 
+def require_choice(name: str, value, choices) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
 def load_config(cls: type[T], path: str | Path | None = None,
                 overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Build ``cls`` from a YAML file (optional) and ``key.sub=value`` overrides, in that order.

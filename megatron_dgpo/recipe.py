@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_dgpo.config import load_config
+from megatron_dgpo.config import load_config, require_choice
 from megatron_dgpo.losses import AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS, LossHyperparams
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.telemetry import LoggingConfig
@@ -149,14 +149,9 @@ class AlgorithmConfig:
     tokens in the loss or in N; counted as ``adv/num_dropped_groups``)."""
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.loss_aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss_aggregation must be one of {', '.join(AGGREGATIONS)}, got "
-                             f"{self.loss_aggregation!r}")
-        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"rollout_correction must be one of "
-                             f"{', '.join(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
+        require_choice("method", self.method, METHODS)
+        require_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
+        require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         cap = self.rollout_correction_cap
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
                 math.isfinite(cap) and cap >= 1):

@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dgpo.config import require_choice
 from megatron_dgpo.gpu_config import schedule_sync_hooks
 from megatron_dgpo.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
                                   LossMetrics, merge_metrics, policy_loss, reduce_metrics,
@@ -107,12 +108,8 @@ class LossConfig:
     """The TIS truncation C (``losses.truncated_is_weights``)."""
 
     def __post_init__(self):
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got "
-                             f"{self.aggregation!r}")
-        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"rollout_correction must be one of "
-                             f"{', '.join(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
+        require_choice("aggregation", self.aggregation, AGGREGATIONS)
+        require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
 
 
 @dataclass

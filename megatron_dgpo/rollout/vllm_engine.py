@@ -40,6 +40,7 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
+from megatron_dgpo.config import require_choice
 from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
 from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
                                          run_bucketed_refit)
@@ -92,8 +93,7 @@ class VLLMConfig:
     engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"VLLMConfig.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        require_choice("VLLMConfig.placement", self.placement, PLACEMENTS)
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             raise ValueError(f"VLLMConfig.tensor_parallel_size must be a positive int, got "
                              f"{self.tensor_parallel_size!r}")
