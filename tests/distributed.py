@@ -29,24 +29,42 @@ def _worker(rank, world_size, port, fn, args, result_dir):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(result_dir, f"rank{rank}.pt")
+    started = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        started = True
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        error = traceback.format_exc()
+        # free_port() only finds a port free at that moment: another process may take it before
+        # rank 0 binds the rendezvous store. Only such a failure is retried with a new port.
+        port_taken = not started and "EADDRINUSE" in error
+        torch.save({"ok": False, "error": error, "port_taken": port_taken}, path)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, attempts: int = 3) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+    A launch whose rendezvous port was taken by another process before ``fn`` ran is repeated
+    on a new port (at most ``attempts`` launches)."""
+    for attempt in range(1, attempts + 1):
+        results, errors, port_taken = _launch(fn, world_size, args, timeout)
+        if not errors:
+            return results
+        if not (port_taken and attempt < attempts):
+            raise AssertionError("\n".join(errors))
+    raise AssertionError("unreachable")
+
+
+def _launch(fn, world_size: int, args, timeout: float) -> tuple[list, list[str], bool]:
     with tempfile.TemporaryDirectory() as result_dir:
         ctx = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir),
                                  nprocs=world_size, join=False, start_method="spawn")
-        errors = []
+        errors, port_taken = [], False
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=2.0):
@@ -67,7 +85,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
             if record["ok"]:
                 results.append(record["result"])
             else:
+                port_taken |= record.get("port_taken", False)
                 errors.append(f"rank {rank} failed:\n{record['error']}")
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return results
+        return results, errors, port_taken
