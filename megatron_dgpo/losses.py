@@ -383,10 +383,14 @@ def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
                  hp: LossHyperparams) -> LossMetrics:
     """Token-level statistics as mergeable float64 scalars.
 
-    Sums: ``tokens_count``, ``region_<R>_count``, ``F_<R>_sum``, ``ratio_sum``,
-    ``clipped_count``; maxima: ``F_<R>_max``, ``ratio_max``; minimum: ``ratio_min``. Region
-    fractions, mean F per region, ratio mean and the GRPO clip fraction (tokens whose PPO
-    gradient is zero: LN or HP) follow from them in ``summarize_metrics``.
+    Sums: ``tokens_count``, ``region_<R>_count``, ``F_<R>_sum``, ``Fw_<R>_sum``,
+    ``ratio_sum``, ``clipped_count``; maxima: ``F_<R>_max``, ``Fw_<R>_max``, ``ratio_max``;
+    minimum: ``ratio_min``. ``Fw`` is F / w, the weight a token puts on grad pi_theta (in units
+    of 1 / pi_old: F A grad log pi = (F / w) A grad pi / pi_old), the quantity of the paper's
+    divergence argument: it grows without bound as w -> 0 in LN when F stays constant (GPPO,
+    CE-GPPO, CISPO) and stays bounded for DGPO. Region fractions, mean F and F / w per region,
+    ratio mean and the GRPO clip fraction (tokens whose PPO gradient is zero: LN or HP) follow
+    from them in ``summarize_metrics``.
     """
     regions = Regions.classify(log_w, advantages, hp.eps_low, hp.eps_high)
     f64, w64 = f.double(), log_w.double().exp()
@@ -398,6 +402,8 @@ def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
         out.sums[f"region_{name}_count"] = region.sum().double()
         out.sums[f"F_{name}_sum"] = torch.where(region, f64, 0.0).sum()
         out.maxs[f"F_{name}_max"] = torch.where(region, f64, neg_inf).max()
+        out.sums[f"Fw_{name}_sum"] = torch.where(region, f64 / w64, 0.0).sum()
+        out.maxs[f"Fw_{name}_max"] = torch.where(region, f64 / w64, neg_inf).max()
     out.sums["ratio_sum"] = torch.where(valid, w64, 0.0).sum()
     out.mins["ratio_min"] = torch.where(valid, w64, pos_inf).min()
     out.maxs["ratio_max"] = torch.where(valid, w64, neg_inf).max()
@@ -453,6 +459,8 @@ def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
         out[f"region/{name}_frac"] = ratio(count, tokens)
         out[f"F/{name}_mean"] = ratio(metrics[f"F_{name}_sum"], count)
         out[f"F/{name}_max"] = extreme(metrics[f"F_{name}_max"])
+        out[f"F_over_w/{name}_mean"] = ratio(metrics[f"Fw_{name}_sum"], count)
+        out[f"F_over_w/{name}_max"] = extreme(metrics[f"Fw_{name}_max"])
     out["ratio/mean"] = ratio(metrics["ratio_sum"], tokens)
     out["ratio/min"] = extreme(metrics["ratio_min"])
     out["ratio/max"] = extreme(metrics["ratio_max"])

@@ -241,6 +241,30 @@ def test_metrics_against_direct_counts():
     assert fracs == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_weight_on_grad_pi_per_region_against_the_reference_table(method):
+    """F / w per region (mean and max), the paper's W pi_old, from the independent F table; it
+    stays bounded in LN for DGPO (F / w = (w / (1 - eps))^n) and not for GPPO (F / w = lo / w)."""
+    logp, old, adv, mask = random_batch(seed=17)
+    logp[0, :4], adv[0, :4], mask[0, :4] = old[0, :4] - 12.0, -1.0, True  # w ~ 6e-6, LN
+    _, metrics = policy_loss(method, logp, old, adv, mask, **kwargs(n=1, m=2))
+    summary = losses.summarize_metrics(metrics)
+    lo, hi = 1 - EPS_LOW, 1 + EPS_HIGH
+    per_region = {r: [] for r in losses.REGIONS}
+    for w, a in zip((logp - old).exp()[mask].tolist(), adv[mask].tolist()):
+        region = ("LN" if w < lo and a < 0 else "HP" if w > hi and a > 0 else
+                  "LP" if w < lo and a > 0 else "HN" if w > hi and a < 0 else "M")
+        per_region[region].append(reference_F(method, w, a, 1, 2) / w)
+    for region, values in per_region.items():
+        assert values, region  # the batch covers every region
+        assert summary[f"F_over_w/{region}_mean"] == pytest.approx(np.mean(values), rel=1e-9)
+        assert summary[f"F_over_w/{region}_max"] == pytest.approx(max(values), rel=1e-9)
+    if method == "dgpo":
+        assert summary["F_over_w/LN_max"] <= 1.0
+    if method == "gppo":
+        assert summary["F_over_w/LN_max"] > 1e5
+
+
 def test_empty_mask_gives_zero_loss_and_nan_free_summary():
     logp, old, adv, _ = random_batch(shape=(5,))
     mask = torch.zeros(5, dtype=torch.bool)
