@@ -180,7 +180,36 @@ def checkpoint_round_trip(rank, world, root):
     next_equal = all(torch.equal(after_next[n], p) for n, p in _params(fresh).items())
     return {"differs_before": differs_before, "loaded_equal": loaded_equal,
             "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed,
-            "rng_restored": rng_restored, "extra": state.extra, "async": pending}
+            "rng_restored": rng_restored, "extra": state.extra, "async": pending,
+            "ctrl_c": _ctrl_c_in_writer_fork(root, fresh, fresh_optimizer, meta)}
+
+
+def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
+    """Save step 3 with a SIGINT delivered inside the first fork of the save (Megatron's
+    shard writer), as a Ctrl-C landing in ``os.fork`` is: Python runs its handler in an at-fork
+    hook, where the KeyboardInterrupt is dropped ("Exception ignored"). The hook stays
+    registered in this rank process (one launch), delivering once."""
+    import os
+    import signal
+
+    from megatron_dgpo.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+
+    deliver = [True]
+
+    def sigint_in_fork():
+        if deliver:
+            deliver.clear()
+            signal.raise_signal(signal.SIGINT)
+
+    os.register_at_fork(after_in_parent=sigint_in_fork)
+    try:
+        save_checkpoint(root, TrainerState(step=3), models, optimizer, **meta)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    torch.distributed.barrier()  # both ranks are past the save before rank 0 lists the folder
+    return {"interrupted": interrupted, "delivered": not deliver,
+            "latest": latest_checkpoint(root).name, "listing": sorted(os.listdir(root))}
 
 
 def _adam(optimizer):

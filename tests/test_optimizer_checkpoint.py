@@ -58,13 +58,19 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
         assert staged["latest"] == "step_000001"
         assert staged["listing"] == [".incomplete-step_000002", "latest", "step_000001"]
         assert not any(f.endswith(".distcp") for f in staged["staged_files"])
+        # Ctrl-C while the save of step 3 forks its writer: KeyboardInterrupt, not published
+        ctrl_c = result["ctrl_c"]
+        assert ctrl_c["delivered"] and ctrl_c["interrupted"]
+        assert ctrl_c["latest"] == "step_000002"
+        assert ctrl_c["listing"] == [".incomplete-step_000003", "latest", "step_000002"]
     # the layout recorded is the one saved at (TP=2), not the stale one in the state passed in
     import json
 
     record = json.loads((tmp_path / "step_000002" / "trainer_state.json").read_text())
     assert record["extra"] == {"layout": LAYOUT, "note": "kept"}
     assert (tmp_path / "latest").read_text().strip() == "step_000002"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".incomplete-step_000003", "latest",
+                                                          "step_000002"]
     # A training checkpoint is also a converter checkpoint: it exports to HF.
     from megatron_dgpo.convert import megatron_to_hf
     from transformers import AutoModelForCausalLM
