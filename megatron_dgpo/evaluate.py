@@ -214,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + response limit (default: max-tokens + 2048, at most the model's positions)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV-cache size in MiB (CPU default 256)")
@@ -228,8 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--model {args.model}: no config.json there (a local HF model folder is "
                 f"needed; nothing is downloaded)")
     benchmarks = _resolve_benchmarks(args.benchmarks, args.bench_dir, args.limit)
-    if args.max_model_len is None:
-        args.max_model_len = args.max_tokens + 2048
+    if args.max_model_len is None:  # room for a long prompt, within what the model's positions allow
+        positions = json.loads((Path(args.model) / "config.json").read_text()).get("max_position_embeddings")
+        args.max_model_len = min(args.max_tokens + 2048, positions or float("inf"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     with _build_engine(args) as engine, RewardPool(num_workers=args.workers, timeout_s=args.grade_timeout) as pool:
         result = evaluate(engine, tokenizer, benchmarks, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
