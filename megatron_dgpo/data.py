@@ -1,6 +1,6 @@
 """Prompt datasets (training), evaluation benchmarks, and the built-in prompt set.
 
-One record type, ``PromptRecord``, serves all three sources:
+One record type, ``PromptRecord``, serves the three prompt sources:
 
 * training sets in DAPO-Math-17k's layout, jsonl or parquet: ``prompt`` is a list of chat
   messages (``[{"role": "user", "content": ...}]``) or a string, the answer is
@@ -9,6 +9,9 @@ One record type, ``PromptRecord``, serves all three sources:
   (``load_benchmark``; the layout is detected per row, see ``_benchmark_row``);
 * ``builtin_prompts()``: 215 math prompts with answers written for this project (package data,
   ``megatron_dgpo/assets/builtin_math.jsonl``) so that a job runs with no download.
+
+Supervised (prompt, response) pairs for the warm start (``megatron_dgpo.sft``) are read by
+``load_sft_pairs``.
 
 Built-in families (``PromptRecord.family``), from easiest to hardest:
     repeat (10)  "Repeat the digit 7. Put it in \\boxed{}."           -> 7
@@ -142,6 +145,24 @@ def load_prompt_dataset(
             PromptRecord(messages, gt, id=str(rid), source=path.stem, family=str(row.get("family", "")))
         )
     return records
+
+
+def load_sft_pairs(path: str | os.PathLike, *, prompt_key: str = "prompt",
+                   response_key: str = "response") -> list[tuple[tuple[dict, ...], str]]:
+    """Supervised (messages, response text) pairs from a jsonl/json/parquet file whose rows hold
+    a prompt (string or chat messages) and a response string (dotted field paths). Errors name
+    the file, the row and the field."""
+    pairs = []
+    for i, row in enumerate(_read_rows(Path(path))):
+        where = f"{path} row {i}"
+        messages = _as_messages(_get_path(row, prompt_key, where), where)
+        response = _get_path(row, response_key, where)
+        if not isinstance(response, str) or not response:
+            raise ValueError(f"{where}: field {response_key!r} must be a non-empty string")
+        pairs.append((messages, response))
+    if not pairs:
+        raise ValueError(f"{path}: no (prompt, response) pairs")
+    return pairs
 
 
 def builtin_prompts(families: Sequence[str] | None = None) -> list[PromptRecord]:

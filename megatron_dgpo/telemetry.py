@@ -136,12 +136,20 @@ def update_metrics(merged: dict, grad_norms: list[float], skipped: int, lr: floa
     return out
 
 
-class ProgressBar:
-    """A tqdm bar over training steps showing reward, accuracy and seconds per step; does
-    nothing when disabled (other ranks, or ``logging.progress_bar: false``)."""
+RL_PROGRESS = {"reward": ("rollout/reward_mean", "+.3f"), "acc": ("rollout/accuracy", ".3f"),
+               "s": ("time/step", ".1f")}
+"""What the RL trainer's progress bar shows: label -> (metric, format)."""
 
-    def __init__(self, total: int, done: int, *, enabled: bool):
+
+class ProgressBar:
+    """A tqdm bar over training steps showing a few of each step's metrics (``show``: label ->
+    (metric key, format); the RL trainer's reward, accuracy and seconds per step by default);
+    does nothing when disabled (other ranks, or ``logging.progress_bar: false``)."""
+
+    def __init__(self, total: int, done: int, *, enabled: bool,
+                 show: dict[str, tuple[str, str]] = RL_PROGRESS):
         self._bar = None
+        self._show = show
         if enabled:
             from tqdm import tqdm
 
@@ -151,9 +159,8 @@ class ProgressBar:
     def advance(self, metrics: dict) -> None:
         if self._bar is None:
             return
-        self._bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:+.3f}",
-                              acc=f"{metrics['rollout/accuracy']:.3f}",
-                              s=f"{metrics['time/step']:.1f}")
+        self._bar.set_postfix({label: format(metrics[key], spec)
+                               for label, (key, spec) in self._show.items()})
         self._bar.update(1)
 
 

@@ -24,17 +24,36 @@ import sys  # noqa: E402
 from megatron_dgpo.config import ConfigError, describe  # noqa: E402
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dgpo-train", description="Run a DGPO (or baseline) RL job from a recipe.",
-        epilog="Overrides are dotted keys: algorithm.method=grpo optimizer.lr=1e-6 ...")
+def recipe_command(argv: list[str] | None, *, prog: str, description: str, config_class,
+                   load, run, example: str, epilog: str = "") -> int:
+    """The command line shared by ``dgpo-train`` and ``dgpo-sft``: ``RECIPE [key=value ...]
+    [--resume] | --describe``. ``load(recipe, overrides)`` builds the config (a ``ConfigError``
+    is printed, exit 2), ``run(config, resume)`` runs it in a world of one rank when started
+    without torchrun."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog or None)
     parser.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in run_dir")
     parser.add_argument("--describe", action="store_true",
                         help="print every config key with its type and documentation, and exit")
-    return parser
+    args = parser.parse_args(argv)
+    if args.describe:
+        for key, kind, doc in describe(config_class):
+            print(f"{key}  ({kind})\n    {' '.join(doc.split())}")
+        return 0
+    if args.recipe is None:
+        parser.error(f"a recipe is required (e.g. {example})")
+    if "=" in args.recipe:
+        parser.error(f"the first argument must be a recipe file, got the override {args.recipe!r}")
+    try:
+        config = load(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    _single_process_world()
+    run(config, args.resume)
+    return 0
 
 
 def _single_process_world() -> None:
@@ -48,28 +67,17 @@ def _single_process_world() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
     from megatron_dgpo.recipe import RunConfig, load_recipe
 
-    if args.describe:
-        for key, kind, doc in describe(RunConfig):
-            print(f"{key}  ({kind})\n    {' '.join(doc.split())}")
-        return 0
-    if args.recipe is None:
-        parser.error("a recipe is required (e.g. recipes/tiny_cpu.yaml)")
-    if "=" in args.recipe:
-        parser.error(f"the first argument must be a recipe file, got the override {args.recipe!r}")
-    try:
-        config = load_recipe(args.recipe, args.overrides)
-    except ConfigError as exc:
-        print(f"dgpo-train: error: {exc}", file=sys.stderr)
-        return 2
-    _single_process_world()
-    from megatron_dgpo.trainer import train
+    def run(config, resume):
+        from megatron_dgpo.trainer import train
 
-    train(config, resume=args.resume)
-    return 0
+        train(config, resume=resume)
+
+    return recipe_command(argv, prog="dgpo-train", config_class=RunConfig, load=load_recipe, run=run,
+                          description="Run a DGPO (or baseline) RL job from a recipe.",
+                          epilog="Overrides are dotted keys: algorithm.method=grpo optimizer.lr=1e-6 ...",
+                          example="recipes/tiny_cpu.yaml")
 
 
 if __name__ == "__main__":  # required: checkpoint writers start spawn-based worker processes

@@ -9,6 +9,9 @@ and, for old log-probs or evaluation::
 
     outputs = forward_logprobs(models, micro_batches, vocab_size=V)   # [S] per micro-batch
 
+and, for the supervised warm start (``megatron_dgpo.sft``), ``sft_step(models, micro_batches)``:
+the token-mean negative log-likelihood with the same normalisation.
+
 Normalisation. The loss is the DGPO estimator averaged over the N valid tokens of the WHOLE
 mini-batch: all micro-batches of this rank and of every data-parallel rank,
 
@@ -251,15 +254,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         ``StepResult`` (same on every rank). Gradients are in ``param.main_grad``, already
         DP-reduced, tied-embedding-synchronised and scaled by 1/N (module docstring).
     """
-    from megatron.core.distributed import finalize_model_grads
-
-    config = unwrap_model(models[0]).config
-    if not config.calculate_per_token_loss:
-        raise ValueError("the model config must have calculate_per_token_loss=True (the train "
-                         "step's 1/N normalisation relies on it); build it with "
-                         "megatron_dgpo.model.build_model")
-    if not all(hasattr(m, "zero_grad_buffer") for m in models):
-        raise TypeError("train_step needs models wrapped by model.wrap_ddp")
+    _check_models(models)
     for i, mb in enumerate(micro_batches):
         _check_micro_batch(mb, i, need_loss_inputs=True, loss=loss)
     weighted = {mb.loss_weights is not None for mb in micro_batches}
@@ -277,32 +272,13 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         counts[0] += float(valid.sum())
         if weighted:
             counts[1] += float(torch.where(valid, weights, 0.0).sum())
-    total = torch.tensor(counts if weighted else counts[:1], dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=_dp_group())
-    num_tokens = int(total[0].item())
-    weight_sum = float(total[1].item()) if weighted else float(num_tokens)
+    total = _count_over_dp(counts if weighted else counts[:1], device)
+    num_tokens = int(total[0])
+    weight_sum = float(total[1]) if weighted else float(num_tokens)
     # policy_loss divides its sum by ``scale``; Megatron then by N: the total is 1 / W.
     scale = weight_sum / num_tokens if weighted and num_tokens else 1.0
 
-    seen = {}
-
-    def finalize(model_chunks, tokens, **kwargs):
-        # no kept token anywhere (every group of the mini-batch filtered out): the gradients
-        # are exact zeros; 1/0 would turn them into NaN
-        finalize_model_grads(model_chunks, tokens if num_tokens else None, **kwargs)
-        seen["megatron_tokens"] = int(tokens.item()) if tokens is not None else None
-
-    config.finalize_model_grads_func = finalize
-    for name, hook in schedule_sync_hooks(models).items():
-        setattr(config, name, hook)
-    for model in models:
-        if zero_grad:
-            model.zero_grad_buffer()
-        # Megatron's optimizer leaves param.grad aliasing main_grad after a step; autograd would
-        # then accumulate into main_grad AND the DDP hook add the same gradient again (2x).
-        for param in model.parameters():
-            param.grad = None
-
+    seen = _prepare_backward(models, num_tokens, zero_grad)
     parts: list[dict] = []
 
     def loss_fn(mb: MicroBatch, logits: Tensor):
@@ -334,14 +310,100 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         return loss_sum, valid.sum().to(torch.int), {}
 
     _run_schedule(models, micro_batches, loss_fn, forward_only=False)
-    if seen.get("megatron_tokens") not in (None, num_tokens):
-        raise RuntimeError(f"Megatron normalised by {seen['megatron_tokens']} tokens, the "
-                           f"mini-batch has {num_tokens}: micro-batches differ across ranks?")
+    _check_token_count(seen, num_tokens)
 
     merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
     reduced = reduce_metrics(merged, group=_dp_group())
     loss_value = float(reduced["loss_sum"]) / weight_sum if num_tokens else 0.0
     return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced)
+
+
+def _check_models(models: list) -> None:
+    config = unwrap_model(models[0]).config
+    if not config.calculate_per_token_loss:
+        raise ValueError("the model config must have calculate_per_token_loss=True (the train "
+                         "step's 1/N normalisation relies on it); build it with "
+                         "megatron_dgpo.model.build_model")
+    if not all(hasattr(m, "zero_grad_buffer") for m in models):
+        raise TypeError("train_step needs models wrapped by model.wrap_ddp")
+
+
+def _count_over_dp(values: list[float], device) -> list[float]:
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=_dp_group())
+    return total.tolist()
+
+
+def _prepare_backward(models: list, num_tokens: int, zero_grad: bool) -> dict:
+    """Set up one backward of Megatron's schedule normalised by ``num_tokens`` (module
+    docstring): Megatron's ``finalize_model_grads`` as the config's finalize function, DDP's
+    sync hooks, and (``zero_grad``) clean gradient buffers. Returns the dict in which the
+    finalize step records the token count Megatron used (``_check_token_count``)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = unwrap_model(models[0]).config
+    seen = {}
+
+    def finalize(model_chunks, tokens, **kwargs):
+        # no kept token anywhere (every group of the mini-batch filtered out): the gradients
+        # are exact zeros; 1/0 would turn them into NaN
+        finalize_model_grads(model_chunks, tokens if num_tokens else None, **kwargs)
+        seen["megatron_tokens"] = int(tokens.item()) if tokens is not None else None
+
+    config.finalize_model_grads_func = finalize
+    for name, hook in schedule_sync_hooks(models).items():
+        setattr(config, name, hook)
+    for model in models:
+        if zero_grad:
+            model.zero_grad_buffer()
+        # Megatron's optimizer leaves param.grad aliasing main_grad after a step; autograd would
+        # then accumulate into main_grad AND the DDP hook add the same gradient again (2x).
+        for param in model.parameters():
+            param.grad = None
+    return seen
+
+
+def _check_token_count(seen: dict, num_tokens: int) -> None:
+    if seen.get("megatron_tokens") not in (None, num_tokens):
+        raise RuntimeError(f"Megatron normalised by {seen['megatron_tokens']} tokens, the "
+                           f"mini-batch has {num_tokens}: micro-batches differ across ranks?")
+
+
+def sft_step(models: list, micro_batches: list[MicroBatch], *, vocab_size: int | None = None,
+             chunk_size: int | None = None, zero_grad: bool = True) -> tuple[float, int]:
+    """Forward + backward of the supervised (negative log-likelihood) loss on one batch:
+
+        L = -(1/N) sum_{all DP ranks, micro-batches, t} mask_t log pi_theta(targets_t),
+
+    N the valid (response) tokens of the whole batch, normalised exactly as ``train_step``'s
+    token mean (module docstring), so the gradient does not depend on TP, PP, DP or the
+    micro-batch split. Micro-batches need only tokens, targets and ``loss_mask``. Returns
+    ``(L, N)``, the same on every rank; gradients are final in ``param.main_grad``.
+    """
+    _check_models(models)
+    vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
+    device = _device(models)
+    num_tokens = int(_count_over_dp([float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))],
+                                    device)[0])
+    if not num_tokens:
+        raise ValueError("sft_step: the batch has no response token (every loss_mask is False)")
+    seen = _prepare_backward(models, num_tokens, zero_grad)
+    nll_sums: list[Tensor] = []
+
+    def loss_fn(mb: MicroBatch, logits: Tensor):
+        logp, _ = logprobs_and_entropy(logits, mb.targets[None], chunk_size=chunk_size,
+                                       vocab_size=vocab_size)
+        valid = mb.loss_mask.bool()[None]
+        nll = -torch.where(valid, logp.float(), 0.0).sum()
+        nll_sums.append(nll.detach().double())
+        return nll, valid.sum().to(torch.int), {}
+
+    _run_schedule(models, micro_batches, loss_fn, forward_only=False)
+    _check_token_count(seen, num_tokens)
+    local = {"nll_sum": torch.stack(nll_sums).sum()} if nll_sums else None
+    nll_sum = _metrics_from_last_stage(local)["nll_sum"].to(device)
+    dist.all_reduce(nll_sum, group=_dp_group())
+    return float(nll_sum) / num_tokens, num_tokens
 
 
 def _metrics_from_last_stage(merged: dict | None) -> dict:
