@@ -51,11 +51,14 @@ TINY_CONFIG = dict(
 )
 
 
-def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512) -> Path:
+def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512, *,
+                    individual_digits: bool = False) -> Path:
     """Train a byte-level BPE tokenizer on ``texts`` and save it (transformers layout) in ``out_dir``.
 
     vocab_size counts everything (256 byte symbols, merges, special and added tokens); it must
-    leave room for the byte alphabet. Returns ``out_dir``.
+    leave room for the byte alphabet. individual_digits: every digit is its own token (as in
+    Qwen2's and Llama's tokenizers), so numbers are never merged into multi-digit pieces: what
+    arithmetic tasks need (``megatron_dgpo.arithmetic``). Returns ``out_dir``.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -63,7 +66,9 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size
     if vocab_size < 256 + len(SPECIAL_TOKENS) + len(BOXED_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} leaves no room for the 256 byte symbols and added tokens")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if individual_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(BOXED_TOKENS),
@@ -111,12 +116,16 @@ def make_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     vocab_size: int = 512,
+    tokenizer_texts: Iterable[str] | None = None,
+    individual_digits: bool = False,
     **config_overrides,
 ) -> Path:
     """Build and save a random tiny Qwen2 (fp32 safetensors) plus its tokenizer in ``out_dir``.
 
     seed fixes the weights (the tokenizer does not depend on it); config_overrides are
-    ``Qwen2Config`` fields. Returns ``out_dir`` (loadable by transformers and vLLM).
+    ``Qwen2Config`` fields. tokenizer_texts: the tokenizer's training corpus (default
+    ``tiny_tokenizer_texts()``); individual_digits: see ``train_tokenizer``. Returns ``out_dir``
+    (loadable by transformers and vLLM).
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -127,7 +136,8 @@ def make_tiny_model(
     if "vocab_size" in config_overrides:
         raise ValueError("vocab_size follows the tokenizer: pass it as make_tiny_model(vocab_size=...)")
     out = Path(out_dir)
-    train_tokenizer(tiny_tokenizer_texts(), out, vocab_size=vocab_size)
+    texts = tiny_tokenizer_texts() if tokenizer_texts is None else list(tokenizer_texts)
+    train_tokenizer(texts, out, vocab_size=vocab_size, individual_digits=individual_digits)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
