@@ -159,3 +159,19 @@ def test_tiny_gpu_recipe_is_a_five_step_bf16_gpu_run(capsys):
                       "--gpu-memory-gb", "80", "--json"]) == 0
     pick = json.loads(capsys.readouterr().out)["pick"]
     assert pick["fits"] and pick["gib"]["total"] < 0.5 * 80
+
+
+def test_arithmetic_recipes_chain_task_warm_start_and_rl():
+    """recipes/sft_arithmetic.yaml trains on the task's pairs from its initial model and exports
+    where recipes/arithmetic_cpu.yaml starts; RL uses the task's prompts, 16 updates per batch
+    and the paper's learning-rate rule."""
+    from megatron_dgpo.sft import load_sft_recipe
+
+    sft = load_sft_recipe(RECIPES / "sft_arithmetic.yaml")
+    rl = load_recipe(RECIPES / "arithmetic_cpu.yaml")
+    task = Path(sft.sft.data).parent
+    assert Path(sft.model.path) == task / "initial_model"
+    assert Path(rl.model.path) == Path(sft.run_dir) / "hf" and sft.checkpoint.export_hf
+    assert Path(rl.data.source) == task / "train.jsonl"
+    assert rl.train.rollout_batch_prompts // rl.train.mini_batch_prompts == 16
+    assert rl.optimizer.lr == "auto" and rl.optimizer.lr_reference == 1e-6

@@ -1,0 +1,339 @@
+"""The paper's comparison at CPU scale: one warm start, six methods x seeds x two settings, a report.
+
+    .venv/bin/python benchmarks/reproduce.py --out outputs/reproduce              # the full study
+    .venv/bin/python benchmarks/reproduce.py --out /tmp/r --methods dgpo --seeds 0 --steps 2
+
+What it runs (each stage skipped when its output already exists, so an interrupted study
+continues where it stopped; a cell already in ``results.csv`` is not run again):
+
+1. the column-addition task (``megatron_dgpo.arithmetic``): supervised pairs, RL prompts,
+   held-out problems and a random tiny Qwen2 (``<out>/task``);
+2. the supervised warm start (``megatron_dgpo.sft``, ``recipes/sft_arithmetic.yaml``,
+   ``<out>/sft/hf``), evaluated on the held-out problems, as is the random initial model;
+3. for each setting x method x seed, RL from the warm start (``recipes/arithmetic_cpu.yaml``
+   plus the setting's overrides, ``<out>/runs/<setting>/<method>/seed<k>``), then the final
+   policy evaluated on the held-out problems by ``dgpo-eval`` (Avg@k, Pass@k);
+4. ``results.csv`` (one row per cell, ``COLUMNS``), ``results.md`` (mean and spread over seeds
+   per setting x method, and how many seeds a 3-point gap needs) and ``results.png``
+   (accuracy, entropy, the weight on grad pi in LN and HP, and the pre-clip gradient norm vs
+   step: the mean over seeds per method with the min-max band).
+
+Every number comes from the trainer's ``metrics.jsonl`` and ``dgpo-eval``'s JSON. A cell is a
+function of its recipe and seed: run again, it gives the same row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from threading import Lock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_dgpo.losses import METHODS  # noqa: E402
+from megatron_dgpo.telemetry import read_metrics  # noqa: E402
+
+SFT_RECIPE = ROOT / "recipes" / "sft_arithmetic.yaml"
+RL_RECIPE = ROOT / "recipes" / "arithmetic_cpu.yaml"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One regime of the study: the recipe overrides that define it, and why."""
+
+    overrides: tuple[str, ...]
+    about: str
+
+
+SETTINGS = {
+    "paper": Setting(("optimizer.lr=auto",),
+                     "the paper's regime: 16 updates per rollout batch at the learning rate of the "
+                     "paper's own rule, 1e-6 at 1.5B scaled by sqrt(1.5e9 / N) (6.3e-5 for the "
+                     "0.38M-parameter policy); about 1% of tokens fall in the clip regions"),
+    "stress": Setting(("optimizer.lr=auto", "optimizer.lr_reference=1e-5"),
+                      "10x that learning rate: the later updates of a rollout batch push tokens "
+                      "far outside the trust region, into LN (w -> 0) for negative advantages"),
+}
+COLUMNS = ("setting", "method", "seed", "final_accuracy", "eval_avg_at_k", "eval_pass_at_k",
+           "entropy_start", "entropy_end", "max_LN_weight_on_grad_pi", "max_HP_weight_on_grad_pi",
+           "max_grad_norm", "clipped_token_frac", "truncated_frac", "skipped_updates", "seconds")
+LAST = 5
+"""Steps averaged at the end of a run (final_accuracy, entropy_end, truncated_frac)."""
+EARLY = (6, 10)
+"""Steps whose training accuracy the report shows as the early learning speed (first, last)."""
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    """Run ``cmd`` from the repository root with its output in ``log``; an error quotes the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {code}); log {log}:\n{tail}")
+
+
+def evaluate(model_dir: Path, heldout: Path, out: Path, n: int, max_tokens: int, limit: int | None) -> dict:
+    """``dgpo-eval`` of ``model_dir`` on the held-out problems (cached in ``out``)."""
+    if not out.is_file():
+        cmd = [sys.executable, "-m", "megatron_dgpo.evaluate", "--model", str(model_dir),
+               "--benchmarks", str(heldout), "--n", str(n), "--max-tokens", str(max_tokens),
+               "--kv-cache-mb", "64", "--workers", "1", "--no-progress", "--out", str(out)]
+        if limit:
+            cmd += ["--limit", str(limit)]
+        _run(cmd, out.with_suffix(".log"))
+    return json.loads(out.read_text())
+
+
+def warm_start(out: Path, sft_steps: int, args) -> Path:
+    """The task and the supervised warm start (once); returns the warm-started HF folder."""
+    from megatron_dgpo.arithmetic import make_task
+
+    task = make_task(out / "task")
+    sft_dir = out / "sft"
+    if not (sft_dir / "hf" / "config.json").is_file():
+        _run([sys.executable, "-m", "megatron_dgpo.sft", str(SFT_RECIPE), f"run_dir={sft_dir}",
+              f"model.path={task / 'initial_model'}", f"sft.data={task / 'sft.jsonl'}",
+              f"sft.steps={sft_steps}", "logging.progress_bar=false"], sft_dir / "sft.log")
+    for name, model_dir in (("initial", task / "initial_model"), ("warm_start", sft_dir / "hf")):
+        evaluate(model_dir, task / "heldout.jsonl", out / "eval" / f"{name}.json", args.eval_n,
+                 args.max_tokens, args.eval_limit)
+    return sft_dir / "hf"
+
+
+def run_cell(out: Path, setting: str, method: str, seed: int, args) -> dict:
+    """RL for one setting x method x seed from the warm start, then its held-out evaluation;
+    returns the cell's ``results.csv`` row."""
+    run_dir = out / "runs" / setting / method / f"seed{seed}"
+    begin = time.perf_counter()
+    if not (run_dir / "hf" / "config.json").is_file():
+        _run([sys.executable, "-m", "megatron_dgpo.train", str(RL_RECIPE), f"run_dir={run_dir}",
+              f"model.path={out / 'sft' / 'hf'}", f"data.source={out / 'task' / 'train.jsonl'}",
+              f"algorithm.method={method}", f"train.seed={seed}", f"train.steps={args.steps}",
+              "logging.progress_bar=false", *SETTINGS[setting].overrides], run_dir / "train.log")
+    result = evaluate(run_dir / "hf", out / "task" / "heldout.jsonl", run_dir / "eval.json",
+                      args.eval_n, args.max_tokens, args.eval_limit)
+    return cell_row(setting, method, seed, read_metrics(run_dir), result, time.perf_counter() - begin)
+
+
+def cell_row(setting: str, method: str, seed: int, records: list[dict], result: dict,
+             seconds: float) -> dict:
+    """One ``results.csv`` row from a run's metrics records and its evaluation result."""
+    if not records:
+        raise ValueError(f"{setting}/{method}/seed{seed}: the run logged no step")
+    last = records[-LAST:]
+
+    def mean(key, rows=last):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.fmean(values) if values else math.nan
+
+    def peak(key):
+        values = [r[key] for r in records if r.get(key) is not None]
+        return max(values) if values else math.nan
+
+    n = result["config"]["n"]
+    average = result["average"]
+    return {"setting": setting, "method": method, "seed": seed,
+            "final_accuracy": mean("rollout/accuracy"),
+            "eval_avg_at_k": average[f"avg@{n}"], "eval_pass_at_k": average["pass@k"][str(n)],
+            "entropy_start": records[0]["train/entropy"], "entropy_end": mean("train/entropy"),
+            "max_LN_weight_on_grad_pi": peak("train/F_over_w/LN_max"),
+            "max_HP_weight_on_grad_pi": peak("train/F_over_w/HP_max"),
+            "max_grad_norm": peak("train/grad_norm_max"),
+            "clipped_token_frac": 1 - mean("train/region/M_frac", records),
+            "truncated_frac": mean("rollout/truncated_frac"),
+            "skipped_updates": int(records[-1]["train/skipped_updates_total"]),
+            "seconds": round(seconds, 1)}
+
+
+def read_results(path: Path) -> list[dict]:
+    """The rows of ``results.csv`` (numbers parsed), [] when absent."""
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in COLUMNS[2:]:
+            row[key] = int(row[key]) if key in ("seed", "skipped_updates") else float(row[key])
+    return rows
+
+
+def append_result(path: Path, row: dict) -> None:
+    new = not path.is_file()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def seeds_for_gap(std: float, gap: float = 0.03) -> int:
+    """Seeds per method for a two-sided 5% test to detect ``gap`` with 80% power, given the
+    per-seed standard deviation ``std`` of the metric: n = 2 (z_0.975 + z_0.8)^2 std^2 / gap^2."""
+    return max(2, math.ceil(2 * (1.959964 + 0.841621) ** 2 * std**2 / gap**2))
+
+
+def early_accuracy(records: list[dict]) -> float:
+    """Mean training accuracy over steps ``EARLY`` (NaN for a shorter run)."""
+    values = [r["rollout/accuracy"] for r in records if EARLY[0] <= r["step"] <= EARLY[1]]
+    return statistics.fmean(values) if len(values) == EARLY[1] - EARLY[0] + 1 else math.nan
+
+
+def summary_table(rows: list[dict], evals: dict[str, dict], k: int, out: Path) -> str:
+    """The markdown report: warm start, then mean +- std over seeds per setting x method (the
+    early training accuracy read from each cell's metrics under ``out``)."""
+    def fmt(values, scale=100.0, digits=1):
+        values = [v * scale for v in values if not math.isnan(v)]
+        if not values:
+            return "-"
+        if len(values) == 1:
+            return f"{values[0]:.{digits}f}"
+        return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+    lines = ["| policy | held-out Avg@%d | Pass@%d |" % (k, k), "|---|---|---|"]
+    for name, result in evals.items():
+        lines.append(f"| {name} | {100 * result['average'][f'avg@{k}']:.1f} | "
+                     f"{100 * result['average']['pass@k'][str(k)]:.1f} |")
+    lines += ["", f"| setting | method | seeds | held-out Avg@{k} | Pass@{k} | "
+              f"train acc (steps {EARLY[0]}-{EARLY[1]}) | train acc (last {LAST}) | "
+              "entropy start → end | max LN F/w | max HP F/w | max grad norm | clipped tokens % | "
+              "truncated % | skipped |", "|" + "---|" * 14]
+    stds = []
+    for setting in SETTINGS:
+        for method in METHODS:
+            cell = [r for r in rows if r["setting"] == setting and r["method"] == method]
+            if not cell:
+                continue
+            col = lambda key: [r[key] for r in cell]  # noqa: E731
+            early = [early_accuracy(read_metrics(out / "runs" / setting / method / f"seed{r['seed']}"))
+                     for r in cell]
+            if len(cell) > 1:
+                stds.append(statistics.stdev(col("eval_avg_at_k")))
+            lines.append(
+                f"| {setting} | {method} | {len(cell)} | {fmt(col('eval_avg_at_k'))} | "
+                f"{fmt(col('eval_pass_at_k'))} | {fmt(early)} | {fmt(col('final_accuracy'))} | "
+                f"{fmt(col('entropy_start'), 1, 3)} → {fmt(col('entropy_end'), 1, 3)} | "
+                f"{_range(col('max_LN_weight_on_grad_pi'))} | {_range(col('max_HP_weight_on_grad_pi'))} | "
+                f"{_range(col('max_grad_norm'))} | {fmt(col('clipped_token_frac'), 100, 2)} | "
+                f"{fmt(col('truncated_frac'))} | {sum(col('skipped_updates'))} |")
+    if stds:
+        pooled = math.sqrt(statistics.fmean(s * s for s in stds))
+        lines += ["", f"Seed spread of held-out Avg@{k}: pooled std {100 * pooled:.1f} points over "
+                  f"{len(stds)} setting x method cells; a 3-point gap needs {seeds_for_gap(pooled)} "
+                  f"seeds per method (two-sided 5% test, 80% power)."]
+    return "\n".join(lines) + "\n"
+
+
+def _range(values: list[float]) -> str:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return "-"
+    return f"{min(finite):.3g}–{max(finite):.3g}" if len(finite) > 1 else f"{finite[0]:.3g}"
+
+
+PANELS = (("rollout/accuracy", "training accuracy", "linear"),
+          ("train/entropy", "entropy (nats/token)", "linear"),
+          ("train/F_over_w/LN_max", "LN: max F / w (weight on grad pi)", "log"),
+          ("train/F_over_w/HP_max", "HP: max F / w", "log"),
+          ("train/grad_norm_max", "max pre-clip grad norm", "log"))
+
+
+def plot(out: Path, rows: list[dict], path: Path) -> None:
+    """Overlay per setting (rows) and metric (columns): mean over seeds per method vs step,
+    with the min-max band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = [s for s in SETTINGS if any(r["setting"] == s for r in rows)]
+    fig, axes = plt.subplots(len(settings), len(PANELS), figsize=(4.2 * len(PANELS), 3.4 * len(settings)),
+                             squeeze=False)
+    for i, setting in enumerate(settings):
+        for method in METHODS:
+            runs = [read_metrics(out / "runs" / setting / method / f"seed{r['seed']}")
+                    for r in rows if r["setting"] == setting and r["method"] == method]
+            if not runs:
+                continue
+            for j, (key, title, scale) in enumerate(PANELS):
+                steps = min(len(run) for run in runs)
+                series = [[run[s].get(key) for run in runs] for s in range(steps)]
+                # a log axis cannot show 0 (no token in the region that step)
+                series = [[v for v in vs if v is not None and (scale == "linear" or v > 0)]
+                          for vs in series]
+                xs = [s + 1 for s, vs in enumerate(series) if vs]
+                ax = axes[i][j]
+                line, = ax.plot(xs, [statistics.fmean(vs) for vs in series if vs], label=method, lw=1.4)
+                ax.fill_between(xs, [min(vs) for vs in series if vs], [max(vs) for vs in series if vs],
+                                color=line.get_color(), alpha=0.15)
+                ax.set_title(f"{setting}: {title}", fontsize=9)
+                ax.set_xlabel("RL step", fontsize=8)
+        axes[i][0].legend(fontsize=7)
+        for j, (_, _, scale) in enumerate(PANELS):
+            if any(len(line.get_xdata()) for line in axes[i][j].lines):  # log needs a point
+                axes[i][j].set_yscale(scale)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="outputs/reproduce", help="study folder (created; resumable)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=40, help="RL steps per cell")
+    parser.add_argument("--sft-steps", type=int, default=400, help="supervised warm-start steps")
+    parser.add_argument("--eval-n", type=int, default=8, help="samples per held-out problem (k)")
+    parser.add_argument("--eval-limit", type=int, default=None, help="first N held-out problems")
+    parser.add_argument("--max-tokens", type=int, default=48, help="response limit in evaluation")
+    parser.add_argument("--jobs", type=int, default=1, help="cells run at once (one core each)")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.csv"
+
+    begin = time.perf_counter()
+    warm_start(out, args.sft_steps, args)
+    print(f"warm start ready ({time.perf_counter() - begin:.0f} s)", flush=True)
+    done = {(r["setting"], r["method"], r["seed"]) for r in read_results(results)}
+    todo = [(s, m, k) for s in args.settings for k in args.seeds for m in args.methods
+            if (s, m, k) not in done]
+    lock = Lock()
+
+    def work(cell):
+        row = run_cell(out, *cell, args)
+        with lock:
+            append_result(results, row)
+            print(f"{cell[0]:>6} {cell[1]:>7} seed {cell[2]}: held-out Avg@{args.eval_n} "
+                  f"{100 * row['eval_avg_at_k']:.1f}, train acc {100 * row['final_accuracy']:.1f}, "
+                  f"max LN F/w {row['max_LN_weight_on_grad_pi']:.3g} ({row['seconds']:.0f} s)", flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for future in [pool.submit(work, cell) for cell in todo]:
+            future.result()
+
+    rows = [r for r in read_results(results) if r["setting"] in args.settings and r["method"] in args.methods]
+    evals = {name: json.loads((out / "eval" / f"{name}.json").read_text()) for name in ("initial", "warm_start")}
+    (out / "results.md").write_text(summary_table(rows, evals, args.eval_n, out))
+    plot(out, rows, out / "results.png")
+    print((out / "results.md").read_text())
+    print(f"wrote {results}, {out / 'results.md'}, {out / 'results.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
