@@ -1,4 +1,4 @@
-"""The paper's comparison at CPU scale: one warm start, six methods x seeds x two settings, a report.
+"""The paper's comparison at CPU scale: one warm start, six methods x seeds x settings, a report.
 
     .venv/bin/python benchmarks/reproduce.py --out outputs/reproduce              # the full study
     .venv/bin/python benchmarks/reproduce.py --out /tmp/r --methods dgpo --seeds 0 --steps 2
@@ -10,7 +10,7 @@ continues where it stopped; a cell already in ``results.csv`` is not run again):
    held-out problems and a random tiny Qwen2 (``<out>/task``);
 2. the supervised warm start (``megatron_dgpo.sft``, ``recipes/sft_arithmetic.yaml``,
    ``<out>/sft/hf``), evaluated on the held-out problems, as is the random initial model;
-3. for each setting x method x seed, RL from the warm start (``recipes/arithmetic_cpu.yaml``
+3. for each setting (``SETTINGS``) x method x seed, RL from the warm start (``recipes/arithmetic_cpu.yaml``
    plus the setting's overrides, ``<out>/runs/<setting>/<method>/seed<k>``), then the final
    policy evaluated on the held-out problems by ``dgpo-eval`` (Avg@k, Pass@k);
 4. ``results.csv`` (one row per cell, ``COLUMNS``), ``results.md`` (mean and spread over seeds
@@ -54,16 +54,32 @@ class Setting:
 
     overrides: tuple[str, ...]
     about: str
+    steps: int | None = None
+    """RL steps of this setting's cells (None: ``--steps``)."""
+    plotted: bool = True
+    """A row of the figure (False for a setting whose curves another row already shows)."""
 
 
 SETTINGS = {
     "paper": Setting(("optimizer.lr=auto",),
                      "the paper's regime: 16 updates per rollout batch at the learning rate of the "
                      "paper's own rule, 1e-6 at 1.5B scaled by sqrt(1.5e9 / N) (6.3e-5 for the "
-                     "0.38M-parameter policy); about 1% of tokens fall in the clip regions"),
+                     "0.38M-parameter policy); 0.7% of tokens fall in the clip regions over the "
+                     "first 3 steps (up to 1.8%), 0.2% over a run as the policy sharpens"),
+    "paper_early": Setting(("optimizer.lr=auto",),
+                           "the paper setting stopped after 10 steps, before training accuracy "
+                           "saturates: with a constant learning rate its runs are the first 10 "
+                           "steps of the paper setting's, so the held-out evaluation shows how far "
+                           "each method got early", steps=10, plotted=False),
+    "lr_3x": Setting(("optimizer.lr=auto", "optimizer.lr_reference=3e-6"),
+                     "3x the paper's learning rate (1.9e-4): between the stable paper setting and "
+                     "the one-step collapse of the stress setting, where the methods' clipping "
+                     "can decide whether a run survives"),
     "stress": Setting(("optimizer.lr=auto", "optimizer.lr_reference=1e-5"),
-                      "10x that learning rate: the later updates of a rollout batch push tokens "
-                      "far outside the trust region, into LN (w -> 0) for negative advantages"),
+                      "10x the paper's learning rate (6.3e-4): the later updates of the first "
+                      "rollout batch push tokens far outside the trust region, into LN (w -> 0 "
+                      "for negative advantages), where the soft-clipping methods' weight on "
+                      "grad pi is unbounded; every method's accuracy collapses in that step"),
 }
 COLUMNS = ("setting", "method", "seed", "final_accuracy", "eval_avg_at_k", "eval_pass_at_k",
            "entropy_start", "entropy_end", "max_LN_weight_on_grad_pi", "max_HP_weight_on_grad_pi",
@@ -121,7 +137,8 @@ def run_cell(out: Path, setting: str, method: str, seed: int, args) -> dict:
     if not (run_dir / "hf" / "config.json").is_file():
         _run([sys.executable, "-m", "megatron_dgpo.train", str(RL_RECIPE), f"run_dir={run_dir}",
               f"model.path={out / 'sft' / 'hf'}", f"data.source={out / 'task' / 'train.jsonl'}",
-              f"algorithm.method={method}", f"train.seed={seed}", f"train.steps={args.steps}",
+              f"algorithm.method={method}", f"train.seed={seed}",
+              f"train.steps={SETTINGS[setting].steps or args.steps}",
               "logging.progress_bar=false", *SETTINGS[setting].overrides], run_dir / "train.log")
     result = evaluate(run_dir / "hf", out / "task" / "heldout.jsonl", run_dir / "eval.json",
                       args.eval_n, args.max_tokens, args.eval_limit)
@@ -202,37 +219,47 @@ def summary_table(rows: list[dict], evals: dict[str, dict], k: int, out: Path) -
             return f"{values[0]:.{digits}f}"
         return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
-    lines = ["| policy | held-out Avg@%d | Pass@%d |" % (k, k), "|---|---|---|"]
+    lines = [f"- `{name}`: {setting.about}." for name, setting in SETTINGS.items()
+             if any(r["setting"] == name for r in rows)]
+    lines += ["", "| policy | held-out Avg@%d | Pass@%d |" % (k, k), "|---|---|---|"]
     for name, result in evals.items():
         lines.append(f"| {name} | {100 * result['average'][f'avg@{k}']:.1f} | "
                      f"{100 * result['average']['pass@k'][str(k)]:.1f} |")
     lines += ["", f"| setting | method | seeds | held-out Avg@{k} | Pass@{k} | "
               f"train acc (steps {EARLY[0]}-{EARLY[1]}) | train acc (last {LAST}) | "
-              "entropy start → end | max LN F/w | max HP F/w | max grad norm | clipped tokens % | "
-              "truncated % | skipped |", "|" + "---|" * 14]
-    stds = []
+              "entropy start → end | max LN F/w | max HP F/w | step-1 grad norm | max grad norm | "
+              "clipped tokens % | truncated % | skipped |", "|" + "---|" * 15]
+    stds: dict[str, list[float]] = {}
     for setting in SETTINGS:
         for method in METHODS:
             cell = [r for r in rows if r["setting"] == setting and r["method"] == method]
             if not cell:
                 continue
             col = lambda key: [r[key] for r in cell]  # noqa: E731
-            early = [early_accuracy(read_metrics(out / "runs" / setting / method / f"seed{r['seed']}"))
-                     for r in cell]
+            records = [read_metrics(out / "runs" / setting / method / f"seed{r['seed']}") for r in cell]
+            early = [early_accuracy(run) for run in records]
+            # the first step is on the shared warm start: how hard each method pushes from it
+            first_norm = [run[0]["train/grad_norm_max"] for run in records]
             if len(cell) > 1:
-                stds.append(statistics.stdev(col("eval_avg_at_k")))
+                stds.setdefault(setting, []).append(statistics.stdev(col("eval_avg_at_k")))
             lines.append(
                 f"| {setting} | {method} | {len(cell)} | {fmt(col('eval_avg_at_k'))} | "
                 f"{fmt(col('eval_pass_at_k'))} | {fmt(early)} | {fmt(col('final_accuracy'))} | "
                 f"{fmt(col('entropy_start'), 1, 3)} → {fmt(col('entropy_end'), 1, 3)} | "
                 f"{_range(col('max_LN_weight_on_grad_pi'))} | {_range(col('max_HP_weight_on_grad_pi'))} | "
-                f"{_range(col('max_grad_norm'))} | {fmt(col('clipped_token_frac'), 100, 2)} | "
+                f"{fmt(first_norm, 1, 1)} | {_range(col('max_grad_norm'))} | "
+                f"{fmt(col('clipped_token_frac'), 100, 2)} | "
                 f"{fmt(col('truncated_frac'))} | {sum(col('skipped_updates'))} |")
-    if stds:
-        pooled = math.sqrt(statistics.fmean(s * s for s in stds))
-        lines += ["", f"Seed spread of held-out Avg@{k}: pooled std {100 * pooled:.1f} points over "
-                  f"{len(stds)} setting x method cells; a 3-point gap needs {seeds_for_gap(pooled)} "
-                  f"seeds per method (two-sided 5% test, 80% power)."]
+    lines.append("")
+    for setting, values in stds.items():  # per setting: a collapsed setting's spread is ~0
+        pooled = math.sqrt(statistics.fmean(v * v for v in values))
+        if pooled < 0.005:
+            lines.append(f"- `{setting}`: no seed spread of held-out Avg@{k} (every run ends at "
+                         f"the same accuracy).")
+            continue
+        lines.append(f"- `{setting}`: seed spread of held-out Avg@{k}, pooled over {len(values)} "
+                     f"methods: {100 * pooled:.1f} points; a 3-point gap between two methods needs "
+                     f"{seeds_for_gap(pooled)} seeds per method (two-sided 5% test, 80% power).")
     return "\n".join(lines) + "\n"
 
 
@@ -258,7 +285,7 @@ def plot(out: Path, rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = [s for s in SETTINGS if any(r["setting"] == s for r in rows)]
+    settings = [s for s in SETTINGS if SETTINGS[s].plotted and any(r["setting"] == s for r in rows)]
     fig, axes = plt.subplots(len(settings), len(PANELS), figsize=(4.2 * len(PANELS), 3.4 * len(settings)),
                              squeeze=False)
     for i, setting in enumerate(settings):
@@ -270,19 +297,20 @@ def plot(out: Path, rows: list[dict], path: Path) -> None:
             for j, (key, title, scale) in enumerate(PANELS):
                 steps = min(len(run) for run in runs)
                 series = [[run[s].get(key) for run in runs] for s in range(steps)]
-                # a log axis cannot show 0 (no token in the region that step)
+                # a log axis cannot show 0 (no token in the region that step); a step without
+                # a value is a gap (NaN), not a line drawn across it
                 series = [[v for v in vs if v is not None and (scale == "linear" or v > 0)]
                           for vs in series]
-                xs = [s + 1 for s, vs in enumerate(series) if vs]
+                stat = lambda f: [f(vs) if vs else math.nan for vs in series]  # noqa: E731
+                xs = range(1, steps + 1)
                 ax = axes[i][j]
-                line, = ax.plot(xs, [statistics.fmean(vs) for vs in series if vs], label=method, lw=1.4)
-                ax.fill_between(xs, [min(vs) for vs in series if vs], [max(vs) for vs in series if vs],
-                                color=line.get_color(), alpha=0.15)
+                line, = ax.plot(xs, stat(statistics.fmean), label=method, lw=1.4, marker=".", ms=3)
+                ax.fill_between(xs, stat(min), stat(max), color=line.get_color(), alpha=0.15)
                 ax.set_title(f"{setting}: {title}", fontsize=9)
                 ax.set_xlabel("RL step", fontsize=8)
         axes[i][0].legend(fontsize=7)
         for j, (_, _, scale) in enumerate(PANELS):
-            if any(len(line.get_xdata()) for line in axes[i][j].lines):  # log needs a point
+            if any(not all(map(math.isnan, line.get_ydata())) for line in axes[i][j].lines):  # log needs a point
                 axes[i][j].set_yscale(scale)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -326,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         for future in [pool.submit(work, cell) for cell in todo]:
             future.result()
 
-    rows = [r for r in read_results(results) if r["setting"] in args.settings and r["method"] in args.methods]
+    rows = [r for r in read_results(results) if r["setting"] in SETTINGS and r["method"] in METHODS]
     evals = {name: json.loads((out / "eval" / f"{name}.json").read_text()) for name in ("initial", "warm_start")}
     (out / "results.md").write_text(summary_table(rows, evals, args.eval_n, out))
     plot(out, rows, out / "results.png")
