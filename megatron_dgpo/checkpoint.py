@@ -35,9 +35,6 @@ import logging
 import os
 import random
 import shutil
-import signal
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_dgpo.interrupt import ctrl_c_not_lost
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -202,7 +201,9 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         staging.mkdir()
     dist.barrier()
     publish = partial(_publish, root, name, keep_last)
-    with _ctrl_c_not_lost():  # Megatron's writers fork (see there); raises before publishing
+    # Megatron's writers fork: a Ctrl-C dropped in a fork hook raises at the block's end, before
+    # the checkpoint is published (megatron_dgpo.interrupt)
+    with ctrl_c_not_lost():
         request = dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False),
                                           str(staging), async_sharded_save=saver is not None)
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
@@ -215,44 +216,6 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
     if saver is None:
         publish()
     return root / name
-
-
-@contextmanager
-def _ctrl_c_not_lost():
-    """A Ctrl-C (SIGINT) during the block ends in ``KeyboardInterrupt``, even one CPython drops.
-
-    Megatron's ``torch_dist`` save forks a writer process per bucket (``FileSystemWriterAsync.
-    write_preloaded_data_multiproc``, for the synchronous save too; the async save forks its
-    writer), and forking the trainer (vLLM loaded) is most of a small save's time. A SIGINT that
-    lands during ``os.fork`` is turned into ``KeyboardInterrupt`` inside an at-fork hook
-    (``logging._releaseLock``), where CPython prints "Exception ignored" and drops it: the
-    save finished and training went on as if Ctrl-C had never been pressed (seen: 2 of 2 with
-    SIGINT 20 ms after a step's metrics line). So the SIGINT handler here also records the
-    signal; when the block ends normally although one arrived, its KeyboardInterrupt was
-    dropped and is raised now, before the caller publishes the checkpoint (it stays in
-    ``.incomplete-<name>``). Waiting for the block to end costs no more than a Ctrl-C that was
-    not dropped: Python's exit joins the (non-daemon) writer processes anyway.
-
-    Only in the main thread and over Python's default handler; another handler is left alone.
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    received = []
-
-    def on_sigint(signum, frame):
-        received.append(signum)
-        signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as without this block
-
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt("Ctrl-C during a checkpoint save (its KeyboardInterrupt was "
-                                "dropped in a fork hook): the checkpoint is not published")
 
 
 def _publish(root: Path, name: str, keep_last: int) -> None:

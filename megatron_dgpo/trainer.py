@@ -26,6 +26,7 @@ from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, export_hf, lates
 from megatron_dgpo.config import to_dict
 from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_stats, rollout_metrics
 from megatron_dgpo.gpu_config import pad_multiple
+from megatron_dgpo.interrupt import ctrl_c_not_lost
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
@@ -60,100 +61,102 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                           rollout_correction_cap=cfg.algorithm.rollout_correction_cap)
     group, num_updates = cfg.rollout.group_size, cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
     rollout = logger = None
-    try:
-        if rank0:
-            save_recipe(cfg, run_dir)
-        rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
-                                 batch_prompts=cfg.train.rollout_batch_prompts)
-        logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
-        logger.truncate_after(state.step)
-        if state.step:  # resumed: the engine starts from the initial weights
-            rollout.refit(models)
-        bar = telemetry.ProgressBar(cfg.train.steps, state.step,
-                                    enabled=rank0 and cfg.logging.progress_bar)
-        save_time = {}
-        for step in range(state.step + 1, cfg.train.steps + 1):
-            timer = telemetry.PhaseTimer()
-            if saver is not None:
-                saver.poll()  # publish a background save that has finished on every rank
-            with timer("rollout"):
-                batch, engine_stats = rollout.sample(state.prompts_consumed)
-                batch.advantages, adv_stats = group_advantages(
-                    torch.tensor(batch.rewards), group, eps=cfg.algorithm.advantage_eps,
-                    unbiased=cfg.algorithm.advantage_unbiased_std)
-                # Per-sample aggregation weights, computed over whole groups before packing
-                # splits them; 0 for dropped groups (None by default: token_mean, no filter).
-                kept = (drop_degenerate_groups(batch.rewards, group)
-                        if cfg.algorithm.drop_degenerate_groups else None)
-                batch.loss_weights = sample_loss_weights(
-                    [len(r) for r in batch.response_tokens], group,
-                    cfg.algorithm.loss_aggregation, kept and kept.keep)
-
-            with timer("old_logprobs"):
-                lengths = [len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)]
-                plan = plan_updates(rollout.replica_prompts.start, len(rollout.replica_prompts), group,
-                                    num_updates, lengths)
-                updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
-                                       pad_multiple=pad_multiple(cfg.parallel.tensor_parallel))
-                           for indices in plan]
-                rows = [row for rows_u in updates for row in rows_u]
-                outputs = forward_logprobs(models, rows,
-                                           temperature=cfg.rollout.temperature,
-                                           chunk_size=cfg.train.log_prob_chunk_size)
-                for row, (logp, _) in zip(rows, outputs):
-                    row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
-                mismatch = mismatch_metrics(rows, dp_group).as_dict()
-
-            with timer("update"):
-                parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
-                for rows_u in updates:
-                    result = train_step(models, rows_u, loss_cfg)
-                    parts.append(result.metrics)
-                    if not result.num_tokens:  # every group of this mini-batch was dropped
-                        continue
-                    stepped, grad_norm = step_if_finite(optimizer, models, result.loss)
-                    skipped += not stepped
-                    grad_norms.append(grad_norm)
-                    trained_tokens += sum(int(r.tokens.numel()) for r in rows_u)
-                state.skipped_updates += skipped
-
-            with timer("refit"):
-                refit_stats = rollout.refit(models)
-            state.step, state.prompts_consumed = step, state.prompts_consumed + cfg.train.rollout_batch_prompts
-
-            # Logged before the checkpoint: a crash after the save cannot lose this step's line
-            # (a resumed run drops lines past its checkpoint). The save's time goes to the next line.
-            sampled = rollout_metrics(batch, group, dp_group)
-            generated = round(sampled["rollout/response_length_mean"] * sampled["rollout/num_samples"])
-            group_stats = {**adv_stats.as_dict(), **(kept.as_dict() if kept else {})}
-            metrics = {**sampled, **reduce_group_stats(group_stats, dp_group), **mismatch,
-                       **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
-                       "train/skipped_updates_total": float(state.skipped_updates),
-                       **engine_stats, **refit_stats,
-                       **timer.metrics(generated, trained_tokens, dp_size), **save_time}
-            logger.log(step, metrics)
-            bar.advance(metrics)
-
+    with ctrl_c_not_lost() as ctrl_c:
+        try:
+            if rank0:
+                save_recipe(cfg, run_dir)
+            rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
+                                     batch_prompts=cfg.train.rollout_batch_prompts)
+            logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
+            logger.truncate_after(state.step)
+            if state.step:  # resumed: the engine starts from the initial weights
+                rollout.refit(models)
+            bar = telemetry.ProgressBar(cfg.train.steps, state.step,
+                                        enabled=rank0 and cfg.logging.progress_bar)
             save_time = {}
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps:
-                begin = time.perf_counter()
-                save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                                hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
-                                saver=saver)
-                save_time = {"time/checkpoint": time.perf_counter() - begin}
+            for step in range(state.step + 1, cfg.train.steps + 1):
+                ctrl_c.check()  # a Ctrl-C that a fork hook swallowed stops the run here
+                timer = telemetry.PhaseTimer()
+                if saver is not None:
+                    saver.poll()  # publish a background save that has finished on every rank
+                with timer("rollout"):
+                    batch, engine_stats = rollout.sample(state.prompts_consumed)
+                    batch.advantages, adv_stats = group_advantages(
+                        torch.tensor(batch.rewards), group, eps=cfg.algorithm.advantage_eps,
+                        unbiased=cfg.algorithm.advantage_unbiased_std)
+                    # Per-sample aggregation weights, computed over whole groups before packing
+                    # splits them; 0 for dropped groups (None by default: token_mean, no filter).
+                    kept = (drop_degenerate_groups(batch.rewards, group)
+                            if cfg.algorithm.drop_degenerate_groups else None)
+                    batch.loss_weights = sample_loss_weights(
+                        [len(r) for r in batch.response_tokens], group,
+                        cfg.algorithm.loss_aggregation, kept and kept.keep)
 
-        if saver is not None:
-            saver.wait()  # the last checkpoint is published before it is exported or we exit
-        if cfg.checkpoint.export_hf and rank0:
-            export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
-                      cfg.checkpoint.export_dtype and model.dtype_named(cfg.checkpoint.export_dtype))
-        dist.barrier()
-        return run_dir
-    finally:  # Ctrl-C included: free the engines and workers; nothing half-written is kept
-        for closer in (rollout and rollout.close, logger and logger.close):
-            if closer:
-                closer()
+                with timer("old_logprobs"):
+                    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)]
+                    plan = plan_updates(rollout.replica_prompts.start, len(rollout.replica_prompts), group,
+                                        num_updates, lengths)
+                    updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
+                                           pad_multiple=pad_multiple(cfg.parallel.tensor_parallel))
+                               for indices in plan]
+                    rows = [row for rows_u in updates for row in rows_u]
+                    outputs = forward_logprobs(models, rows,
+                                               temperature=cfg.rollout.temperature,
+                                               chunk_size=cfg.train.log_prob_chunk_size)
+                    for row, (logp, _) in zip(rows, outputs):
+                        row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
+                    mismatch = mismatch_metrics(rows, dp_group).as_dict()
+
+                with timer("update"):
+                    parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
+                    for rows_u in updates:
+                        result = train_step(models, rows_u, loss_cfg)
+                        parts.append(result.metrics)
+                        if not result.num_tokens:  # every group of this mini-batch was dropped
+                            continue
+                        stepped, grad_norm = step_if_finite(optimizer, models, result.loss)
+                        skipped += not stepped
+                        grad_norms.append(grad_norm)
+                        trained_tokens += sum(int(r.tokens.numel()) for r in rows_u)
+                    state.skipped_updates += skipped
+
+                with timer("refit"):
+                    refit_stats = rollout.refit(models)
+                state.step, state.prompts_consumed = step, state.prompts_consumed + cfg.train.rollout_batch_prompts
+
+                # Logged before the checkpoint: a crash after the save cannot lose this step's line
+                # (a resumed run drops lines past its checkpoint). The save's time goes to the next line.
+                sampled = rollout_metrics(batch, group, dp_group)
+                generated = round(sampled["rollout/response_length_mean"] * sampled["rollout/num_samples"])
+                group_stats = {**adv_stats.as_dict(), **(kept.as_dict() if kept else {})}
+                metrics = {**sampled, **reduce_group_stats(group_stats, dp_group), **mismatch,
+                           **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
+                           "train/skipped_updates_total": float(state.skipped_updates),
+                           **engine_stats, **refit_stats,
+                           **timer.metrics(generated, trained_tokens, dp_size), **save_time}
+                logger.log(step, metrics)
+                bar.advance(metrics)
+
+                save_time = {}
+                if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps:
+                    begin = time.perf_counter()
+                    save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
+                                    hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
+                                    dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
+                                    saver=saver)
+                    save_time = {"time/checkpoint": time.perf_counter() - begin}
+
+            if saver is not None:
+                saver.wait()  # the last checkpoint is published before it is exported or we exit
+            if cfg.checkpoint.export_hf and rank0:
+                export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
+                          cfg.checkpoint.export_dtype and model.dtype_named(cfg.checkpoint.export_dtype))
+            dist.barrier()
+            return run_dir
+        finally:  # Ctrl-C included: free the engines and workers; nothing half-written is kept
+            for closer in (rollout and rollout.close, logger and logger.close):
+                if closer:
+                    closer()
 
 
 def _run_record(cfg: RunConfig, lr: float) -> dict:

@@ -191,13 +191,17 @@ def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
     registered in this rank process (one launch), delivering once."""
     import os
     import signal
+    import traceback
 
     from megatron_dgpo.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
 
     deliver = [True]
 
     def sigint_in_fork():
-        if deliver:
+        # only Megatron's shard-writer fork: another fork of this process (a helper thread's,
+        # under load) must not take the one-shot signal outside the save (seen once in CI)
+        in_writer = any("write_preloaded_data" in frame.name for frame in traceback.extract_stack())
+        if deliver and in_writer:
             deliver.clear()
             signal.raise_signal(signal.SIGINT)
 
