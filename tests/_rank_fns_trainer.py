@@ -205,6 +205,10 @@ def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
             deliver.clear()
             signal.raise_signal(signal.SIGINT)
 
+    # Python's own handler, as in the trainer's process: an earlier test's in-process vLLM
+    # engine core sets SIGINT to SIG_DFL when it shuts down, and these ranks inherit the
+    # pytest process's handlers (seen in CI: the guard then stood aside)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.register_at_fork(after_in_parent=sigint_in_fork)
     try:
         save_checkpoint(root, TrainerState(step=3), models, optimizer, **meta)

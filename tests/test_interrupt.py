@@ -25,7 +25,16 @@ def _sigint_dropped_in_fork():
     os.waitpid(pid, 0)
 
 
-def test_dropped_ctrl_c_raises_at_check_and_at_block_end_even_nested():
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler during the test (an earlier test of the session may have
+    left another one installed; the guard leaves a foreign handler alone by design)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_dropped_ctrl_c_raises_at_check_and_at_block_end_even_nested(default_sigint):
     with pytest.raises(KeyboardInterrupt):
         with ctrl_c_not_lost() as outer:
             outer.check()  # nothing received yet: no-op

@@ -201,6 +201,13 @@ def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, tmp_p
         assert got["mismatch/mean_abs_diff"] < 1e-5
 
 
+def _sigint_default():
+    """SIGINT's default disposition in the trainer, as a terminal gives it: a suite started in
+    the background by a shell without job control inherits SIGINT ignored (``cmd &``), and the
+    trainer would then never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_baseline_by_one_override_and_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
     """GRPO by `algorithm.method=grpo`; SIGINT (Ctrl-C) in the middle of the run: the process
     exits promptly (engine and workers shut down, no process left) and `latest` names a
@@ -220,7 +227,7 @@ def test_baseline_by_one_override_and_ctrl_c_leaves_a_loadable_checkpoint(tmp_pa
     # its own session: on failure the whole group is killed (children hold the output pipes)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_default)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
