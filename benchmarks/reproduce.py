@@ -129,10 +129,15 @@ def warm_start(out: Path, sft_steps: int, args) -> Path:
     return sft_dir / "hf"
 
 
+def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
+    """The run directory of one cell."""
+    return out / "runs" / setting / method / f"seed{seed}"
+
+
 def run_cell(out: Path, setting: str, method: str, seed: int, args) -> dict:
     """RL for one setting x method x seed from the warm start, then its held-out evaluation;
     returns the cell's ``results.csv`` row."""
-    run_dir = out / "runs" / setting / method / f"seed{seed}"
+    run_dir = cell_dir(out, setting, method, seed)
     begin = time.perf_counter()
     if not (run_dir / "hf" / "config.json").is_file():
         _run([sys.executable, "-m", "megatron_dgpo.train", str(RL_RECIPE), f"run_dir={run_dir}",
@@ -208,9 +213,10 @@ def early_accuracy(records: list[dict]) -> float:
     return statistics.fmean(values) if len(values) == EARLY[1] - EARLY[0] + 1 else math.nan
 
 
-def summary_table(rows: list[dict], evals: dict[str, dict], k: int, out: Path) -> str:
+def summary_table(rows: list[dict], evals: dict[str, dict], k: int, metrics: dict) -> str:
     """The markdown report: warm start, then mean +- std over seeds per setting x method (the
-    early training accuracy read from each cell's metrics under ``out``)."""
+    early training accuracy and step-1 grad norm from each cell's ``metrics`` records, keyed by
+    (setting, method, seed))."""
     def fmt(values, scale=100.0, digits=1):
         values = [v * scale for v in values if not math.isnan(v)]
         if not values:
@@ -236,7 +242,7 @@ def summary_table(rows: list[dict], evals: dict[str, dict], k: int, out: Path) -
             if not cell:
                 continue
             col = lambda key: [r[key] for r in cell]  # noqa: E731
-            records = [read_metrics(out / "runs" / setting / method / f"seed{r['seed']}") for r in cell]
+            records = [metrics[setting, method, r["seed"]] for r in cell]
             early = [early_accuracy(run) for run in records]
             # the first step is on the shared warm start: how hard each method pushes from it
             first_norm = [run[0]["train/grad_norm_max"] for run in records]
@@ -277,7 +283,7 @@ PANELS = (("rollout/accuracy", "training accuracy", "linear"),
           ("train/grad_norm_max", "max pre-clip grad norm", "log"))
 
 
-def plot(out: Path, rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], metrics: dict, path: Path) -> None:
     """Overlay per setting (rows) and metric (columns): mean over seeds per method vs step,
     with the min-max band over seeds."""
     import matplotlib
@@ -290,7 +296,7 @@ def plot(out: Path, rows: list[dict], path: Path) -> None:
                              squeeze=False)
     for i, setting in enumerate(settings):
         for method in METHODS:
-            runs = [read_metrics(out / "runs" / setting / method / f"seed{r['seed']}")
+            runs = [metrics[setting, method, r["seed"]]
                     for r in rows if r["setting"] == setting and r["method"] == method]
             if not runs:
                 continue
@@ -356,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [r for r in read_results(results) if r["setting"] in SETTINGS and r["method"] in METHODS]
     evals = {name: json.loads((out / "eval" / f"{name}.json").read_text()) for name in ("initial", "warm_start")}
-    (out / "results.md").write_text(summary_table(rows, evals, args.eval_n, out))
-    plot(out, rows, out / "results.png")
+    cells = [(r["setting"], r["method"], r["seed"]) for r in rows]
+    metrics = {cell: read_metrics(cell_dir(out, *cell)) for cell in cells}  # read once, used twice
+    (out / "results.md").write_text(summary_table(rows, evals, args.eval_n, metrics))
+    plot(rows, metrics, out / "results.png")
     print((out / "results.md").read_text())
     print(f"wrote {results}, {out / 'results.md'}, {out / 'results.png'}")
     return 0

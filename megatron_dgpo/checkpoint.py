@@ -314,6 +314,17 @@ def _prune(root: Path, keep: int, newest: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def export_latest(run_dir: str | os.PathLike, dtype_name: str | None = None) -> None:
+    """The newest complete checkpoint of a run (``<run_dir>/checkpoints``) as the HF folder
+    ``<run_dir>/hf`` (rank 0 only; ``dtype_name`` None keeps the training dtype): the final
+    policy of the trainer and of ``megatron_dgpo.sft``."""
+    from megatron_dgpo.model import dtype_named
+
+    run_dir = Path(run_dir)
+    export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
+              dtype_named(dtype_name) if dtype_name else None)
+
+
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
               dtype: torch.dtype | None = None) -> None:
     """A checkpoint's model as an HF folder ``out_dir``, written next to it then renamed in

@@ -225,12 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
+    from megatron_dgpo.convert.safetensors_io import read_hf_config
+
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there (a local HF model folder is "
                 f"needed; nothing is downloaded)")
     benchmarks = _resolve_benchmarks(args.benchmarks, args.bench_dir, args.limit)
     if args.max_model_len is None:  # room for a long prompt, within what the model's positions allow
-        positions = json.loads((Path(args.model) / "config.json").read_text()).get("max_position_embeddings")
+        positions = read_hf_config(args.model).get("max_position_embeddings")
         args.max_model_len = min(args.max_tokens + 2048, positions or float("inf"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     with _build_engine(args) as engine, RewardPool(num_workers=args.workers, timeout_s=args.grade_timeout) as pool:

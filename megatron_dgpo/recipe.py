@@ -48,6 +48,12 @@ class ModelConfig:
     """Full-layer activation recomputation (Megatron ``recompute_granularity="full"``,
     uniform method, one layer per block): trades ~33% more compute for O(layers) activations."""
 
+    def require_source(self) -> None:
+        """Raise unless the policy has a source (``path`` or ``tiny``); called by the run
+        configs that need one (a bare ``ModelConfig()`` is their default)."""
+        if not self.tiny and not self.path:
+            raise ValueError("model: set model.path (an HF folder) or model.tiny")
+
 
 @dataclass
 class RolloutConfig:
@@ -264,6 +270,11 @@ class CheckpointConfig:
     renamed into place and named by ``latest`` only after every rank's writer has finished,
     so a crash still leaves the previous complete checkpoint. Refused on CPU."""
 
+    def saves_at(self, step: int, last_step: int) -> bool:
+        """Whether a checkpoint is written after ``step``: every ``save_every`` steps and after
+        ``last_step``."""
+        return bool(self.save_every) and step % self.save_every == 0 or step == last_step
+
 
 @dataclass
 class RunConfig:
@@ -283,8 +294,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        if not self.model.tiny and not self.model.path:
-            raise ValueError("model: set model.path (an HF folder) or model.tiny")
+        self.model.require_source()
         if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
             raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
                              f"exceed rollout.max_response_tokens "

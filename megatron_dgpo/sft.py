@@ -76,8 +76,7 @@ class SFTRunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        if not self.model.tiny and not self.model.path:
-            raise ValueError("model: set model.path (an HF folder) or model.tiny")
+        self.model.require_source()
         if not self.sft.data:
             raise ValueError("sft.data: the (prompt, response) file is required")
 
@@ -114,7 +113,7 @@ def train_sft(cfg: SFTRunConfig, *, resume: bool = False) -> Path:
     from transformers import AutoTokenizer
 
     from megatron_dgpo import model, policy, telemetry
-    from megatron_dgpo.checkpoint import (TrainerState, export_hf, latest_checkpoint,
+    from megatron_dgpo.checkpoint import (TrainerState, export_latest, latest_checkpoint,
                                           load_checkpoint, save_checkpoint)
     from megatron_dgpo.config import to_dict
     from megatron_dgpo.experience import prompt_order
@@ -160,13 +159,12 @@ def train_sft(cfg: SFTRunConfig, *, resume: bool = False) -> Path:
                        "time/step": time.perf_counter() - begin}
             logger.log(step, metrics)
             bar.advance(metrics)
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == run.steps:
+            if cfg.checkpoint.saves_at(step, run.steps):
                 save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
                                 hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
                                 dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf and rank0:
-            export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
-                      cfg.checkpoint.export_dtype and model.dtype_named(cfg.checkpoint.export_dtype))
+            export_latest(run_dir, cfg.checkpoint.export_dtype)
         dist.barrier()
         return run_dir
     finally:

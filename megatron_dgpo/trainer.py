@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_dgpo import model, policy, telemetry
 from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
-from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, export_hf, latest_checkpoint,
+from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, export_latest, latest_checkpoint,
                                       load_checkpoint, save_checkpoint)
 from megatron_dgpo.config import to_dict
 from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_stats, rollout_metrics
@@ -138,7 +138,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 bar.advance(metrics)
 
                 save_time = {}
-                if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.steps:
+                if cfg.checkpoint.saves_at(step, cfg.train.steps):
                     begin = time.perf_counter()
                     save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
                                     hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
@@ -149,8 +149,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
             if saver is not None:
                 saver.wait()  # the last checkpoint is published before it is exported or we exit
             if cfg.checkpoint.export_hf and rank0:
-                export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
-                          cfg.checkpoint.export_dtype and model.dtype_named(cfg.checkpoint.export_dtype))
+                export_latest(run_dir, cfg.checkpoint.export_dtype)
             dist.barrier()
             return run_dir
         finally:  # Ctrl-C included: free the engines and workers; nothing half-written is kept
