@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.interrupt import ctrl_c_not_lost
+from megatron_dgpo.interrupt import stop_requests
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -95,6 +95,25 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         raise FileNotFoundError(f"{pointer} names {path.name}, which has no {STATE_FILE}: the "
                                 f"checkpoint folder was removed or damaged by hand")
     return path
+
+
+RESUME_MODES = ("auto", "never", "require")
+
+
+def checkpoint_to_resume(root: str | os.PathLike, mode: str) -> Path | None:
+    """The checkpoint a run starts from under ``checkpoint.resume`` = ``mode``: ``auto``, the
+    newest complete one under ``root`` if any (a requeued or restarted job continues); ``require``,
+    the same but a run without one is an error; ``never``, none, and a run directory that already
+    holds one is an error (starting over would overwrite its metrics and checkpoints)."""
+    if mode not in RESUME_MODES:
+        raise ValueError(f"checkpoint.resume must be one of {RESUME_MODES}, got {mode!r}")
+    latest = latest_checkpoint(root)
+    if mode == "require" and latest is None:
+        raise FileNotFoundError(f"checkpoint.resume=require: no complete checkpoint under {root}")
+    if mode == "never" and latest is not None:
+        raise FileExistsError(f"checkpoint.resume=never: {root} already holds {latest.name}; use "
+                              f"another run_dir, or checkpoint.resume=auto to continue that run")
+    return latest
 
 
 def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
@@ -201,9 +220,9 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         staging.mkdir()
     dist.barrier()
     publish = partial(_publish, root, name, keep_last)
-    # Megatron's writers fork: a Ctrl-C dropped in a fork hook raises at the block's end, before
-    # the checkpoint is published (megatron_dgpo.interrupt)
-    with ctrl_c_not_lost():
+    # A first stop signal lets the save finish; a second one's exception, even if dropped in the
+    # fork hook of Megatron's writers, raises at the block's end, before anything is published
+    with stop_requests():
         request = dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False),
                                           str(staging), async_sharded_save=saver is not None)
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}

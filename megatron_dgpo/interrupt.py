@@ -1,65 +1,130 @@
-"""Ctrl-C that is never lost.
+"""Stopping a run on a signal without losing a completed step.
 
-A SIGINT that lands while the process forks (Megatron's checkpoint writers fork one process per
-bucket; vLLM and the reward pool start workers) makes Python raise ``KeyboardInterrupt`` inside
-an at-fork hook (``logging._releaseLock``), where CPython prints "Exception ignored" and DROPS
-it: the run went on training as if Ctrl-C had never been pressed (seen in tests/test_trainer.py
-under load, the SIGINT landing in a save's fork or elsewhere). ``ctrl_c_not_lost()`` installs a
-SIGINT handler that records the signal before raising as Python's default handler does; its
-``check()`` raises ``KeyboardInterrupt`` at a safe point if a SIGINT was recorded (its own
-``KeyboardInterrupt`` can only still be pending there if it was dropped), and so does leaving
-the block normally::
+Clusters end jobs with signals: SLURM sends SIGTERM at a time limit, ``scancel`` or
+``scontrol requeue``, and ``sbatch --signal=USR1@<s>`` sends SIGUSR1 ahead of the limit; a user
+presses Ctrl-C (SIGINT). ``stop_requests()`` turns the first of these into a request: the handler
+only records it, the loop finishes the step in flight, all ranks agree at the step boundary
+(``StopRequests.agreed``: a MAX all-reduce, so one rank's signal stops every rank at the same
+step, as Megatron-LM's ``dist_signal_handler``), a checkpoint is written and the process exits
+with ``EXIT_STOPPED``. A second signal stops at once: ``KeyboardInterrupt`` for SIGINT,
+``SystemExit(128 + signum)`` otherwise, so ``finally`` blocks still close engines and workers::
 
-    with ctrl_c_not_lost() as ctrl_c:      # the trainer, around its loop
+    with stop_requests() as stop:            # the trainer, around its loop
         for step in ...:
-            ctrl_c.check()                  # a dropped Ctrl-C stops the run here
-            ...
+            ...                              # a step; the save, if scheduled
+            if stop.agreed(budget_exceeded):
+                ...                          # save (unless just saved), then leave the loop
 
-Blocks nest: an inner block shares the outer one's record, so a save inside the loop still
-refuses to publish after a dropped Ctrl-C. Only the main thread handles signals, and another
-program's own SIGINT handler is left alone (the block then does nothing).
+Signals during a save: the first one lets the save finish and publish; a second raises, and the
+save block (``checkpoint.save_checkpoint`` nests a ``stop_requests()``) publishes nothing.
+
+Ctrl-C is never lost. A signal that lands while the process forks (Megatron's checkpoint writers
+fork; vLLM and the reward pool start workers) makes Python raise inside an at-fork hook, where
+CPython prints "Exception ignored" and DROPS the exception. The first signal raises nothing, so
+there is nothing to drop; a second one's exception can be dropped, and ``check()`` (and leaving
+the block) raises it again from the record.
+
+Blocks nest: an inner block shares the outer one's record. Handlers are installed only in the
+main thread and only over the default disposition: a signal the parent set to ignored (a
+``nohup``, a shell without job control for SIGINT) stays ignored, and another program's own
+handler is left alone (the block then records nothing for that signal).
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
 from contextlib import contextmanager
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""Signals that ask the run to stop at the next step boundary."""
 
-class CtrlC:
-    """The record of SIGINTs received while a ``ctrl_c_not_lost`` block is active."""
+EXIT_STOPPED = 75
+"""Exit status of a run stopped early by a signal or by its time budget after saving a
+checkpoint (sysexits' EX_TEMPFAIL: "try again later"): re-running the same command continues it
+(``checkpoint.resume: auto``). ``slurm/train.sbatch`` requeues the job on it."""
+
+
+class StopRequests:
+    """The record of stop signals received while a ``stop_requests`` block is active."""
 
     def __init__(self):
-        self.received = 0
+        self.received: list[int] = []
+
+    @property
+    def requested(self) -> bool:
+        """A stop signal arrived on this rank."""
+        return bool(self.received)
+
+    @property
+    def reason(self) -> str:
+        return signal.Signals(self.received[0]).name if self.received else ""
 
     def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` if a SIGINT arrived (and its exception was dropped)."""
-        if self.received:
-            raise KeyboardInterrupt("Ctrl-C (its KeyboardInterrupt was dropped in a fork hook)")
+        """Raise the exception of a second signal if a fork hook dropped it."""
+        if len(self.received) >= 2:
+            raise _stop_now(self.received[-1])
 
-    def _on_sigint(self, signum, frame):
-        self.received += 1
-        signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as without the block
+    def agreed(self, local_reason: bool = False, group=None) -> bool:
+        """Collective over ``group`` (default: the world): whether any rank received a stop
+        signal or has ``local_reason`` (e.g. its time budget) to stop after this step. Every
+        rank gets the same answer, so all stop at the same step."""
+        from megatron_dgpo.comm import any_rank
+
+        self.check()
+        return any_rank(self.requested or local_reason, group=group)
+
+    def _on_signal(self, signum, frame):
+        self.received.append(signum)
+        if len(self.received) >= 2:
+            raise _stop_now(signum)
+        print(f"[megatron-dgpo] {signal.Signals(signum).name} received: stopping after the step in "
+              f"flight with a checkpoint; send it again to stop at once", file=sys.stderr, flush=True)
+
+
+def _stop_now(signum: int) -> BaseException:
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt("a second stop signal: stopping at once")
+    return SystemExit(128 + signum)
+
+
+def _is_default(signum: int, handler) -> bool:
+    return handler is signal.SIG_DFL or (signum == signal.SIGINT and handler is signal.default_int_handler)
 
 
 @contextmanager
-def ctrl_c_not_lost():
-    """Yield a ``CtrlC`` recording SIGINTs during the block; ``check()`` it at safe points. A
-    block left normally after a SIGINT raises ``KeyboardInterrupt`` (module docstring)."""
-    current = signal.getsignal(signal.SIGINT)
-    outer = getattr(current, "__self__", None)
-    if isinstance(outer, CtrlC):  # nested: share the outer record and handler
+def stop_requests():
+    """Yield a ``StopRequests`` recording stop signals during the block (module docstring)."""
+    current = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    outer = next((getattr(h, "__self__", None) for h in current.values()
+                  if isinstance(getattr(h, "__self__", None), StopRequests)), None)
+    if outer is not None:  # nested: share the outer record and handlers
         yield outer
         outer.check()
         return
-    guard = CtrlC()
-    if threading.current_thread() is not threading.main_thread() or current is not signal.default_int_handler:
-        yield guard  # no handler of ours: check() never fires
+    record = StopRequests()
+    if threading.current_thread() is not threading.main_thread():
+        yield record  # only the main thread handles signals: nothing is recorded
         return
-    signal.signal(signal.SIGINT, guard._on_sigint)
+    ours = [s for s, handler in current.items() if _is_default(s, handler)]
+    for signum in ours:
+        signal.signal(signum, record._on_signal)
     try:
-        yield guard
+        yield record
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    guard.check()
+        for signum in ours:
+            signal.signal(signum, current[signum])
+    record.check()
+
+
+class TimeBudget:
+    """A run's own time limit (``train.max_minutes``), counted from its creation: ``exceeded``
+    says whether another step and a save would likely overrun it."""
+
+    def __init__(self, minutes: float | None):
+        self.deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
+
+    def exceeded(self, step_seconds: float, save_seconds: float = 0.0) -> bool:
+        return self.deadline is not None and time.monotonic() + step_seconds + save_seconds > self.deadline

@@ -183,11 +183,19 @@ class TrainConfig:
     function of its config (and resuming does not change it)."""
     log_prob_chunk_size: int | None = None
     """Tokens per chunk in the vocab-parallel log-prob kernel (None: automatic)."""
+    max_minutes: float | None = None
+    """The job's own time budget (Megatron-LM's ``--exit-duration-in-mins``): the run stops
+    with a checkpoint, as on a stop signal, after the first step at whose end another step
+    and a save would likely not fit (elapsed + the last step's time + the last save's time >
+    budget), and exits with ``interrupt.EXIT_STOPPED``. Counted from the trainer's start (a
+    restarted or requeued attempt has its own). None: no budget."""
 
     def __post_init__(self):
         for name in ("steps", "rollout_batch_prompts", "mini_batch_prompts", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0 or None, got {self.max_minutes}")
         if self.rollout_batch_prompts % self.mini_batch_prompts:
             raise ValueError(f"rollout_batch_prompts ({self.rollout_batch_prompts}) must be a "
                              f"multiple of mini_batch_prompts ({self.mini_batch_prompts})")
@@ -264,6 +272,11 @@ class CheckpointConfig:
     """Write the final policy as an HF folder (``<run_dir>/hf``) through the converter."""
     export_dtype: Literal["float32", "bfloat16"] | None = None
     """dtype of the HF export; None: the training dtype."""
+    resume: Literal["auto", "never", "require"] = "auto"
+    """Where a run starts: ``auto`` continues from the newest complete checkpoint in
+    ``run_dir/checkpoints`` when there is one (a requeued, restarted or re-run job continues; the
+    metrics lines past that checkpoint are replaced), else starts fresh; ``require`` fails
+    without one; ``never`` starts fresh and fails if ``run_dir`` already holds a checkpoint."""
     async_save: bool = False
     """Write checkpoints in the background (Megatron's async torch_dist save, GPU only):
     training continues while a forked writer per rank writes the shards; the checkpoint is
@@ -282,7 +295,8 @@ class RunConfig:
     checkpoints/, hf/, the resolved config.yaml."""
 
     run_dir: str = "outputs/run"
-    """Output folder of the run (created). ``--resume`` continues the run found there."""
+    """Output folder of the run (created). A run found there is continued
+    (``checkpoint.resume``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

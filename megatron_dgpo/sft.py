@@ -26,6 +26,7 @@ import os
 # As in megatron_dgpo.train: one OpenMP thread per rank unless the environment says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import contextlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -55,11 +56,16 @@ class SFTConfig:
     """Token budget of one packed micro-batch row; must hold the longest prompt + response."""
     seed: int = 0
     """Seeds the weights of a ``model.tiny`` policy and the data order."""
+    max_minutes: float | None = None
+    """The job's own time budget, as ``train.max_minutes`` of the RL trainer: stop with a
+    checkpoint (exit ``interrupt.EXIT_STOPPED``) when another step and a save would not fit."""
 
     def __post_init__(self):
         for name in ("steps", "batch_samples", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0 or None, got {self.max_minutes}")
 
 
 @dataclass
@@ -67,7 +73,7 @@ class SFTRunConfig:
     """A supervised run. ``run_dir`` holds metrics.jsonl, checkpoints/, hf/ (the exported policy)."""
 
     run_dir: str = "outputs/sft"
-    """Output folder (created); ``--resume`` continues the run found there."""
+    """Output folder (created); a run found there is continued (``checkpoint.resume``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -104,17 +110,19 @@ def tokenize_pairs(config: SFTConfig, tokenizer) -> list:
     return samples
 
 
-def train_sft(cfg: SFTRunConfig, *, resume: bool = False) -> Path:
-    """Run (or continue) the supervised job ``cfg`` on the current torchrun world; returns the
-    run directory, whose ``hf/`` holds the exported policy."""
+def train_sft(cfg: SFTRunConfig) -> int:
+    """Run (or continue: ``cfg.checkpoint.resume``) the supervised job ``cfg`` on the current
+    torchrun world; ``run_dir/hf`` then holds the exported policy. Returns the exit status, as
+    ``trainer.train``: 0, or ``EXIT_STOPPED`` after a stop signal or the time budget."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
     from megatron_dgpo import model, policy, telemetry
-    from megatron_dgpo.checkpoint import (TrainerState, export_latest, latest_checkpoint,
+    from megatron_dgpo.checkpoint import (TrainerState, checkpoint_to_resume, export_latest,
                                           load_checkpoint, save_checkpoint)
+    from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
     from megatron_dgpo.config import to_dict
     from megatron_dgpo.experience import prompt_order
     from megatron_dgpo.gpu_config import pad_multiple
@@ -125,6 +133,7 @@ def train_sft(cfg: SFTRunConfig, *, resume: bool = False) -> Path:
     from megatron_dgpo.train_step import sft_step
 
     run = cfg.sft
+    budget = TimeBudget(run.max_minutes)
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes)
     initialize_parallel(cfg.parallel, seed=run.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
@@ -135,13 +144,22 @@ def train_sft(cfg: SFTRunConfig, *, resume: bool = False) -> Path:
     lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
     state = TrainerState(extra={"learning_rate": lr, "config": to_dict(cfg)})
-    if resume and (latest := latest_checkpoint(run_dir / "checkpoints")) is not None:
+    if (latest := checkpoint_to_resume(run_dir / "checkpoints", cfg.checkpoint.resume)) is not None:
         state = load_checkpoint(latest, models, optimizer)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if rank0:
         save_recipe(cfg, run_dir)
     logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
-    try:
+
+    def save() -> float:
+        begin = time.perf_counter()
+        save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
+                        hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
+                        dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
+        return time.perf_counter() - begin
+
+    stopped, save_seconds = False, 0.0
+    with stop_requests() as stop, contextlib.closing(logger):
         logger.truncate_after(state.step)
         bar = telemetry.ProgressBar(run.steps, state.step, enabled=rank0 and cfg.logging.progress_bar,
                                     show={"loss": ("sft/loss", ".4f"), "s": ("time/step", ".2f")})
@@ -159,16 +177,18 @@ def train_sft(cfg: SFTRunConfig, *, resume: bool = False) -> Path:
                        "time/step": time.perf_counter() - begin}
             logger.log(step, metrics)
             bar.advance(metrics)
-            if cfg.checkpoint.saves_at(step, run.steps):
-                save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                                hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
-        if cfg.checkpoint.export_hf and rank0:
+            saved = cfg.checkpoint.saves_at(step, run.steps)
+            if saved:
+                save_seconds = save()
+            if step < run.steps and stop.agreed(budget.exceeded(metrics["time/step"], save_seconds)):
+                if not saved:
+                    save()
+                stopped = True
+                break
+        if cfg.checkpoint.export_hf and rank0 and not stopped:
             export_latest(run_dir, cfg.checkpoint.export_dtype)
         dist.barrier()
-        return run_dir
-    finally:
-        logger.close()
+        return EXIT_STOPPED if stopped else 0
 
 
 def load_sft_recipe(path, overrides=()) -> SFTRunConfig:
@@ -180,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dgpo.train import recipe_command
 
     return recipe_command(argv, prog="dgpo-sft", config_class=SFTRunConfig, load=load_sft_recipe,
-                          run=lambda config, resume: train_sft(config, resume=resume),
+                          run=train_sft,
                           description="Supervised warm start of a policy from a recipe.",
                           example="recipes/sft_arithmetic.yaml")
 

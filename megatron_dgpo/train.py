@@ -1,11 +1,14 @@
-"""Command line of the trainer: ``python -m megatron_dgpo.train RECIPE [key=value ...] [--resume]``.
+"""Command line of the trainer: ``python -m megatron_dgpo.train RECIPE [key=value ...]``.
 
 One process (no torchrun) runs a world of one rank; under ``torchrun`` every rank runs this.
 
     python -m megatron_dgpo.train recipes/tiny_cpu.yaml train.steps=5
     torchrun --nproc-per-node 2 -m megatron_dgpo.train recipes/tiny_cpu.yaml parallel.tensor_parallel=2
-    python -m megatron_dgpo.train recipes/tiny_cpu.yaml --resume      # continue run_dir's run
     python -m megatron_dgpo.train --describe                          # every config key, documented
+
+Re-running a command continues the run in its ``run_dir`` (``checkpoint.resume: auto``). Exit
+status: 0 done; 2 a bad recipe; ``interrupt.EXIT_STOPPED`` (75) stopped early by a signal or
+``train.max_minutes`` with a checkpoint saved (re-run to continue).
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ def recipe_command(argv: list[str] | None, *, prog: str, description: str, confi
                    load, run, example: str, epilog: str = "") -> int:
     """The command line shared by ``dgpo-train`` and ``dgpo-sft``: ``RECIPE [key=value ...]
     [--resume] | --describe``. ``load(recipe, overrides)`` builds the config (a ``ConfigError``
-    is printed, exit 2), ``run(config, resume)`` runs it in a world of one rank when started
-    without torchrun."""
+    is printed, exit 2), ``run(config)`` runs it (in a world of one rank when started without
+    torchrun) and returns the exit status."""
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog or None)
     parser.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in run_dir")
+                        help="checkpoint.resume=auto: continue from the newest complete checkpoint "
+                             "in run_dir (the default unless the recipe says otherwise)")
     parser.add_argument("--describe", action="store_true",
                         help="print every config key with its type and documentation, and exit")
     args = parser.parse_args(argv)
@@ -46,14 +50,14 @@ def recipe_command(argv: list[str] | None, *, prog: str, description: str, confi
         parser.error(f"a recipe is required (e.g. {example})")
     if "=" in args.recipe:
         parser.error(f"the first argument must be a recipe file, got the override {args.recipe!r}")
+    overrides = args.overrides + (["checkpoint.resume=auto"] if args.resume else [])
     try:
-        config = load(args.recipe, args.overrides)
+        config = load(args.recipe, overrides)
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     _single_process_world()
-    run(config, args.resume)
-    return 0
+    return run(config)
 
 
 def _single_process_world() -> None:
@@ -69,10 +73,10 @@ def _single_process_world() -> None:
 def main(argv: list[str] | None = None) -> int:
     from megatron_dgpo.recipe import RunConfig, load_recipe
 
-    def run(config, resume):
+    def run(config):
         from megatron_dgpo.trainer import train
 
-        train(config, resume=resume)
+        return train(config)
 
     return recipe_command(argv, prog="dgpo-train", config_class=RunConfig, load=load_recipe, run=run,
                           description="Run a DGPO (or baseline) RL job from a recipe.",

@@ -5,7 +5,9 @@
     -> old log-probs (forward only) -> one optimizer update per mini-batch (N all-reduced)
     -> bucketed refit of each engine from its own model-parallel group -> log -> checkpoint
 
-and, at the end, the final policy exported as an HF folder. Every piece lives in its own
+and, at the end, the final policy exported as an HF folder. A run directory holding a checkpoint
+is continued (``checkpoint.resume: auto``); a stop signal or the time budget ends the run at a
+step boundary agreed by every rank, with a checkpoint (``interrupt``). Every piece lives in its own
 module, named at each call (``policy``, ``rollout.replica``, ``experience``, ``train_step``,
 ``telemetry``, ``checkpoint``); this file only wires them
 (``python -m megatron_dgpo.train`` is the command line).
@@ -21,12 +23,12 @@ import torch.distributed as dist
 
 from megatron_dgpo import model, policy, telemetry
 from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
-from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, export_latest, latest_checkpoint,
+from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume, export_latest,
                                       load_checkpoint, save_checkpoint)
 from megatron_dgpo.config import to_dict
 from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_stats, rollout_metrics
 from megatron_dgpo.gpu_config import pad_multiple
-from megatron_dgpo.interrupt import ctrl_c_not_lost
+from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
@@ -36,11 +38,13 @@ from megatron_dgpo.rollout.replica import ReplicaRollout
 from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step
 
 
-def train(cfg: RunConfig, *, resume: bool = False) -> Path:
-    """Run (or, with ``resume``, continue) the job ``cfg`` on the current torchrun world.
-    Returns the run directory."""
+def train(cfg: RunConfig) -> int:
+    """Run (or continue: ``cfg.checkpoint.resume``) the job ``cfg`` on the current torchrun
+    world. Returns the exit status: 0 when every step ran, ``EXIT_STOPPED`` when a stop signal
+    or ``train.max_minutes`` ended it early (with a checkpoint of the last completed step)."""
     from megatron.core import parallel_state as ps
 
+    budget = TimeBudget(cfg.train.max_minutes)
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes)  # before any engine
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
@@ -51,7 +55,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
     saver = AsyncSaver() if cfg.checkpoint.async_save else None  # refused on CPU
     state = TrainerState(extra=_run_record(cfg, lr))
-    if resume and (latest := latest_checkpoint(run_dir / "checkpoints")) is not None:
+    if (latest := checkpoint_to_resume(run_dir / "checkpoints", cfg.checkpoint.resume)) is not None:
         state = load_checkpoint(latest, models, optimizer)
     dp_size, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
     loss_cfg = LossConfig(method=cfg.algorithm.method, temperature=cfg.rollout.temperature,
@@ -61,7 +65,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                           rollout_correction_cap=cfg.algorithm.rollout_correction_cap)
     group, num_updates = cfg.rollout.group_size, cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
     rollout = logger = None
-    with ctrl_c_not_lost() as ctrl_c:
+    with stop_requests() as stop:
         try:
             if rank0:
                 save_recipe(cfg, run_dir)
@@ -73,9 +77,17 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 rollout.refit(models)
             bar = telemetry.ProgressBar(cfg.train.steps, state.step,
                                         enabled=rank0 and cfg.logging.progress_bar)
-            save_time = {}
+
+            def save() -> dict:
+                begin = time.perf_counter()
+                save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
+                                hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
+                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
+                                saver=saver)
+                return {"time/checkpoint": time.perf_counter() - begin}
+
+            save_time, last_save_seconds, stopped = {}, 0.0, False
             for step in range(state.step + 1, cfg.train.steps + 1):
-                ctrl_c.check()  # a Ctrl-C that a fork hook swallowed stops the run here
                 timer = telemetry.PhaseTimer()
                 if saver is not None:
                     saver.poll()  # publish a background save that has finished on every rank
@@ -137,22 +149,28 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                 logger.log(step, metrics)
                 bar.advance(metrics)
 
-                save_time = {}
-                if cfg.checkpoint.saves_at(step, cfg.train.steps):
-                    begin = time.perf_counter()
-                    save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                                    hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                                    dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
-                                    saver=saver)
-                    save_time = {"time/checkpoint": time.perf_counter() - begin}
+                saved = cfg.checkpoint.saves_at(step, cfg.train.steps)
+                save_time = save() if saved else {}
+                # Every rank stops at the same step boundary, this step saved (interrupt).
+                last_save_seconds = save_time.get("time/checkpoint", last_save_seconds)
+                step_seconds = time.perf_counter() - timer.start
+                if step < cfg.train.steps and stop.agreed(budget.exceeded(step_seconds, last_save_seconds)):
+                    if not saved:
+                        save()
+                    stopped = True
+                    if rank0:
+                        print(f"[megatron-dgpo] stopped after step {step} "
+                              f"({stop.reason or 'train.max_minutes or a signal on another rank'}); the checkpoint is saved, "
+                              f"re-run the same command to continue", flush=True)
+                    break
 
             if saver is not None:
                 saver.wait()  # the last checkpoint is published before it is exported or we exit
-            if cfg.checkpoint.export_hf and rank0:
+            if cfg.checkpoint.export_hf and rank0 and not stopped:
                 export_latest(run_dir, cfg.checkpoint.export_dtype)
             dist.barrier()
-            return run_dir
-        finally:  # Ctrl-C included: free the engines and workers; nothing half-written is kept
+            return EXIT_STOPPED if stopped else 0
+        finally:  # a second signal included: free the engines and workers; nothing half-written is kept
             for closer in (rollout and rollout.close, logger and logger.close):
                 if closer:
                     closer()

@@ -185,15 +185,17 @@ def checkpoint_round_trip(rank, world, root):
 
 
 def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
-    """Save step 3 with a SIGINT delivered inside the first fork of the save (Megatron's
-    shard writer), as a Ctrl-C landing in ``os.fork`` is: Python runs its handler in an at-fork
-    hook, where the KeyboardInterrupt is dropped ("Exception ignored"). The hook stays
+    """Save step 3 after a first Ctrl-C (a stop request) with a second SIGINT delivered inside
+    the first fork of the save (Megatron's shard writer), as a Ctrl-C landing in ``os.fork`` is:
+    Python runs its handler in an at-fork hook, where the KeyboardInterrupt is dropped
+    ("Exception ignored"). The hook stays
     registered in this rank process (one launch), delivering once."""
     import os
     import signal
     import traceback
 
     from megatron_dgpo.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+    from megatron_dgpo.interrupt import stop_requests
 
     deliver = [True]
 
@@ -210,13 +212,17 @@ def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
     # pytest process's handlers (seen in CI: the guard then stood aside)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.register_at_fork(after_in_parent=sigint_in_fork)
+    requested, interrupted = False, False
     try:
-        save_checkpoint(root, TrainerState(step=3), models, optimizer, **meta)
-        interrupted = False
+        with stop_requests() as stop:  # as around the trainer's loop
+            signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: only a request
+            requested = stop.requested
+            # the second lands in the writer's fork, where its KeyboardInterrupt is dropped
+            save_checkpoint(root, TrainerState(step=3), models, optimizer, **meta)
     except KeyboardInterrupt:
         interrupted = True
     torch.distributed.barrier()  # both ranks are past the save before rank 0 lists the folder
-    return {"interrupted": interrupted, "delivered": not deliver,
+    return {"interrupted": interrupted, "requested": requested, "delivered": not deliver,
             "latest": latest_checkpoint(root).name, "listing": sorted(os.listdir(root))}
 
 

@@ -1,22 +1,24 @@
-"""megatron_dgpo.interrupt: a Ctrl-C whose KeyboardInterrupt a fork hook drops still stops the run."""
+"""megatron_dgpo.interrupt: a first stop signal is a request; a second stops at once, even when
+its exception is dropped in a fork hook; the time budget."""
 
 import os
 import signal
+import time
 
 import pytest
 
-from megatron_dgpo.interrupt import ctrl_c_not_lost
+from megatron_dgpo.interrupt import TimeBudget, stop_requests
 
 
-def _sigint_dropped_in_fork():
-    """A SIGINT delivered inside an at-fork hook, where CPython drops the KeyboardInterrupt (the
-    situation of a Ctrl-C landing in os.fork)."""
+def _signal_in_fork(signum):
+    """``signum`` delivered inside an at-fork hook, where CPython drops the handler's exception
+    (the situation of a Ctrl-C landing in os.fork)."""
     armed = [True]
 
     def hook():
         if armed:
             armed.clear()
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signum)
 
     os.register_at_fork(after_in_parent=hook)
     pid = os.fork()
@@ -26,27 +28,73 @@ def _sigint_dropped_in_fork():
 
 
 @pytest.fixture
-def default_sigint():
-    """Python's own SIGINT handler during the test (an earlier test of the session may have
-    left another one installed; the guard leaves a foreign handler alone by design)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+def default_dispositions():
+    """The default dispositions during the test (an earlier test of the session may have left
+    another handler installed; the block leaves a foreign handler alone by design)."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                signal.SIGUSR1: signal.SIG_DFL}
+    previous = {s: signal.signal(s, h) for s, h in defaults.items()}
+    yield defaults
+    for s, h in previous.items():
+        signal.signal(s, h)
 
 
-def test_dropped_ctrl_c_raises_at_check_and_at_block_end_even_nested(default_sigint):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_first_signal_is_a_request_second_stops_at_once(default_dispositions, signum):
+    with stop_requests() as stop:
+        assert not stop.requested and not stop.agreed()  # no process group: this rank decides
+        signal.raise_signal(signum)  # recorded, nothing raised: the step in flight finishes
+        assert stop.requested and stop.reason == signal.Signals(signum).name
+        assert stop.agreed() and stop.agreed(local_reason=False)
+        with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else SystemExit) as err:
+            signal.raise_signal(signum)
+        if signum != signal.SIGINT:
+            assert err.value.code == 128 + signum  # as a process killed by the signal reports
+        stop.received.clear()
+    for s, handler in default_dispositions.items():
+        assert signal.getsignal(s) is handler  # restored
+
+
+def test_second_signal_dropped_in_a_fork_raises_at_check_and_at_block_end_even_nested(default_dispositions):
     with pytest.raises(KeyboardInterrupt):
-        with ctrl_c_not_lost() as outer:
+        with stop_requests() as outer:
             outer.check()  # nothing received yet: no-op
+            signal.raise_signal(signal.SIGINT)  # the first: a request
             with pytest.raises(KeyboardInterrupt):  # the inner block (a save) refuses to finish
-                with ctrl_c_not_lost() as inner:
+                with stop_requests() as inner:
                     assert inner is outer
-                    _sigint_dropped_in_fork()  # no exception reaches here
-                    assert outer.received == 1
+                    _signal_in_fork(signal.SIGINT)  # the second: its exception is dropped
+                    assert len(outer.received) == 2
             outer.check()  # the loop's safe point raises too
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
-    # without the guard the same Ctrl-C is lost: the code simply continues
-    _sigint_dropped_in_fork()
-    with ctrl_c_not_lost() as guard:
-        guard.check()
+    # A first signal in a fork is kept too: it is only a record.
+    with stop_requests() as stop:
+        _signal_in_fork(signal.SIGTERM)
+        assert stop.requested and stop.reason == "SIGTERM"
+        stop.received.clear()
+
+
+def test_ignored_and_foreign_dispositions_are_left_alone(default_dispositions):
+    def foreign(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # e.g. nohup, or a parent that ignores it
+    signal.signal(signal.SIGUSR1, foreign)
+    with stop_requests() as stop:
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) is foreign
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGUSR1)
+        assert not stop.requested
+    assert signal.getsignal(signal.SIGUSR1) is foreign
+
+
+def test_time_budget():
+    assert not TimeBudget(None).exceeded(1e9, 1e9)
+    budget = TimeBudget(1.0)  # one minute from now
+    assert not budget.exceeded(step_seconds=10.0, save_seconds=5.0)
+    assert budget.exceeded(step_seconds=50.0, save_seconds=15.0)
+    short = TimeBudget(0.5 / 60)  # half a second
+    time.sleep(0.6)
+    assert short.exceeded(0.0)

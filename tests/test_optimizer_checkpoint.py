@@ -58,9 +58,10 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
         assert staged["latest"] == "step_000001"
         assert staged["listing"] == [".incomplete-step_000002", "latest", "step_000001"]
         assert not any(f.endswith(".distcp") for f in staged["staged_files"])
-        # Ctrl-C while the save of step 3 forks its writer: KeyboardInterrupt, not published
+        # A second Ctrl-C while the save of step 3 forks its writer: KeyboardInterrupt, not
+        # published (the first one was only a request: megatron_dgpo.interrupt)
         ctrl_c = result["ctrl_c"]
-        assert ctrl_c["delivered"] and ctrl_c["interrupted"]
+        assert ctrl_c["requested"] and ctrl_c["delivered"] and ctrl_c["interrupted"]
         assert ctrl_c["latest"] == "step_000002"
         assert ctrl_c["listing"] == [".incomplete-step_000003", "latest", "step_000002"]
     # the layout recorded is the one saved at (TP=2), not the stale one in the state passed in
@@ -77,3 +78,22 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
 
     megatron_to_hf(str(tmp_path / "step_000002"), str(tmp_path / "hf"))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 300
+
+
+def test_resume_modes(tmp_path):
+    """checkpoint.resume: auto continues when there is a checkpoint and starts fresh otherwise;
+    require needs one; never refuses to start over a run that has one."""
+    from megatron_dgpo.checkpoint import checkpoint_to_resume
+
+    root = tmp_path / "checkpoints"
+    assert checkpoint_to_resume(root, "auto") is None and checkpoint_to_resume(root, "never") is None
+    with pytest.raises(FileNotFoundError, match="checkpoint.resume=require: no complete checkpoint"):
+        checkpoint_to_resume(root, "require")
+    (root / "step_000004").mkdir(parents=True)
+    (root / "step_000004" / "trainer_state.json").write_text("{}")
+    (root / "latest").write_text("step_000004\n")
+    assert checkpoint_to_resume(root, "auto").name == checkpoint_to_resume(root, "require").name == "step_000004"
+    with pytest.raises(FileExistsError, match="checkpoint.resume=never: .* already holds step_000004"):
+        checkpoint_to_resume(root, "never")
+    with pytest.raises(ValueError, match="checkpoint.resume must be one of"):
+        checkpoint_to_resume(root, "sometimes")

@@ -85,37 +85,43 @@ def test_every_sft_key_is_documented():
     assert all(doc for _, _, doc in rows), [key for key, _, doc in rows if not doc]
 
 
-def test_sft_cli_resume_is_exact_and_exports_hf(tmp_path):
-    """4 steps in one go == 2 steps, then --resume to 4 (same losses, bit for bit); the export is
-    an HF folder transformers loads."""
+def test_sft_cli_time_budget_stop_then_rerun_is_exact_and_exports_hf(tmp_path):
+    """4 steps in one go == a run stopped by its time budget (``sft.max_minutes``: a checkpoint
+    of the last step, exit 75, no export), then the same command continued (resume is the
+    default) to 4 (same losses, bit for bit); the export is an HF folder transformers loads."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     from megatron_dgpo.arithmetic import TaskSizes, make_task
+    from megatron_dgpo.interrupt import EXIT_STOPPED
     from megatron_dgpo.telemetry import read_metrics
 
     root = Path(__file__).resolve().parents[1]
     task = make_task(tmp_path / "task", sizes=TaskSizes(sft=64, train=1, heldout=1))
     common = [f"model.path={task / 'initial_model'}", f"sft.data={task / 'sft.jsonl'}",
-              "sft.batch_samples=16", "sft.micro_batch_tokens=256", "checkpoint.save_every=2",
+              "sft.batch_samples=16", "sft.micro_batch_tokens=256", "checkpoint.save_every=3",
               "logging.progress_bar=false", "logging.tensorboard=false"]
 
-    def sft(run_dir, steps, *extra):
+    def sft(run_dir, steps, *extra, status=0):
         proc = subprocess.run([sys.executable, "-m", "megatron_dgpo.sft", str(root / "recipes" / "sft_arithmetic.yaml"),
                                f"run_dir={run_dir}", f"sft.steps={steps}", *common, *extra],
                               cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
                               capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == status, proc.stderr[-3000:]
 
     sft(tmp_path / "whole", 4)
-    sft(tmp_path / "split", 2)
-    first_two = read_metrics(tmp_path / "split")
-    sft(tmp_path / "split", 4, "--resume")
+    # 6 ms: spent before step 1 ends, so the run stops after it, off the save schedule
+    sft(tmp_path / "split", 4, "sft.max_minutes=0.0001", status=EXIT_STOPPED)
+    first = read_metrics(tmp_path / "split")
+    assert [r["step"] for r in first] == [1]
+    assert (tmp_path / "split" / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert not (tmp_path / "split" / "hf").exists()  # exported only when the run is done
+    sft(tmp_path / "split", 4)
     whole, split = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
     assert [r["step"] for r in split] == [1, 2, 3, 4]
-    assert split[:2] == first_two  # continued from the step-2 checkpoint, not started over
+    assert split[:1] == first  # continued from the step-1 checkpoint, not started over
     assert [r["sft/loss"] for r in split] == [r["sft/loss"] for r in whole]
     from transformers import AutoModelForCausalLM
 
