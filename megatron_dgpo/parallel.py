@@ -3,7 +3,8 @@
 The backend follows the hardware: nccl with a GPU, gloo without one (then the CPU
 compatibility patches of ``megatron_dgpo.cpu`` are applied). DP is what is left of the world:
 ``world_size / (tp * pp)``. Megatron's rank order is ``tp-cp-ep-dp-pp``: TP ranks are adjacent,
-PP is outermost.
+PP is outermost. Under ``torchrun --max-restarts N`` each restart attempt gets its own store
+prefix, so a restarted job can form its process group again (``_attempt_store``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo.cpu import apply_cpu_compat, cpu_only, seed_model_parallel_rng
+from megatron_dgpo.watchdog import start_heartbeat
 
 DEFAULT_TIMEOUT_MINUTES = 120.0
 """Collective timeout: long enough for one step's generation on the slowest engine (a rank may
@@ -40,6 +42,12 @@ class ParallelConfig:
     can spend outside collectives: a step's generation, a checkpoint save. Fractions allowed
     (0.05 = 3 s, for tests)."""
 
+    watchdog_minutes: float | None = 10.0
+    """Under torchrun: a rank whose heartbeat (a background thread, independent of the work)
+    has stopped for this long is taken as hung (stopped, frozen node) and the job is ended
+    then, instead of at ``timeout_minutes`` (``megatron_dgpo.watchdog``). Keep it well above a
+    few seconds of scheduling noise; None turns it off."""
+
     def __post_init__(self):
         for name in ("tensor_parallel", "pipeline_parallel"):
             value = getattr(self, name)
@@ -52,6 +60,10 @@ class ParallelConfig:
         if not (isinstance(self.timeout_minutes, (int, float)) and self.timeout_minutes > 0):
             raise ValueError(f"ParallelConfig.timeout_minutes must be a positive number, got "
                              f"{self.timeout_minutes!r}")
+        if self.watchdog_minutes is not None and not (
+                isinstance(self.watchdog_minutes, (int, float)) and self.watchdog_minutes >= 0.05):
+            raise ValueError(f"ParallelConfig.watchdog_minutes must be None or >= 0.05 (3 s), got "
+                             f"{self.watchdog_minutes!r}")
         if vpp is not None and vpp > 1 and self.pipeline_parallel == 1:
             raise ValueError("ParallelConfig.virtual_pipeline_parallel > 1 needs "
                              "pipeline_parallel > 1")
@@ -68,11 +80,14 @@ def default_backend() -> str:
 
 
 def init_distributed(backend: str | None = None, *,
-                     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
+                     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+                     watchdog_minutes: float | None = None) -> None:
     """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet.
 
     ``timeout_minutes`` (``ParallelConfig.timeout_minutes``) bounds every collective of the
     default group: a rank waiting longer fails with gloo's/NCCL's timeout error.
+    ``watchdog_minutes`` (``ParallelConfig.watchdog_minutes``), under torchrun, starts this
+    rank's heartbeat and watcher (``megatron_dgpo.watchdog``).
     """
     if dist.is_initialized():
         return
@@ -80,7 +95,33 @@ def init_distributed(backend: str | None = None, *,
         raise ValueError(f"parallel.timeout_minutes must be a positive number, got {timeout_minutes!r}")
     if not cpu_only():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend or default_backend(), timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend or default_backend(), timeout=timeout)
+    else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend or default_backend(), timeout=timeout, store=store,
+                                rank=rank, world_size=world_size)
+        if watchdog_minutes is not None and world_size > 1:
+            start_heartbeat(store, rank, world_size, timeout_s=60.0 * watchdog_minutes)
+
+
+def _attempt_store(timeout: timedelta):
+    """Under torchrun, the store of this restart attempt: a prefix of the agent's store keyed by
+    ``TORCHELASTIC_RESTART_COUNT``; None elsewhere (``env://`` as usual).
+
+    torchrun's agent keeps one TCPStore for all attempts of a job (the rendezvous store is shared
+    with the workers). After ``--max-restarts`` restarts the workers, a new attempt's process
+    group would read the dead attempt's keys (their gloo addresses: "connectFullMesh failed ...
+    Connection refused", or with c10d a hang until the collective timeout; pytorch/pytorch
+    #135712, #167288). Keys under a per-attempt prefix start empty."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megatron_dgpo/attempt_{restart}/", agent)
 
 
 def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:

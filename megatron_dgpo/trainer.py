@@ -45,7 +45,8 @@ def train(cfg: RunConfig) -> int:
     from megatron.core import parallel_state as ps
 
     budget = TimeBudget(cfg.train.max_minutes)
-    init_distributed(timeout_minutes=cfg.parallel.timeout_minutes)  # before any engine
+    init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
+                     watchdog_minutes=cfg.parallel.watchdog_minutes)  # before any engine
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
     hf_dir = policy.initial_model(cfg.model, run_dir, cfg.train.seed)
