@@ -9,7 +9,7 @@ LAUNCH_STAMP := $(LAUNCH_ENV)/.installed
 OUT ?= outputs
 
 # `make test` also builds .venv-launch (NeMo-Run's launcher tests).
-.PHONY: env run test clean-env
+.PHONY: env run test test-cluster clean-env
 
 env: $(STAMP)
 
@@ -28,7 +28,15 @@ run: $(STAMP)
 	$(PY) tools/plot_run.py $(OUT)/tiny_cpu
 
 test: $(STAMP) $(LAUNCH_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/cluster
+
+# A cluster's life, heavier than `make test` (CI runs both): a real 2-node SLURM in network
+# namespaces (sbatch, time limit + requeue, scontrol requeue, NeMo-Run), torchrun restarts after
+# a killed rank, the hung-rank watchdog, a 4-rank layout. Installs slurm-wlm and munge as root;
+# without them the SLURM tests skip and say why (-rs).
+test-cluster: $(STAMP) $(LAUNCH_STAMP)
+	bash slurm/testing/install.sh
+	$(PY) -m pytest -q -rs tests/cluster
 
 clean-env:
 	rm -rf $(PYTHON_ENV) $(LAUNCH_ENV)

@@ -7,7 +7,9 @@ only records it, the loop finishes the step in flight, all ranks agree at the st
 (``StopRequests.agreed``: a MAX all-reduce, so one rank's signal stops every rank at the same
 step, as Megatron-LM's ``dist_signal_handler``), a checkpoint is written and the process exits
 with ``EXIT_STOPPED``. A second signal stops at once: ``KeyboardInterrupt`` for SIGINT,
-``SystemExit(128 + signum)`` otherwise, so ``finally`` blocks still close engines and workers::
+``SystemExit(128 + signum)`` otherwise, so ``finally`` blocks still close engines and workers
+(the same signal again within ``REPEAT_WINDOW_SECONDS`` is a duplicate delivery, not a second
+signal)::
 
     with stop_requests() as stop:            # the trainer, around its loop
         for step in ...:
@@ -23,6 +25,13 @@ fork; vLLM and the reward pool start workers) makes Python raise inside an at-fo
 CPython prints "Exception ignored" and DROPS the exception. The first signal raises nothing, so
 there is nothing to drop; a second one's exception can be dropped, and ``check()`` (and leaving
 the block) raises it again from the record.
+
+Helper processes must outlive a stop signal: SLURM sends it to every process of a job step,
+so a grader worker or the result queue's manager of Megatron's checkpoint writers would die of
+it and the save in flight would break (seen on the test cluster). ``children_keep_running()``
+starts such children with the stop signals blocked; the mask is inherited across fork and exec,
+so they never see them (the parent closes them), while the parent's signals stay pending until
+the block ends, or reach another thread of it, and are not lost.
 
 Blocks nest: an inner block shares the outer one's record. Handlers are installed only in the
 main thread and only over the default disposition: a signal the parent set to ignored (a
@@ -41,6 +50,11 @@ from contextlib import contextmanager
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """Signals that ask the run to stop at the next step boundary."""
 
+REPEAT_WINDOW_SECONDS = 2.0
+"""A signal repeated within this many seconds of the first is the same request: SLURM sends
+SIGTERM to every process of a step and torchrun forwards the same signal to its workers, so a
+trainer under both receives it twice within milliseconds."""
+
 EXIT_STOPPED = 75
 """Exit status of a run stopped early by a signal or by its time budget after saving a
 checkpoint (sysexits' EX_TEMPFAIL: "try again later"): re-running the same command continues it
@@ -52,6 +66,7 @@ class StopRequests:
 
     def __init__(self):
         self.received: list[int] = []
+        self._first_at = 0.0
 
     @property
     def requested(self) -> bool:
@@ -77,9 +92,13 @@ class StopRequests:
         return any_rank(self.requested or local_reason, group=group)
 
     def _on_signal(self, signum, frame):
+        now = time.monotonic()
+        if self.received and signum == self.received[0] and now - self._first_at < REPEAT_WINDOW_SECONDS:
+            return  # the same request delivered twice (REPEAT_WINDOW_SECONDS)
         self.received.append(signum)
         if len(self.received) >= 2:
             raise _stop_now(signum)
+        self._first_at = now
         print(f"[megatron-dgpo] {signal.Signals(signum).name} received: stopping after the step in "
               f"flight with a checkpoint; send it again to stop at once", file=sys.stderr, flush=True)
 
@@ -128,3 +147,22 @@ class TimeBudget:
 
     def exceeded(self, step_seconds: float, save_seconds: float = 0.0) -> bool:
         return self.deadline is not None and time.monotonic() + step_seconds + save_seconds > self.deadline
+
+
+@contextmanager
+def children_keep_running():
+    """Processes started in this block ignore the stop signals (they stay blocked in them); in
+    this thread the signals wait until the block ends (module docstring)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # multiprocessing starts its resource tracker on first use and UNBLOCKS SIGINT and SIGTERM
+    # afterwards (resource_tracker.ensure_running): start it before blocking
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

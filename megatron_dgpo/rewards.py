@@ -52,6 +52,8 @@ from multiprocessing.connection import wait as _mp_wait
 from numbers import Real
 from typing import Literal, Sequence
 
+from megatron_dgpo.interrupt import children_keep_running
+
 MAX_ANSWER_CHARS = 1000
 MAX_ANSWER_DEPTH = 20
 _INNER_TIMEOUT_S = 2  # math-verify's own alarm (integer seconds), below the pool's hard deadline
@@ -343,7 +345,8 @@ class RewardPool:
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="dgpo-grader")
-        proc.start()
+        with children_keep_running():  # SLURM signals every process: the pool closes its workers
+            proc.start()
         child.close()
         return _Worker(proc, parent)
 

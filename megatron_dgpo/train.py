@@ -57,7 +57,10 @@ def recipe_command(argv: list[str] | None, *, prog: str, description: str, confi
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     _single_process_world()
-    return run(config)
+    from megatron_dgpo.interrupt import stop_requests
+
+    with stop_requests():  # from here on a stop signal is a request, even during start-up
+        return run(config)
 
 
 def _single_process_world() -> None:

@@ -185,7 +185,7 @@ def checkpoint_round_trip(rank, world, root):
 
 
 def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
-    """Save step 3 after a first Ctrl-C (a stop request) with a second SIGINT delivered inside
+    """Save step 3 after a first stop signal (SIGTERM: a request) with a SIGINT delivered inside
     the first fork of the save (Megatron's shard writer), as a Ctrl-C landing in ``os.fork`` is:
     Python runs its handler in an at-fork hook, where the KeyboardInterrupt is dropped
     ("Exception ignored"). The hook stays
@@ -211,11 +211,12 @@ def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
     # engine core sets SIGINT to SIG_DFL when it shuts down, and these ranks inherit the
     # pytest process's handlers (seen in CI: the guard then stood aside)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.register_at_fork(after_in_parent=sigint_in_fork)
     requested, interrupted = False, False
     try:
         with stop_requests() as stop:  # as around the trainer's loop
-            signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: only a request
+            signal.raise_signal(signal.SIGTERM)  # the first stop signal: only a request
             requested = stop.requested
             # the second lands in the writer's fork, where its KeyboardInterrupt is dropped
             save_checkpoint(root, TrainerState(step=3), models, optimizer, **meta)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_dgpo.interrupt import TimeBudget, stop_requests
+from megatron_dgpo.interrupt import REPEAT_WINDOW_SECONDS, TimeBudget, children_keep_running, stop_requests
 
 
 def _signal_in_fork(signum):
@@ -46,6 +46,9 @@ def test_first_signal_is_a_request_second_stops_at_once(default_dispositions, si
         signal.raise_signal(signum)  # recorded, nothing raised: the step in flight finishes
         assert stop.requested and stop.reason == signal.Signals(signum).name
         assert stop.agreed() and stop.agreed(local_reason=False)
+        signal.raise_signal(signum)  # the same signal at once: a duplicate delivery (SLURM + torchrun)
+        assert len(stop.received) == 1
+        time.sleep(REPEAT_WINDOW_SECONDS)
         with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else SystemExit) as err:
             signal.raise_signal(signum)
         if signum != signal.SIGINT:
@@ -56,14 +59,14 @@ def test_first_signal_is_a_request_second_stops_at_once(default_dispositions, si
 
 
 def test_second_signal_dropped_in_a_fork_raises_at_check_and_at_block_end_even_nested(default_dispositions):
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         with stop_requests() as outer:
             outer.check()  # nothing received yet: no-op
             signal.raise_signal(signal.SIGINT)  # the first: a request
-            with pytest.raises(KeyboardInterrupt):  # the inner block (a save) refuses to finish
+            with pytest.raises(SystemExit):  # the inner block (a save) refuses to finish
                 with stop_requests() as inner:
                     assert inner is outer
-                    _signal_in_fork(signal.SIGINT)  # the second: its exception is dropped
+                    _signal_in_fork(signal.SIGTERM)  # the second: its exception is dropped
                     assert len(outer.received) == 2
             outer.check()  # the loop's safe point raises too
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -98,3 +101,40 @@ def test_time_budget():
     short = TimeBudget(0.5 / 60)  # half a second
     time.sleep(0.6)
     assert short.exceeded(0.0)
+
+
+def _sleep_forever():
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_children_started_in_the_block_outlive_stop_signals_and_the_parent_keeps_its_own(
+        default_dispositions, start_method):
+    """SLURM signals every process of a step: a helper started in ``children_keep_running``
+    survives SIGTERM/SIGUSR1/SIGINT (it is closed by its parent), one started outside does not;
+    a signal sent to the parent during the block is recorded when the block ends."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    with stop_requests() as stop:
+        with children_keep_running():
+            kept = ctx.Process(target=_sleep_forever, daemon=True)
+            kept.start()
+            os.kill(os.getpid(), signal.SIGUSR1)  # pending while blocked in this thread
+            assert not stop.requested
+        assert stop.requested and stop.reason == "SIGUSR1"
+        stop.received.clear()
+    plain = ctx.Process(target=_sleep_forever, daemon=True)
+    plain.start()
+    time.sleep(1.0 if start_method == "spawn" else 0.2)  # let the spawned interpreters start
+    try:
+        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            os.kill(kept.pid, signum)
+        os.kill(plain.pid, signal.SIGTERM)
+        plain.join(10)
+        kept.join(1.0)
+        assert plain.exitcode == -signal.SIGTERM
+        assert kept.is_alive()
+    finally:
+        kept.kill()
+        plain.kill()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "slurm").glob("*.sbatch")) + sorted((ROOT / "slurm").glob("*.sh"))
+SCRIPTS = (sorted((ROOT / "slurm").glob("*.sbatch")) + sorted((ROOT / "slurm").glob("**/*.sh"))
+           + [ROOT / "slurm" / "testing" / "in-cluster"])
 HOSTS = ["gpu-017", "gpu-018"]
 
 
@@ -60,7 +61,7 @@ def _dry_run(tmp_path, *args: str, **env_overrides: str) -> subprocess.Completed
 
 
 def test_dry_run_prints_the_srun_and_torchrun_lines(tmp_path):
-    overrides = ["train.steps=3", "run_dir=/scratch/dgpo runs/14b", "--resume"]
+    overrides = ["train.steps=3", "run_dir=/scratch/dgpo runs/14b"]
     result = _dry_run(tmp_path, *overrides)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -70,9 +71,13 @@ def test_dry_run_prints_the_srun_and_torchrun_lines(tmp_path):
     srun, launcher = argv[:torchrun], argv[torchrun:]
     assert srun[0] == "srun"
     assert {"--nodes=2", "--ntasks-per-node=1", "--output=logs/4242/%N.log", "--kill-on-bad-exit=1"} <= set(srun)
-    assert launcher[:7] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                            f"--rdzv-endpoint={HOSTS[0]}:29500", "--rdzv-id=4242", "-m"]
-    assert launcher[7:] == ["megatron_dgpo.train", "recipes/dgpo_14b.yaml", *overrides]
+    # rendezvous per attempt of a requeued job; torchrun forwards SIGUSR1 (the time limit's early
+    # warning) instead of dying of it, and gives the trainers STOP_GRACE seconds to save
+    assert launcher[:10] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                             f"--rdzv-endpoint={HOSTS[0]}:29500", "--rdzv-id=4242-0", "--max-restarts=0",
+                             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                             "--shutdown-timeout=600", "-m"]
+    assert launcher[10:] == ["megatron_dgpo.train", "recipes/dgpo_14b.yaml", *overrides]
 
 
 def test_dry_run_follows_the_environment(tmp_path):

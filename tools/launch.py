@@ -63,8 +63,10 @@ def slurm_executor(*, account: str, partition: str | None, nodes: int, gpus_per_
     the job runs it (``/nemo_run/code`` in a container); off: the job runs in the submission dir,
     which must then be on a filesystem the nodes share.
     """
+    # The Experiment (base_dir=job_dir) writes its files under <job_dir>/experiments/<exp>/<id>;
+    # an SSH tunnel rsyncs them there, a local one submits them in place, so it must look there.
     tunnel = (run.SSHTunnel(host=ssh_host, user=ssh_user or os.environ.get("USER", ""), job_dir=job_dir)
-              if ssh_host else run.LocalTunnel(job_dir=job_dir))
+              if ssh_host else run.LocalTunnel(job_dir=os.path.join(job_dir, "experiments")))
     return run.SlurmExecutor(
         account=account, partition=partition, nodes=nodes, ntasks_per_node=gpus_per_node,
         gpus_per_node=gpus_per_node, container_image=container_image,
@@ -114,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"launch.py: recipe {args.recipe}: no such file")
     name = args.name or recipe.stem.replace(".", "_")  # part of job ids and file names
     job_dir = str(Path(args.job_dir or os.environ.get("NEMORUN_HOME", Path.home() / ".nemo_run")).resolve())
+    if args.executor == "slurm" and "/nemo_run" in job_dir:
+        # nemo-run 0.11 rewrites every "/nemo_run" of a non-container sbatch script into the job
+        # dir: the job's --output folder would not exist (JobLaunchFailure, ExitCode 0:53)
+        raise SystemExit(f"launch.py: job dir {job_dir} contains '/nemo_run', which nemo-run rewrites "
+                         f"in the sbatch script; use another --job-dir / NEMORUN_HOME (~/.nemo_run is fine)")
 
     if args.executor == "local":
         # Absolute: the local job runs in the caller's working directory, wherever that is.

@@ -1,0 +1,171 @@
+"""The project on a real 2-node SLURM 22.05 cluster (``make test-cluster``): slurmctld and two
+slurmd in network namespaces of this machine (``slurm/testing/cluster-up.sh``), torn down
+whatever happens. Every job runs the tiny recipe at DP=2 (one rank and one colocated vLLM engine
+per node) through the unmodified ``slurm/train.sbatch`` or NeMo-Run's SLURM executor, and must
+reproduce the uninterrupted torchrun run on one host bit for bit:
+
+* an uninterrupted job;
+* a job under a time limit: SLURM's early SIGUSR1 (``--signal=B:USR1@<lead>``) reaches the
+  trainers through the batch script and torchrun, they stop at a step boundary with a
+  checkpoint, the script requeues the job, and the next attempt continues until the run is done;
+* ``scontrol requeue`` of a running job: SIGTERM from SLURM, a checkpoint, the requeued attempt
+  continues;
+* ``tools/launch.py --executor slurm`` (NeMo-Run, local submission).
+
+Skipped, with the reason, where the cluster cannot be built: not root, or no slurm-wlm/munge.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_dgpo.telemetry import read_metrics
+from tests.cluster.conftest import QUIET, ROOT, assert_same_run
+
+TESTING = ROOT / "slurm" / "testing"
+IN_CLUSTER = str(TESTING / "in-cluster")
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, slurmd)"
+    missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch") if not shutil.which(t)
+               and not Path(f"/usr/sbin/{t}").exists()]
+    return f"SLURM is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge" if missing else None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    subprocess.run(["bash", str(TESTING / "cluster-down.sh")], capture_output=True)  # a crashed run's
+    up = subprocess.run(["bash", str(TESTING / "cluster-up.sh")], capture_output=True, text=True)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield
+    finally:
+        subprocess.run(["bash", str(TESTING / "cluster-down.sh")], capture_output=True)
+
+
+def _env(**extra) -> dict:
+    return dict(os.environ, PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", **extra)
+
+
+def _sbatch(run_dir: Path, tmp_path: Path, *options: str, steps: int) -> int:
+    out = subprocess.run(
+        [IN_CLUSTER, "sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/job-%j.out", *options,
+         str(ROOT / "slurm" / "train.sbatch"), f"run_dir={run_dir}", f"train.steps={steps}",
+         "checkpoint.save_every=5", *QUIET],
+        cwd=ROOT, env=_env(RECIPE="recipes/tiny_cpu.yaml", GPUS_PER_NODE="1", LOG_DIR=str(tmp_path / "logs")),
+        capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().split(";")[0])
+
+
+def _job(job_id: int) -> dict:
+    out = subprocess.run([IN_CLUSTER, "scontrol", "show", "job", str(job_id)], capture_output=True,
+                         text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S+)", out))
+
+
+def _until_done(job_id: int, timeout: float = 900, *, on_running=None) -> dict:
+    """Wait for the job to complete; a requeued attempt held by SLURM's requeue delay is started
+    at once (``StartTime=now``). ``on_running(job)`` is called while it runs until it returns True."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = _job(job_id)
+        state = job.get("JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return job
+        if state == "PENDING" and job.get("Reason") == "BeginTime":
+            subprocess.run([IN_CLUSTER, "scontrol", "update", f"jobid={job_id}", "StartTime=now"],
+                           capture_output=True)
+        if state == "RUNNING" and on_running is not None and on_running(job):
+            on_running = None
+        time.sleep(1)
+    subprocess.run([IN_CLUSTER, "scancel", str(job_id)])
+    pytest.fail(f"job {job_id} not done after {timeout} s: {_job(job_id)}")
+
+
+def _log(tmp_path: Path, job_id: int) -> str:
+    return (tmp_path / f"job-{job_id}.out").read_text()
+
+
+def test_two_nodes_equal_one_host(cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = _sbatch(run_dir, tmp_path, steps=8)
+    job = _until_done(job_id)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _log(tmp_path, job_id)
+    assert_same_run(read_metrics(run_dir), reference[:8])
+    assert len(read_metrics(run_dir)) == 8
+    assert (tmp_path / "logs" / str(job_id) / "node1.log").is_file()
+    assert (tmp_path / "logs" / str(job_id) / "node2.log").is_file()
+
+
+def test_time_limit_stops_requeues_and_continues_exactly(cluster, reference, tmp_path):
+    """--time=3 with SIGUSR1 100 s ahead (SLURM may send it up to 60 s earlier): each attempt
+    stops at a step boundary, saves, and requeues itself; the run ends as if uninterrupted."""
+    run_dir = tmp_path / "run"
+    job_id = _sbatch(run_dir, tmp_path, "--time=3", "--signal=B:USR1@100", steps=30)
+    job = _until_done(job_id, timeout=1500)
+    log = _log(tmp_path, job_id)
+    assert job["JobState"] == "COMPLETED", log
+    assert int(job["Restarts"]) >= 1 and "requeueing job" in log, log
+    assert_same_run(read_metrics(run_dir), reference)
+    assert len(read_metrics(run_dir)) == 30
+    for line in log.splitlines():
+        if "exited with status" in line or "attempt" in line:
+            print(line)
+
+
+def test_scontrol_requeue_of_a_running_job_continues_exactly(cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = _sbatch(run_dir, tmp_path, "--time=20", "--signal=B:USR1@60", steps=12)
+    metrics = run_dir / "metrics.jsonl"
+
+    def requeue_after_step_3(job):
+        if job.get("Restarts") == "0" and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            subprocess.run([IN_CLUSTER, "scontrol", "requeue", str(job_id)], check=True)
+            return True
+        return False
+
+    job = _until_done(job_id, on_running=requeue_after_step_3)
+    log = _log(tmp_path, job_id)
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log
+    assert "attempt 1" in log, log  # --open-mode=append: both attempts' lines are kept
+    assert_same_run(read_metrics(run_dir), reference[:12])
+    assert len(read_metrics(run_dir)) == 12
+
+
+def test_nemo_run_slurm_executor_submits_locally(cluster, reference, tmp_path):
+    launch_python = ROOT / ".venv-launch" / "bin" / "python"
+    assert launch_python.exists(), "make test-cluster builds .venv-launch first"
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [IN_CLUSTER, str(launch_python), "tools/launch.py", "--executor", "slurm", "recipes/tiny_cpu.yaml",
+         "train.steps=3", f"run_dir={run_dir}", *QUIET, "--account", "test", "--partition", "debug",
+         "--nodes", "2", "--gpus-per-node", "1", "--job-venv", str(ROOT / ".venv"), "--time", "00:20:00",
+         "--job-dir", str(tmp_path / "nemorun")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ids = re.findall(r"\b(\d+)\b", subprocess.run([IN_CLUSTER, "squeue", "-h", "-o", "%i"],
+                                                  capture_output=True, text=True).stdout)
+    deadline = time.monotonic() + 600
+    while ids and time.monotonic() < deadline and not (run_dir / "hf").exists():
+        time.sleep(2)
+    job = _until_done(int(ids[-1])) if ids else {}
+    assert job.get("JobState") == "COMPLETED", (job, proc.stdout[-2000:])
+    assert_same_run(read_metrics(run_dir), reference[:3])
+    assert len(read_metrics(run_dir)) == 3
+    # a job dir that nemo-run would rewrite is refused before anything is submitted
+    bad = subprocess.run([str(launch_python), "tools/launch.py", "--executor", "slurm", "recipes/tiny_cpu.yaml",
+                          "--account", "test", "--job-dir", str(tmp_path / "nemo_run")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "contains '/nemo_run'" in bad.stderr
