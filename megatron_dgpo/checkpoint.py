@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.interrupt import stop_requests
+from megatron_dgpo import comm
+from megatron_dgpo.interrupt import children_keep_running, stop_requests
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -218,13 +219,14 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
-    dist.barrier()
+    comm.barrier()
     publish = partial(_publish, root, name, keep_last)
     # A first stop signal lets the save finish; a second one's exception, even if dropped in the
     # fork hook of Megatron's writers, raises at the block's end, before anything is published
     with stop_requests():
-        request = dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False),
-                                          str(staging), async_sharded_save=saver is not None)
+        with children_keep_running():  # its writers and their result queue's manager process
+            request = dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False),
+                                              str(staging), async_sharded_save=saver is not None)
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
         if rank0:
             write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
@@ -241,7 +243,7 @@ def _publish(root: Path, name: str, keep_last: int) -> None:
     """Collective: the staged checkpoint ``name`` becomes complete: rename, then ``latest``."""
     staging, final = root / f"{INCOMPLETE_PREFIX}{name}", root / name
     rank0 = dist.get_rank() == 0
-    dist.barrier()  # every rank's shards are written
+    comm.barrier()  # every rank's shards are written
     if rank0:
         _fsync_dir(staging)
         if final.exists():  # a step saved twice (e.g. re-run after a crash past the pointer)
@@ -249,7 +251,7 @@ def _publish(root: Path, name: str, keep_last: int) -> None:
         os.rename(staging, final)
         _replace_text(root / LATEST_FILE, name + "\n")
         _prune(root, keep=max(1, keep_last), newest=name)
-    dist.barrier()
+    comm.barrier()
 
 
 def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> TrainerState:

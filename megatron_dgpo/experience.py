@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from megatron_dgpo import comm
 from megatron_dgpo.packing import MicroBatch, Sample, pack
 
 
@@ -72,11 +72,9 @@ class Experience:
         """Every rank of ``group`` (a DP replica's model-parallel group) contributes its piece
         (None where the rank graded nothing); all get the pieces joined in rank order. Only the
         replica's own share crosses, and only inside the replica."""
-        if group is None or dist.get_world_size(group) == 1:
+        if group is None or comm.size(group) == 1:
             return self
-        pieces = [None] * dist.get_world_size(group)
-        dist.all_gather_object(pieces, self, group=group)
-        return Experience.join(pieces)
+        return Experience.join(comm.gather_objects(self, group))
 
     def sample(self, i: int) -> Sample:
         """Sample i for ``packing.pack``: per response token the rollout log-prob and the
@@ -136,9 +134,8 @@ def rollout_metrics(batch: Experience, group_size: int, group=None) -> dict[str,
                         lengths.sum(), torch.tensor(batch.truncated, dtype=torch.float64).sum(),
                         torch.tensor(float(len(batch)), dtype=torch.float64)])
     longest = lengths.max() if len(lengths) else torch.tensor(0.0, dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    if group is not None:
+        sums, longest = comm.reduce_values(sums, "sum", group), comm.reduce_values(longest, "max", group)
     reward, right, passed, groups, length, truncated, n = sums.tolist()
     return {
         "rollout/reward_mean": reward / n,
@@ -155,13 +152,13 @@ def reduce_group_stats(stats: dict[str, float], group=None) -> dict[str, float]:
     """Per-replica group statistics (``AdvantageStats.as_dict()``) made batch-wide: ``*num_*``
     counts are summed over ``group``; every other value is a mean over the replica's groups
     (all of size G), so it is averaged weighted by the replica's ``num_groups``."""
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None or comm.size(group) == 1:
         return dict(stats)
     keys = sorted(stats)
     weight_key = next(k for k in keys if k.endswith("num_groups"))
     groups = stats[weight_key]
     values = torch.tensor([stats[k] if "num_" in k else stats[k] * groups for k in keys],
                           dtype=torch.float64)
-    dist.all_reduce(values, group=group)
+    values = comm.reduce_values(values, "sum", group)
     total = values[keys.index(weight_key)].item()
     return {k: v if "num_" in k else v / max(total, 1.0) for k, v in zip(keys, values.tolist())}

@@ -424,17 +424,16 @@ def merge_metrics(parts: list[LossMetrics]) -> LossMetrics:
 
 def reduce_metrics(metrics: LossMetrics, group=None) -> LossMetrics:
     """All-reduce ``metrics`` across ``group`` exactly, each by its reduction (collective)."""
-    import torch.distributed as dist
+    from megatron_dgpo import comm
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if comm.size(group) == 1:
         return metrics
     out = LossMetrics()
     for (values, _, op), (into, _, _) in zip(metrics.groups(), out.groups()):
         keys = sorted(values)
         if not keys:
             continue
-        flat = torch.stack([values[k].detach().double() for k in keys])
-        dist.all_reduce(flat, op=getattr(dist.ReduceOp, op), group=group)
+        flat = comm.reduce_values(torch.stack([values[k].detach().double() for k in keys]), op.lower(), group)
         into.update(zip(keys, flat.unbind()))
     return out
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from megatron_dgpo import comm
 from megatron_dgpo.recipe import OptimizerConfig
 
 
@@ -106,8 +106,7 @@ def gradients_finite(models: list) -> bool:
             grad = getattr(param, "main_grad", None)
             if grad is not None:  # accumulate on the device: no host sync per parameter
                 bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    comm.all_reduce_(bad, "max")
     return bool(bad.item() == 0)
 
 

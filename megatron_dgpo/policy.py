@@ -24,10 +24,10 @@ def initial_model(config, run_dir, seed: int):
     import torch.distributed as dist
     from pathlib import Path
 
+    from megatron_dgpo import comm
+
     target = _materialise_model(config, Path(run_dir), seed) if dist.get_rank() == 0 else None
-    box = [str(target) if target else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    return Path(comm.broadcast_object(str(target) if target else None, src=0))
 
 
 def _materialise_model(config, run_dir, seed: int):

@@ -119,7 +119,7 @@ def train_sft(cfg: SFTRunConfig) -> int:
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from megatron_dgpo import model, policy, telemetry
+    from megatron_dgpo import comm, model, policy, telemetry
     from megatron_dgpo.checkpoint import (TrainerState, checkpoint_to_resume, export_latest,
                                           load_checkpoint, save_checkpoint)
     from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
@@ -188,7 +188,7 @@ def train_sft(cfg: SFTRunConfig) -> int:
                 break
         if cfg.checkpoint.export_hf and rank0 and not stopped:
             export_latest(run_dir, cfg.checkpoint.export_dtype)
-        dist.barrier()
+        comm.barrier()
         return EXIT_STOPPED if stopped else 0
 
 

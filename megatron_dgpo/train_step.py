@@ -79,9 +79,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dgpo import comm
 from megatron_dgpo.config import require_choice
 from megatron_dgpo.gpu_config import schedule_sync_hooks
 from megatron_dgpo.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
@@ -329,9 +329,7 @@ def _check_models(models: list) -> None:
 
 
 def _count_over_dp(values: list[float], device) -> list[float]:
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=_dp_group())
-    return total.tolist()
+    return comm.reduce_values(torch.tensor(values, dtype=torch.float64), "sum", _dp_group()).tolist()
 
 
 def _prepare_backward(models: list, num_tokens: int, zero_grad: bool) -> dict:
@@ -401,8 +399,7 @@ def sft_step(models: list, micro_batches: list[MicroBatch], *, vocab_size: int |
     _run_schedule(models, micro_batches, loss_fn, forward_only=False)
     _check_token_count(seen, num_tokens)
     local = {"nll_sum": torch.stack(nll_sums).sum()} if nll_sums else None
-    nll_sum = _metrics_from_last_stage(local)["nll_sum"].to(device)
-    dist.all_reduce(nll_sum, group=_dp_group())
+    nll_sum = comm.reduce_values(_metrics_from_last_stage(local)["nll_sum"], "sum", _dp_group())
     return float(nll_sum) / num_tokens, num_tokens
 
 
@@ -411,9 +408,7 @@ def _metrics_from_last_stage(merged: dict | None) -> dict:
     pp_group, pp_size, last, last_rank = _pp_info()
     if pp_size == 1:
         return merged
-    box = [merged if last else None]
-    dist.broadcast_object_list(box, src=last_rank, group=pp_group)
-    return box[0]
+    return comm.broadcast_object(merged if last else None, src=last_rank, group=pp_group)
 
 
 def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperature: float = 1.0,
@@ -457,7 +452,7 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
     for i, mb in enumerate(micro_batches):
         both = (torch.stack(outputs[i]).to(device) if last
                 else torch.empty(2, *mb.tokens.shape, dtype=torch.float32, device=device))
-        dist.broadcast(both, src=last_rank, group=pp_group)
+        comm.broadcast_(both, src=last_rank, group=pp_group)
         both = both.cpu()
         result.append((both[0], both[1]))
     return result

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import model, policy, telemetry
+from megatron_dgpo import comm, model, policy, telemetry
 from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
 from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume, export_latest,
                                       load_checkpoint, save_checkpoint)
@@ -169,7 +169,7 @@ def train(cfg: RunConfig) -> int:
                 saver.wait()  # the last checkpoint is published before it is exported or we exit
             if cfg.checkpoint.export_hf and rank0 and not stopped:
                 export_latest(run_dir, cfg.checkpoint.export_dtype)
-            dist.barrier()
+            comm.barrier()
             return EXIT_STOPPED if stopped else 0
         finally:  # a second signal included: free the engines and workers; nothing half-written is kept
             for closer in (rollout and rollout.close, logger and logger.close):

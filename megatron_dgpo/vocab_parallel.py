@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dgpo import comm
+
 # float32 bytes per chunk: cache-sized on CPU; large on GPU, where each chunk costs kernel
 # launches and two all-reduces
 _CHUNK_BYTES = {"cpu": 1 << 23, "cuda": 1 << 28}
@@ -53,9 +55,9 @@ def _group_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _all_reduce(tensor: Tensor, op, group, size: int) -> Tensor:
+def _all_reduce(tensor: Tensor, op: str, group, size: int) -> Tensor:
     if size > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        comm.all_reduce_(tensor, op, group)
     return tensor
 
 
@@ -96,7 +98,7 @@ class _LogprobsEntropy(torch.autograd.Function):
             else:  # this rank holds only TP padding columns
                 block = None
                 m = torch.full((rows,), -torch.inf, **f32)
-            _all_reduce(m, dist.ReduceOp.MAX, group, size)
+            _all_reduce(m, "max", group, size)
             z = z_buf[:rows]
             if block is not None:
                 torch.sub(block, m[:, None], out=z)  # upcasts bf16 on the fly
@@ -109,7 +111,7 @@ class _LogprobsEntropy(torch.autograd.Function):
             e = torch.exp(z, out=e_buf[:rows])
             sums[0] = e.sum(dim=-1)
             sums[1] = torch.linalg.vecdot(e, z)  # sum_j e_j z_j without an [rows, V] product
-            _all_reduce(sums, dist.ReduceOp.SUM, group, size)
+            _all_reduce(sums, "sum", group, size)
             ls = sums[0].log()
             row_max[start:end] = m
             sum_exp[start:end] = sums[0]

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_dgpo import comm
 from megatron_dgpo.convert.hf_source import iter_params
 from megatron_dgpo.convert.transforms import hf_from_megatron, megatron_shape, tp_unshard
 from megatron_dgpo.model import unwrap_model
@@ -66,9 +67,8 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
     first = parallel_state.get_tensor_model_parallel_rank() == 0 and pp_rank == 0
     params = family.active(cfg)
     local = _local_params(chunks, family, description.tie_word_embeddings)
-    owned = [None] * pp_size
     mine = sorted((key, str(param.dtype)) for key, (_, param) in local.items())
-    dist.all_gather_object(owned, mine, group=pp_group)
+    owned = comm.gather_objects(mine, group=pp_group)
     owner, dtypes = {}, {}
     for stage, keys in enumerate(owned):
         for key, dtype_name in keys:
@@ -84,7 +84,7 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
             shard = local[(pm.key(), layer)][1].detach().contiguous()
             if tp_size > 1:
                 shards = [torch.empty_like(shard) for _ in range(tp_size)]
-                dist.all_gather(shards, shard, group=tp_group)
+                comm.all_gather_(shards, shard, group=tp_group)
             else:
                 shards = [shard]
             full = tp_unshard(pm, shards)
@@ -92,14 +92,14 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
             if full is None:
                 full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
                                    device=device)
-            dist.broadcast(full, src=pp_ranks[src], group=pp_group)
+            comm.broadcast_(full, src=pp_ranks[src], group=pp_group)
         elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             if pp_rank == src:
-                dist.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
+                comm.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
             elif pp_rank == 0:
                 full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
                                    device=device)
-                dist.recv(full, src=pp_ranks[src], group=pp_group)
+                comm.recv_(full, src=pp_ranks[src], group=pp_group)
         if consumer == "all" or first:
             for name, tensor in hf_from_megatron(pm, layer, full, dims):
                 if dtype is not None and tensor.is_floating_point():

@@ -15,6 +15,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from megatron_dgpo import comm
 from megatron_dgpo.convert import _megatron_compat as compat
 from megatron_dgpo.convert.checkpoint_format import model_sharded_state_dict, write_metadata
 from megatron_dgpo.convert.hf_source import HFSource
@@ -129,14 +130,14 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
             chunks = build_model(source.config, dtype=dtype, perform_initialization=False)
         if dist.get_rank() == 0:
             os.makedirs(out_dir, exist_ok=True)
-        dist.barrier()
+        comm.barrier()
         dist_checkpointing.save(_split_large(model_sharded_state_dict(chunks), _CHUNK_BYTES), out_dir,
                                 sharded_strategy=_streaming_save_strategy(
                                     source, progress and dist.get_rank() == 0))
         if dist.get_rank() == 0:
             write_metadata(out_dir, source.config, source.dims.padded_vocab, dtype, hf_dir=hf_dir,
                            saved_tp=tp, saved_pp=pp)
-        dist.barrier()
+        comm.barrier()
     finally:
         if own_state:
             destroy_parallel()

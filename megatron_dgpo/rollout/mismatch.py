@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from megatron_dgpo import comm
 
 _LOG_CAP = 80.0
 
@@ -87,11 +88,8 @@ def mismatch_metrics(micro_batches, group=None) -> MismatchStats:
         part, top = _partial_sums(d, mb.loss_mask.bool(), sequence, len(widths))
         sums, largest = sums + part, torch.maximum(largest, top)
     if group is not None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        sums, largest = sums.to(device), largest.to(device)
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-    return _stats(sums.cpu(), largest.cpu())
+        sums, largest = comm.reduce_values(sums, "sum", group), comm.reduce_values(largest, "max", group)
+    return _stats(sums, largest)
 
 
 def logprob_mismatch(rollout_lp: torch.Tensor, trainer_lp: torch.Tensor,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import data
+from megatron_dgpo import comm, data
 from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import Experience, prompt_order
 from megatron_dgpo.optimizer import sync_params
@@ -109,10 +109,7 @@ class ReplicaRollout:
                 pass
             stats = None
         keys = tuple(RefitStats().as_metrics())
-        values = torch.tensor([stats.as_metrics()[k] if stats is not None else 0.0 for k in keys],
-                              dtype=torch.float64)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        values = comm.reduce_values([stats.as_metrics()[k] if stats is not None else 0.0 for k in keys], "max")
         return dict(zip(keys, values.tolist())) if values.any() else {}
 
     def close(self) -> None:
@@ -128,7 +125,6 @@ class ReplicaRollout:
         if piece is not None and len(self.role.prompts):
             rate[0] = sum(len(r) for r in piece.response_tokens) / max(generation_s, 1e-9)
             rate[1] = 1.0
-        if dist.get_world_size() > 1:
-            dist.all_reduce(rate)
+        rate = comm.reduce_values(rate, "sum")
         return {"rollout/engines": float(self.role.active_engines),
                 "throughput/generation_tokens_per_s_per_engine": float(rate[0] / max(rate[1], 1.0))}
