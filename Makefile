@@ -9,7 +9,7 @@ LAUNCH_STAMP := $(LAUNCH_ENV)/.installed
 OUT ?= outputs
 
 # `make test` also builds .venv-launch (NeMo-Run's launcher tests).
-.PHONY: env run test test-cluster clean-env
+.PHONY: env run test test-slow test-cluster clean-env
 
 env: $(STAMP)
 
@@ -28,7 +28,12 @@ run: $(STAMP)
 	$(PY) tools/plot_run.py $(OUT)/tiny_cpu
 
 test: $(STAMP) $(LAUNCH_STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/cluster
+	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/cluster
+
+# Minutes-long end-to-end checks (marked slow), kept out of `make test` so that it stays well
+# inside CI's 30 minutes: the reproduction study at smoke size. CI runs it after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests --ignore=tests/cluster
 
 # A cluster's life, heavier than `make test` (CI runs both): a real 2-node SLURM in network
 # namespaces (sbatch, time limit + requeue, scontrol requeue, NeMo-Run), torchrun restarts after

@@ -174,7 +174,9 @@ def test_packing_never_changes_the_gradient():
     (result,) = run_ranks(_packing_gradient_fn, 1)
     assert result["tokens"][0] == result["tokens"][1] == sum(
         n - 4 for n in [9, 30, 12, 17, 25, 6, 14])
-    assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-6)
+    # a float32 token mean of terms up to |A| = 3.4 that cancel to ~0.04: the summation order
+    # (padded vs packed rows, and the CPU's matmul kernels) moves it by ~1e-7 absolute
+    assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-6, abs=1e-6)
     assert result["worst"] < 1e-5, result["worst"]
     for key, value in result["summary"][0].items():
         assert result["summary"][1][key] == pytest.approx(value, rel=1e-5, nan_ok=True), key

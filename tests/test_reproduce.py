@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_dgpo.telemetry import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +30,7 @@ def _rows(out: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # ~3-8 min: `make test-slow`
 def test_reproduce_smoke_warm_start_cell_report_and_rerun(tmp_path):
     import json
 
