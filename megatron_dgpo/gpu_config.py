@@ -41,8 +41,9 @@ Why each condition (Megatron-Core 0.16):
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class Platform:
     """Transformer-Engine imports (its layer spec, THD attention and the fused RoPE kernels)."""
     apex_gradient_fusion: bool = False
     """apex's ``fused_weight_gradient_mlp_cuda`` extension imports."""
+    transformer_engine_error: str = field(default="", compare=False)
+    """Why ``transformer_engine.pytorch`` did not import on a CUDA machine (``detect``), for
+    the message of ``require_gpu_stack``."""
 
     def __post_init__(self):
         if not self.cuda and (self.transformer_engine or self.apex_gradient_fusion):
@@ -67,8 +71,11 @@ class Platform:
 
         if not torch.cuda.is_available():
             return cls(cuda=False)
-        return cls(cuda=True, transformer_engine=_imports("transformer_engine"),
-                   apex_gradient_fusion=_imports("fused_weight_gradient_mlp_cuda"))
+        # the PyTorch extension, not the top-level package: a TE built for another torch or
+        # CUDA imports at the top level and fails here
+        te_error = _import_error("transformer_engine.pytorch")
+        return cls(cuda=True, transformer_engine=te_error is None, transformer_engine_error=te_error or "",
+                   apex_gradient_fusion=_import_error("fused_weight_gradient_mlp_cuda") is None)
 
 
 CPU = Platform(cuda=False)
@@ -77,14 +84,56 @@ GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True)
 """A GPU node as the recipes assume it (NGC PyTorch container: TE and apex); the planner's."""
 
 
-def _imports(module: str) -> bool:
+def _import_error(module: str) -> str | None:
+    """None if ``module`` imports; otherwise why not (a broken extension, built for another
+    CUDA or torch, counts as absent)."""
     try:
-        if importlib.util.find_spec(module) is None:
-            return False
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return f"{module.split('.')[0]} is not installed"
         importlib.import_module(module)
-    except Exception:  # a broken extension (wrong CUDA/torch build) counts as absent
-        return False
-    return True
+    except Exception as error:
+        return f"import {module} failed: {type(error).__name__}: {error}"
+    return None
+
+
+INSTALL_HELP = "docs/install.md, 'GPU stack'"
+
+
+def require_gpu_stack(platform: Platform, *, dtype, without_transformer_engine: bool = False) -> None:
+    """Refuse a GPU run that would fail or degrade later, with the fix in the message.
+
+    * Transformer-Engine must import on CUDA: without it Megatron's local layer spec builds a
+      dense [S, S] attention mask per layer (about 10 GB of scores per layer at S = 16384 and
+      TP = 4: an out-of-memory error on the first long row) and RoPE takes the unfused path
+      with a host sync per layer. ``model.without_transformer_engine`` opts out (short rows).
+    * float32 with TE: TE's packed-sequence (THD) attention has no float32 backend (its flash
+      and cuDNN kernels take fp16/bf16, the unfused one no THD): "no dot product attention
+      backend" at the first forward. Train in bfloat16 (the fp32 main weights live in the
+      optimizer) or opt out of TE.
+    Nothing to check on CPU (the local spec and fp32 are the CPU path)."""
+    import torch
+
+    if not platform.cuda:
+        return
+    if not platform.transformer_engine and not without_transformer_engine:
+        raise RuntimeError(
+            "Transformer-Engine is required on a GPU run and does not import "
+            f"({platform.transformer_engine_error or 'not found'}): install the pinned GPU stack "
+            f"({INSTALL_HELP}: TE built against this torch with --no-build-isolation), or set "
+            "model.without_transformer_engine=true for short sequences only (dense attention masks)")
+    if platform.transformer_engine and not without_transformer_engine and dtype == torch.float32:
+        raise ValueError(
+            "model.dtype: float32 on a GPU with Transformer-Engine: TE's packed-sequence (THD) "
+            "attention has no float32 backend; use model.dtype=bfloat16 (fp32 main weights stay "
+            "in the optimizer)")
+
+
+def cuda_launch_env(tensor_parallel: int) -> dict[str, str]:
+    """Environment a GPU rank needs before its CUDA context exists: with TP > 1 (sequence
+    parallelism) Megatron needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` so that its TP communication
+    kernels are queued before the GEMMs they overlap (one hardware queue keeps issue order);
+    Megatron-LM's launch scripts and verl's Megatron workers set it. Empty with TP = 1."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tensor_parallel > 1 else {}
 
 
 def sequence_parallel(tp: int, platform: Platform) -> bool:

@@ -155,11 +155,6 @@ def unwrap_model(model):
     return model
 
 
-def use_transformer_engine() -> bool:
-    """True when Transformer-Engine is importable and a GPU is present."""
-    return Platform.detect().transformer_engine
-
-
 def layer_spec(config=None, *, platform: Platform | None = None):
     """TE layer spec with TE and CUDA, Megatron's local RMSNorm spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -182,7 +177,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
     TP/PP layout of the same seed starts from ``torch.manual_seed(seed)``.
 
     Returns chunks on the current CUDA device (GPU) or the CPU; ``chunk.hf_spec`` holds the
-    ``ModelSpec`` (HF vocab size, RoPE, tying) and ``chunk.config`` the ``TransformerConfig``.
+    ``ModelSpec`` (HF vocab size, RoPE, tying), ``chunk.config`` the ``TransformerConfig`` and
+    ``chunk.transformer_engine`` whether it has TE's layers (packed rows then go in as THD).
     ``platform`` (default ``Platform.detect()``) decides the layer spec and the GPU flags
     (``gpu_config``); e.g. ``Platform(cuda=True)`` builds the local spec on a GPU.
     """
@@ -225,6 +221,9 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         model.hf_spec = spec
+        # the spec decides how packed rows reach attention (train_step): THD with TE,
+        # a block-diagonal mask with the local spec
+        model.transformer_engine = platform.transformer_engine
         chunks.append(model)
     return chunks
 

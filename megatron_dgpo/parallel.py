@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo.cpu import apply_cpu_compat, cpu_only, seed_model_parallel_rng
+from megatron_dgpo.gpu_config import cuda_launch_env
 from megatron_dgpo.watchdog import start_heartbeat
 
 DEFAULT_TIMEOUT_MINUTES = 120.0
@@ -81,8 +82,11 @@ def default_backend() -> str:
 
 def init_distributed(backend: str | None = None, *,
                      timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
-                     watchdog_minutes: float | None = None) -> None:
+                     watchdog_minutes: float | None = None, tensor_parallel: int = 1) -> None:
     """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet.
+
+    On a GPU it first sets what CUDA must see before its context exists
+    (``gpu_config.cuda_launch_env(tensor_parallel)``; a value the user exported is kept).
 
     ``timeout_minutes`` (``ParallelConfig.timeout_minutes``) bounds every collective of the
     default group: a rank waiting longer fails with gloo's/NCCL's timeout error.
@@ -94,6 +98,7 @@ def init_distributed(backend: str | None = None, *,
     if not (isinstance(timeout_minutes, (int, float)) and timeout_minutes > 0):
         raise ValueError(f"parallel.timeout_minutes must be a positive number, got {timeout_minutes!r}")
     if not cpu_only():
+        _set_cuda_launch_env(tensor_parallel)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes)
     store = _attempt_store(timeout)
@@ -105,6 +110,18 @@ def init_distributed(backend: str | None = None, *,
                                 rank=rank, world_size=world_size)
         if watchdog_minutes is not None and world_size > 1:
             start_heartbeat(store, rank, world_size, timeout_s=60.0 * watchdog_minutes)
+
+
+def _set_cuda_launch_env(tensor_parallel: int) -> None:
+    import warnings
+
+    for key, value in cuda_launch_env(tensor_parallel).items():
+        if key in os.environ:
+            continue
+        if torch.cuda.is_initialized():  # read once, when the context was created
+            warnings.warn(f"{key}={value} is needed with tensor_parallel={tensor_parallel} but CUDA "
+                          f"started before it could be set: export it in the launch script")
+        os.environ[key] = value
 
 
 def _attempt_store(timeout: timedelta):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import torch
 
 from megatron_dgpo.convert import load_model
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
-from megatron_dgpo.gpu_config import Platform, ddp_flags
+from megatron_dgpo.gpu_config import Platform, ddp_flags, require_gpu_stack
 from megatron_dgpo.model import dtype_named, wrap_ddp
 
 
@@ -89,7 +90,11 @@ def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
     ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, wrapped by ``wrap_policy``, the
     HF config and the parameter dtype."""
     dtype = dtype_named(config.dtype)
-    chunks = load_model(str(hf_dir), dtype=dtype, **model_overrides(config))
+    platform = Platform.detect()
+    require_gpu_stack(platform, dtype=dtype, without_transformer_engine=config.without_transformer_engine)
+    if config.without_transformer_engine:
+        platform = replace(platform, transformer_engine=False)
+    chunks = load_model(str(hf_dir), dtype=dtype, platform=platform, **model_overrides(config))
     models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer)
     return models, read_hf_config(str(hf_dir)), dtype
 

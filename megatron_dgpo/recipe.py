@@ -47,6 +47,11 @@ class ModelConfig:
     recompute_activations: bool = False
     """Full-layer activation recomputation (Megatron ``recompute_granularity="full"``,
     uniform method, one layer per block): trades ~33% more compute for O(layers) activations."""
+    without_transformer_engine: bool = False
+    """On a GPU, run without Transformer-Engine (Megatron's local layer spec). A GPU run stops
+    at start when TE does not import, because the local spec builds a dense [S, S] attention
+    mask per layer (~10 GB of scores per layer at 16k tokens, TP 4); set this only for short
+    sequences (and to train in float32 on a GPU). No effect on CPU."""
 
     def require_source(self) -> None:
         """Raise unless the policy has a source (``path`` or ``tiny``); called by the run
@@ -98,6 +103,21 @@ class RolloutConfig:
     (``external_launcher``), one engine per ``tensor_parallel_size`` consecutive ranks, sharing
     their GPUs (sleep mode frees its memory during training on GPU). ``separate``: an engine in
     its own process, for machines or vLLM versions where colocation does not work."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs. None: eager on CPU (required there), CUDA graphs on GPU; true
+    saves the graphs' memory pool and capture time at some decode speed."""
+    sleep_mode: bool | None = None
+    """Free the engine's GPU memory while training runs (vLLM sleep mode). None: on for
+    colocated engines on GPU (they share the trainer's GPUs), off otherwise; CPU: never (vLLM
+    refuses it there)."""
+    sleep_level: Literal[1, 2] = 2
+    """What sleep does with the weights: 2 drops them (every wake is followed by the refit,
+    which reloads every weight), 1 keeps a copy in pinned host memory (~2 bytes per parameter
+    of the engine's shard, copied out and back every step for nothing when refitting)."""
+    dummy_weights: bool | None = None
+    """Start colocated engines from random weights that the trainer's first refit replaces,
+    instead of every rank reading the whole HF checkpoint (verl does the same). None: on for
+    colocated engines on GPU, off otherwise."""
     refit_bucket_bytes: int = 512 << 20
     """Largest weight payload of one in-place reload when the trainer refits the engine (512
     MiB, as slime). Buckets never split a layer's fused q/k/v or gate/up tensors (a larger
@@ -113,6 +133,8 @@ class RolloutConfig:
                 isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be None or a positive int, got "
                              f"{self.tensor_parallel_size!r}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if not self.temperature > 0:

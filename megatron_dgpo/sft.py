@@ -135,7 +135,8 @@ def train_sft(cfg: SFTRunConfig) -> int:
     run = cfg.sft
     budget = TimeBudget(run.max_minutes)
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
-                     watchdog_minutes=cfg.parallel.watchdog_minutes)
+                     watchdog_minutes=cfg.parallel.watchdog_minutes,
+                     tensor_parallel=cfg.parallel.tensor_parallel)
     initialize_parallel(cfg.parallel, seed=run.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
     hf_dir = policy.initial_model(cfg.model, run_dir, run.seed)

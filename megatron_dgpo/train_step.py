@@ -87,7 +87,7 @@ from megatron_dgpo.gpu_config import schedule_sync_hooks
 from megatron_dgpo.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
                                   LossMetrics, merge_metrics, policy_loss, reduce_metrics,
                                   summarize_metrics, truncated_is_weights)
-from megatron_dgpo.model import unwrap_model, use_transformer_engine
+from megatron_dgpo.model import unwrap_model
 from megatron_dgpo.packing import MicroBatch
 from megatron_dgpo.vocab_parallel import logprobs_and_entropy
 
@@ -184,7 +184,7 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
         raise ValueError("micro_batches is empty")
     device = _device(models)
 
-    thd = use_transformer_engine()
+    thd = unwrap_model(models[0]).transformer_engine
     extra = _forward_kwargs(models[0])
 
     def forward_step(data_iterator, model):

@@ -46,7 +46,8 @@ def train(cfg: RunConfig) -> int:
 
     budget = TimeBudget(cfg.train.max_minutes)
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
-                     watchdog_minutes=cfg.parallel.watchdog_minutes)  # before any engine
+                     watchdog_minutes=cfg.parallel.watchdog_minutes,
+                     tensor_parallel=cfg.parallel.tensor_parallel)  # before any engine
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
     hf_dir = policy.initial_model(cfg.model, run_dir, cfg.train.seed)
@@ -74,7 +75,7 @@ def train(cfg: RunConfig) -> int:
                                      batch_prompts=cfg.train.rollout_batch_prompts)
             logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
             logger.truncate_after(state.step)
-            if state.step:  # resumed: the engine starts from the initial weights
+            if state.step or rollout.needs_first_refit:  # resumed, or an engine without weights
                 rollout.refit(models)
             bar = telemetry.ProgressBar(cfg.train.steps, state.step,
                                         enabled=rank0 and cfg.logging.progress_bar)

@@ -34,13 +34,13 @@ def _max_diff_vs_transformers(model_dir, prompts, groups) -> float:
     return worst
 
 
-def _engine(model_dir, tp: int):
+def _engine(model_dir, tp: int, **config):
     from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
     return VLLMEngine(VLLMConfig(model=str(model_dir), dtype="float32", max_model_len=256,
                                  max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
                                  placement="colocated", tensor_parallel_size=tp,
-                                 refit_bucket_bytes=128 << 10))
+                                 refit_bucket_bytes=128 << 10, **config))
 
 
 def colocated_engines(rank, world, model_a, model_b, prompts):
@@ -88,9 +88,14 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     dist.all_reduce(flag)  # the trainer's group survives the engine
     out["all_reduce_after_shutdown"] = flag.item()
 
-    # one engine over both ranks (TP=2): identical prompts and seeds on both
-    tp2 = _engine(model_a, tp=2)
+    # one engine over both ranks (TP=2), started from dummy weights (what a GPU colocated engine
+    # and a level-2 sleep leave): one bucketed refit must refill every tensor it needs, so that
+    # its samples are model A's as from a fresh load; identical prompts and seeds on both ranks
+    tp2 = _engine(model_a, tp=2, dummy_weights=True)
     seeds = prompt_seeds(SEED, range(len(prompts)))
+    out["tp2_refused_before_refit"] = not tp2.holds_weights
+    a_tensors = load_file(os.path.join(model_a, "model.safetensors"))
+    tp2.update_weights(iter(a_tensors.items()))
     g = tp2.generate(prompts, n=N, max_tokens=MAX_TOKENS, seeds=seeds)
     out["tp2_tokens"] = _tokens(g)
     out["tp2_diff_a"] = _max_diff_vs_transformers(model_a, prompts, g)

@@ -4,6 +4,8 @@ combination, and the CPU path keeps every one of them off."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -98,3 +100,49 @@ def test_packed_samples_are_padded_to_tp_multiples():
     sequence into 2 CP chunks, each again over TP."""
     assert [pad_multiple(tp) for tp in (1, 2, 4, 8)] == [1, 2, 4, 8]
     assert pad_multiple(4, cp=2) == 16 and pad_multiple(1, cp=2) == 4
+
+
+def test_a_gpu_run_without_transformer_engine_or_in_fp32_with_it_stops_at_start(monkeypatch, tmp_path):
+    from megatron_dgpo import policy
+    from megatron_dgpo.gpu_config import require_gpu_stack
+    from megatron_dgpo.recipe import ModelConfig
+
+    broken = Platform(cuda=True, transformer_engine_error="import transformer_engine.pytorch failed: "
+                      "OSError: libcudnn.so.9 missing")
+    with pytest.raises(RuntimeError, match="(?s)Transformer-Engine is required.*libcudnn.so.9.*"
+                                           "docs/install.md.*model.without_transformer_engine"):
+        require_gpu_stack(broken, dtype=torch.bfloat16)
+    require_gpu_stack(broken, dtype=torch.float32, without_transformer_engine=True)  # opted out
+    with pytest.raises(ValueError, match="model.dtype: float32 .*THD"):
+        require_gpu_stack(GPU, dtype=torch.float32)
+    require_gpu_stack(GPU, dtype=torch.bfloat16)
+    require_gpu_stack(CPU, dtype=torch.float32)  # the CPU path: local spec, fp32
+    # the trainer's policy asks before reading a single weight
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: broken))
+    with pytest.raises(RuntimeError, match="Transformer-Engine is required"):
+        policy.build_policy(ModelConfig(path=str(tmp_path / "absent"), dtype="bfloat16"), tmp_path / "absent",
+                            use_distributed_optimizer=False)
+
+
+def test_detect_reads_the_pytorch_extension_and_keeps_why_it_failed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    platform = Platform.detect()  # no TE and no apex on this machine
+    assert platform.cuda and not platform.transformer_engine and not platform.apex_gradient_fusion
+    assert platform.transformer_engine_error == "transformer_engine is not installed"
+    assert platform == Platform(cuda=True)  # the reason does not change what the platform is
+
+
+def test_cuda_device_max_connections_is_set_for_tensor_parallel_and_a_users_value_kept(monkeypatch):
+    from megatron_dgpo.gpu_config import cuda_launch_env
+    from megatron_dgpo.parallel import _set_cuda_launch_env
+
+    assert cuda_launch_env(1) == {}
+    assert cuda_launch_env(2) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    _set_cuda_launch_env(1)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    _set_cuda_launch_env(4)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # e.g. TE's TP-overlap userbuffers
+    _set_cuda_launch_env(4)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"

@@ -133,6 +133,12 @@ def test_engine_kwargs_per_platform(cpu, placement):
     assert sleep_mode_enabled(VLLMConfig(model="m", placement=placement, sleep_mode=False), cpu=cpu) is False
     assert llm_kwargs(VLLMConfig(model="m", enforce_eager=True), cpu=cpu)["enforce_eager"] is True
     assert ("kv_cache_memory_bytes" in kw) is cpu
+    # colocated on GPU as verl runs it: no custom all-reduce, dummy weights for the first refit
+    gpu_colocated = not cpu and placement == "colocated"
+    assert kw.get("disable_custom_all_reduce", False) is gpu_colocated
+    assert (kw.get("load_format") == "dummy") is gpu_colocated
+    assert "load_format" not in llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=False), cpu=cpu)
+    assert llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=True), cpu=cpu)["load_format"] == "dummy"
 
 
 class _RecordingLLM:
@@ -168,16 +174,23 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
                                                refit_bucket_bytes=1))
     llm = engine.llm
     assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["enforce_eager"] is False
+    assert llm.kwargs["load_format"] == "dummy" and not engine.holds_weights
+    with pytest.raises(RuntimeError, match="holds no weights"):
+        engine.generate([[1, 2]], max_tokens=2)
     engine.sleep()
     engine.sleep()  # already asleep: no second call
     pairs = [(f"model.layers.0.self_attn.{p}_proj.weight", torch.zeros(2)) for p in "qkv"]
     pairs.append(("model.norm.weight", torch.zeros(2)))
     engine.update_weights(iter(pairs))
-    assert llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("reload", 3), ("reload", 1),
+    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload", 3), ("reload", 1),
                          ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert engine.holds_weights
     llm.calls.clear()
     engine.update_weights(iter(pairs))  # awake: no wake-up calls
     assert [c[0] for c in llm.calls] == ["reload", "reload", "reset_prefix_cache"]
+    engine.sleep()  # level 2 drops the weights: generating before the next refit is refused
+    with pytest.raises(RuntimeError, match="level-2 sleep"):
+        engine.generate([[1, 2]], max_tokens=2)
     engine._closed = True  # nothing real to shut down
     assert not dist.is_initialized()
 
@@ -263,6 +276,7 @@ def test_colocated_engines_on_two_ranks(prompts, tiny_model_dir, tiny_model_dir_
         assert r["diff_b"] < LOGPROB_ATOL and r["diff_b_vs_a"] > 1e-2
         assert r["bucketed_equals_dir"] and r["lp_bucketed_vs_dir"] < LOGPROB_ATOL
         assert r["all_reduce_after_shutdown"] == 3.0
+        assert r["tp2_refused_before_refit"]
         assert r["tp2_diff_a"] < LOGPROB_ATOL and r["tp2_diff_b"] < LOGPROB_ATOL
         assert r["tp2_buckets"] >= 6
     assert r0["tp2_tokens"] == r1["tp2_tokens"]  # one engine: both TP ranks see the same result

@@ -21,11 +21,13 @@ from megatron_dgpo.rollout.placement import prompt_seeds
 
 def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int = 0,
                  max_model_len: int | None = None, placement: str | None = None,
-                 tensor_parallel_size: int | None = None):
+                 tensor_parallel_size: int | None = None, refitted: bool = False):
     """The rollout engine ``config.engine`` on the HF folder ``model``: vLLM, or transformers'
     generate. ``max_model_len`` defaults to ``max_prompt_tokens + max_response_tokens``;
     ``placement`` and ``tensor_parallel_size`` default to the config's (the trainer passes the
-    resolved engine TP; ``dgpo-eval``, which has no process group, asks for ``separate``)."""
+    resolved engine TP; ``dgpo-eval``, which has no process group, asks for ``separate``).
+    ``refitted``: the caller refits the engine before it generates (the trainer), so
+    ``config.dummy_weights`` applies; otherwise the engine always reads the checkpoint."""
     if config.engine == "hf":
         from megatron_dgpo.rollout.hf_engine import HFEngine
 
@@ -39,7 +41,10 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
         tensor_parallel_size=tensor_parallel_size or config.tensor_parallel_size or 1,
         placement=placement or config.placement, refit_bucket_bytes=config.refit_bucket_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes, engine_kwargs=config.engine_kwargs))
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes, enforce_eager=config.enforce_eager,
+        sleep_mode=config.sleep_mode, sleep_level=config.sleep_level,
+        dummy_weights=config.dummy_weights if refitted else False,
+        engine_kwargs=config.engine_kwargs))
 
 
 def reward_pool() -> RewardPool:

@@ -1,6 +1,7 @@
 """One data-parallel replica's rollout, as the trainer drives it:
 
     rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=..., batch_prompts=...)
+    if resumed or rollout.needs_first_refit: rollout.refit(models)
     batch, metrics = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
     metrics = rollout.refit(models)                     # each engine from its own model-parallel group
     rollout.close()
@@ -57,7 +58,11 @@ class ReplicaRollout:
                                                              rollout.max_prompt_tokens)
             self.engine = build_engine(rollout, hf_dir, seed=seed,
                                        placement="colocated" if self.colocated else "separate",
-                                       tensor_parallel_size=engine_tp if self.colocated else None)
+                                       tensor_parallel_size=engine_tp if self.colocated else None,
+                                       refitted=True)
+        # an engine started from dummy weights (colocated on GPU) is filled by a refit first
+        self.needs_first_refit = comm.any_rank(
+            self.engine is not None and not getattr(self.engine, "holds_weights", True), self.mp_group)
         if self.role.grades:
             self.pool = reward_pool()
             kind = ("colocated vllm" if self.colocated else

