@@ -17,6 +17,7 @@ Skipped, with the reason, where the cluster cannot be built: not root, or no slu
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -109,19 +110,37 @@ def test_two_nodes_equal_one_host(cluster, reference, tmp_path):
     assert (tmp_path / "logs" / str(job_id) / "node2.log").is_file()
 
 
+def time_limit_for(startup_s: float, step_s: float, steps: int) -> tuple[int, int]:
+    """(--time minutes, --signal lead seconds) that cut an attempt of ``steps`` steps on this
+    machine after some steps but before its end: SLURM sends the early signal once the time
+    left is at most the lead, checking periodically, so it can come up to 60 s early; the
+    signal window [start + a, start + a + 60] begins after start-up plus a quarter of the
+    steps (less when the run is short) and the limit leaves the step in flight and a save
+    (~2 steps + 15 s) to finish after the window."""
+    work = steps * step_s
+    a = startup_s + 5 + max(2 * step_s, min(0.25 * work, work - 60 - 3 * step_s))
+    minutes = math.ceil((a + 60 + 2 * step_s + 15) / 60)
+    return minutes, int(minutes * 60 - 60 - a)
+
+
 def test_time_limit_stops_requeues_and_continues_exactly(cluster, reference, tmp_path):
-    """--time=3 with SIGUSR1 100 s ahead (SLURM may send it up to 60 s earlier): each attempt
-    stops at a step boundary, saves, and requeues itself; the run ends as if uninterrupted."""
+    """A --time limit with SIGUSR1 ahead of it (``--signal=B:USR1@<lead>``, sized from this
+    machine's speed): each attempt stops at a step boundary, saves and requeues itself; the
+    run ends as if uninterrupted."""
+    minutes, lead = time_limit_for(reference.startup_s, reference.step_s, len(reference))
     run_dir = tmp_path / "run"
-    job_id = _sbatch(run_dir, tmp_path, "--time=3", "--signal=B:USR1@100", steps=30)
-    job = _until_done(job_id, timeout=1500)
+    job_id = _sbatch(run_dir, tmp_path, f"--time={minutes}", f"--signal=B:USR1@{lead}",
+                     steps=len(reference))
+    job = _until_done(job_id, timeout=2400)
     log = _log(tmp_path, job_id)
     assert job["JobState"] == "COMPLETED", log
     assert int(job["Restarts"]) >= 1 and "requeueing job" in log, log
     assert_same_run(read_metrics(run_dir), reference)
-    assert len(read_metrics(run_dir)) == 30
+    assert len(read_metrics(run_dir)) == len(reference)
+    print(f"--time={minutes} --signal=B:USR1@{lead} (start-up {reference.startup_s:.0f} s, "
+          f"{reference.step_s:.2f} s/step)")
     for line in log.splitlines():
-        if "exited with status" in line or "attempt" in line:
+        if "attempt" in line or "stopped after step" in line:
             print(line)
 
 
