@@ -339,9 +339,12 @@ class Workload:
     rollout_tp: int | None = None
     """GPUs per engine; None = the layout's TP x PP (TP when PP > 1 and DP > 1)."""
     sleep_mode: bool = True
-    """A colocated engine sleeps during training (vLLM sleep mode level 1: KV cache freed,
-    weights offloaded to host), so its memory and training's activations/logits never
-    coexist: the GPU peak counts max(vLLM, activations + logits)."""
+    """A colocated engine sleeps during training (vLLM sleep mode: KV cache freed, weights
+    dropped), so its memory and training's activations/logits never coexist: the GPU peak
+    counts max(vLLM, activations + logits)."""
+    offload_training_state: bool = False
+    """``train.offload_training_state``: gradients and optimizer state leave the GPU while a
+    sleeping colocated engine is awake, so the peak is max(training, vLLM) over them too."""
     rollout_dtype_bytes: int = 2
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
@@ -369,6 +372,7 @@ class Workload:
             gpu_memory_utilization=run.rollout.gpu_memory_utilization,
             kv_cache_memory_bytes=run.rollout.kv_cache_memory_bytes,
             max_num_seqs=run.rollout.max_num_seqs,
+            offload_training_state=run.train.offload_training_state,
         )
 
 
@@ -413,12 +417,21 @@ class Estimate:
     """vLLM is asleep while training runs: the peak holds max(vllm, activations + logits)."""
     engines: int = 0
     """vLLM engines in the job for this layout."""
+    offloaded: bool = False
+    """Gradients and optimizer state are off the GPU while vLLM is awake (only matters when it
+    sleeps during training)."""
 
     @property
     def total(self) -> int:
-        transient = (max(self.vllm, self.activations + self.logits) if self.vllm_sleeps
-                     else self.activations + self.logits + self.vllm)
-        return self.weights + self.grads + self.optimizer + transient + self.overhead
+        """weights + overhead + the larger of the two phases when vLLM sleeps during training
+        (training: grads + optimizer + activations + logits; rollout: vLLM, + grads + optimizer
+        unless offloaded), else everything at once."""
+        state, training = self.grads + self.optimizer, self.activations + self.logits
+        if self.vllm_sleeps:
+            phases = max(state + training, self.vllm + (0 if self.offloaded else state))
+        else:
+            phases = state + training + self.vllm
+        return self.weights + phases + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -434,6 +447,7 @@ class Estimate:
         return dict(layout=asdict(self.layout), peak_stage=self.stage,
                     gib={**terms, "total": self.total / GIB, "gpu": self.gpu_bytes / GIB},
                     fits=self.fits, notes=list(self.notes), vllm_sleeps=self.vllm_sleeps,
+                    offloaded=self.offloaded,
                     engines=self.engines)
 
 
@@ -528,7 +542,8 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
                     if last else 0),
             vllm=vllm if has_vllm else 0,
             overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,
-            notes=list(vllm_notes) if has_vllm else [], vllm_sleeps=sleeps, engines=engines)
+            notes=list(vllm_notes) if has_vllm else [], vllm_sleeps=sleeps, engines=engines,
+            offloaded=sleeps and work.offload_training_state)
 
     # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
     peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)

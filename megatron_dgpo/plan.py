@@ -89,7 +89,8 @@ def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None,
                  or pick.vllm_sleeps else "GPU 0 also holds vLLM's")
         why.append(f"{where} {pick.vllm / GIB:.1f} GiB"
                    + (" (asleep while training: counted against activations + logits, not "
-                      "added)." if pick.vllm_sleeps else "."))
+                      "added" + ("; gradients and optimizer state are offloaded while it is awake"
+                                 if pick.offloaded else "") + ")." if pick.vllm_sleeps else "."))
     return pick, " ".join(why)
 
 

@@ -205,6 +205,13 @@ class TrainConfig:
     function of its config (and resuming does not change it)."""
     log_prob_chunk_size: int | None = None
     """Tokens per chunk in the vocab-parallel log-prob kernel (None: automatic)."""
+    offload_training_state: bool = False
+    """Move the gradient buffers and the optimizer state (Adam moments, fp32 main weights) off
+    the GPU after each step's updates and back before the next step's (``megatron_dgpo.offload``),
+    so the colocated vLLM engine refits and generates without them beside it (NeMo-RL's offload
+    before refit). Costs host memory (~16 bytes per parameter of a rank's shard, pinned) and
+    two host copies of them per step. ``dgpo-plan`` counts it (with it, the 14B-70B recipes'
+    node counts fit smaller model-parallel layouts); off by default."""
     max_minutes: float | None = None
     """The job's own time budget (Megatron-LM's ``--exit-duration-in-mins``): the run stops
     with a checkpoint, as on a stop signal, after the first step at whose end another step

@@ -30,6 +30,7 @@ from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_sta
 from megatron_dgpo.gpu_config import pad_multiple
 from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
+from megatron_dgpo.offload import TrainingStateOffload
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.recipe import RunConfig, save_recipe
@@ -56,6 +57,7 @@ def train(cfg: RunConfig) -> int:
     lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
     saver = AsyncSaver() if cfg.checkpoint.async_save else None  # refused on CPU
+    offload = TrainingStateOffload(models, optimizer, enabled=cfg.train.offload_training_state)
     state = TrainerState(extra=_run_record(cfg, lr))
     if (latest := checkpoint_to_resume(run_dir / "checkpoints", cfg.checkpoint.resume)) is not None:
         state = load_checkpoint(latest, models, optimizer)
@@ -82,10 +84,11 @@ def train(cfg: RunConfig) -> int:
 
             def save() -> dict:
                 begin = time.perf_counter()
-                save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                                hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                                dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
-                                saver=saver)
+                with offload.resident():
+                    save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
+                                    hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
+                                    dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
+                                    saver=saver)
                 return {"time/checkpoint": time.perf_counter() - begin}
 
             save_time, last_save_seconds, stopped = {}, 0.0, False
@@ -122,6 +125,7 @@ def train(cfg: RunConfig) -> int:
                     mismatch = mismatch_metrics(rows, dp_group).as_dict()
 
                 with timer("update"):
+                    offload.restore()
                     parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
                     for rows_u in updates:
                         result = train_step(models, rows_u, loss_cfg)
@@ -133,6 +137,7 @@ def train(cfg: RunConfig) -> int:
                         grad_norms.append(grad_norm)
                         trained_tokens += sum(int(r.tokens.numel()) for r in rows_u)
                     state.skipped_updates += skipped
+                    offload.offload()  # before vLLM wakes for the refit and the next rollout
 
                 with timer("refit"):
                     refit_stats = rollout.refit(models)

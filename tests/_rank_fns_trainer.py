@@ -113,6 +113,44 @@ def optimizer_and_skipping(rank, world):
     out["nan_step"] = step_if_finite(optimizer, models, result.loss)[0]
     out["nan_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())
     out["clean_step"] = step_if_finite(optimizer, models, _grads(models).loss)[0]
+    out["offload"] = _offload_round_trip()
+    return out
+
+
+def _offload_round_trip() -> dict:
+    """train.offload_training_state: after an update the gradient buffers and the Adam state
+    are freed (their storages hold nothing) while the weights stay; they come back bit for bit
+    (gradients zeroed) and the next update equals a twin's that never offloaded."""
+    from megatron_dgpo.offload import TrainingStateOffload, optimizer_storages
+    from megatron_dgpo.optimizer import step_if_finite
+
+    (models, optimizer), (twin, twin_optimizer) = _setup(seed=5), _setup(seed=5)
+    for m, o in ((models, optimizer), (twin, twin_optimizer)):
+        step_if_finite(o, m, _grads(m).loss)
+    state = [{k: v.clone() for k, v in s.items()} for s in _adam(optimizer).state.values()]
+    weights = _params(models)
+    offload = TrainingStateOffload(models, optimizer)
+    storages = optimizer_storages(optimizer, models)
+    out = {"storages": len(storages), "state_tensors": sum(len(s) for s in state)}
+    offload.offload()
+    out["freed"] = all(s.nbytes() == 0 for s in storages) and all(
+        b.grad_data.untyped_storage().nbytes() == 0 for b in models[0].buffers)
+    out["weights_kept"] = all(torch.equal(weights[n], p) for n, p in _params(models).items())
+    with offload.resident():  # a checkpoint save in the middle of the offloaded phase
+        out["resident_inside"] = all(torch.equal(a[k], b[k]) for a, b in
+                                     zip(state, _adam(optimizer).state.values()) for k in a)
+    out["offloaded_after"] = offload.offloaded and all(s.nbytes() == 0 for s in storages)
+    host = list(offload._host)
+    offload.restore()
+    out["state_equal"] = all(torch.equal(a[k], b[k]) for a, b in
+                             zip(state, _adam(optimizer).state.values()) for k in a)
+    out["grads_zero"] = all(not p.main_grad.any() for p in models[0].module.parameters())
+    offload.offload()
+    out["host_reused"] = all(a is b for a, b in zip(host, offload._host))
+    offload.restore()
+    for m, o in ((models, optimizer), (twin, twin_optimizer)):
+        step_if_finite(o, m, _grads(m).loss)
+    out["next_equal"] = all(torch.equal(a, b) for a, b in zip(_params(models).values(), _params(twin).values()))
     return out
 
 

@@ -30,6 +30,43 @@ def test_non_finite_updates_are_skipped_on_every_rank(optimizer_results):
         assert result["clean_step"] is True
 
 
+def test_offloaded_training_state_frees_its_memory_and_round_trips_bit_for_bit(optimizer_results):
+    for result in optimizer_results:
+        offload = result["offload"]
+        # fp32 weights: the param groups' tensors are the model's and stay; the Adam state of
+        # every parameter (two moments and the step count) is the optimizer's own
+        assert offload["storages"] == offload["state_tensors"] > 0
+        assert offload["freed"] and offload["weights_kept"]
+        assert offload["resident_inside"] and offload["offloaded_after"]
+        assert offload["state_equal"] and offload["grads_zero"] and offload["host_reused"]
+        assert offload["next_equal"]
+
+
+def test_offload_keeps_storages_the_model_shares():
+    """Main weights distinct from the model's (bf16 training) are offloaded; a param-group
+    tensor that is a view of a model parameter (fp32 weights, distributed-optimizer shards)
+    is not. Through Megatron's wrapper shapes: ``chained_optimizers`` and ``.optimizer``."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_dgpo.offload import optimizer_storages
+
+    model = torch.nn.Linear(4, 3)
+    main = [p.detach().float().clone() for p in model.parameters()]
+    shard_view = model.weight.detach().view(-1)[2:6]  # shares the weight's storage
+    inner = torch.optim.Adam([{"params": main}, {"params": [shard_view]}])
+    for p in main:
+        p.grad = torch.ones_like(p)
+    inner.step()
+    wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])
+    found = {s.data_ptr() for s in optimizer_storages(wrapped, [model])}
+    want = {t.untyped_storage().data_ptr() for t in main}
+    want |= {v.untyped_storage().data_ptr() for p in main for v in inner.state[p].values() if v.dim()}
+    assert want <= found
+    assert model.weight.untyped_storage().data_ptr() not in found
+
+
 LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1}
 
 

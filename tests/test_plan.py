@@ -299,12 +299,13 @@ def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
     assert code == 0 and data["pick"]["layout"] == dict(tp=lay.tp, pp=lay.pp, cp=lay.cp,
                                                         dp=lay.dp)
     for row in data["layouts"]:
-        terms = sum(v for k, v in row["gib"].items() if k not in ("total", "gpu"))
-        if row["vllm_sleeps"]:  # vLLM asleep during training: max(vLLM, transient), not +
-            g = row["gib"]
-            terms -= g["vllm"] + g["activations"] + g["logits"] - max(
-                g["vllm"], g["activations"] + g["logits"])
-        assert terms == pytest.approx(row["gib"]["total"])
+        g = row["gib"]
+        state, training = g["grads"] + g["optimizer"], g["activations"] + g["logits"]
+        if row["vllm_sleeps"]:  # vLLM asleep during training: the larger phase, not the sum
+            phases = max(state + training, g["vllm"] + (0 if row["offloaded"] else state))
+        else:
+            phases = state + training + g["vllm"]
+        assert g["weights"] + phases + g["overhead"] == pytest.approx(g["total"])
         assert row["fits"] == (row["gib"]["total"] <= 80)
     assert data["params"] == param_count(arch)
     # only layouts the trainer can run: no context parallelism
@@ -375,3 +376,31 @@ def test_bad_recipe_input_is_named(capsys, tmp_path):
     assert code == 2 and "--hf-config" in err
     code, _, err = _run_main(capsys, [RECIPE_14B, "rollout.tensor_parallel_size=16"] + base)
     assert code == 2 and "rollout.tensor_parallel_size=16" in err
+
+
+def test_offloaded_training_state_is_counted_only_while_vllm_is_awake():
+    """train.offload_training_state: the rollout phase no longer holds gradients and optimizer
+    state, so the peak drops to max(training, weights + vLLM) and smaller layouts fit."""
+    from dataclasses import replace
+
+    from megatron_dgpo.recipe import load_recipe
+
+    run = load_recipe(RECIPE_14B)
+    arch, cluster = PUBLISHED[run.model.path], Cluster(gpus_per_node=8, nodes=4, gpu_memory_gb=80)
+    work = Workload.from_recipe(run)
+    assert work.offload_training_state is False
+    lay = Layout(tp=2, pp=1, cp=1, dp=16)
+    kept, offloaded = (estimate(arch, cluster, lay, replace(work, offload_training_state=o)) for o in (False, True))
+    state = kept.grads + kept.optimizer
+    assert kept.vllm_sleeps and offloaded.offloaded and not kept.offloaded
+    training = kept.weights + state + kept.activations + kept.logits + kept.overhead
+    rollout = kept.weights + kept.vllm + kept.overhead
+    assert kept.total == max(training, rollout + state)
+    assert offloaded.total == max(training, rollout) < kept.total
+    # a separate engine never sleeps: offloading changes nothing there
+    sep = replace(work, rollout_placement="separate", offload_training_state=True)
+    assert not estimate(arch, cluster, lay, sep).offloaded
+    # the planner then picks a smaller model-parallel layout for the 14B recipe on 4 nodes
+    picks = [make_plan(arch, cluster, replace(work, offload_training_state=o)).pick.layout.model_parallel
+             for o in (False, True)]
+    assert picks[1] < picks[0]
