@@ -1,4 +1,4 @@
-"""The GPU path, checked in one command on one 80 GB GPU (under 10 minutes).
+"""The GPU path, checked in one command on one 80 GB GPU (under 10 minutes; two more runs with 2 GPUs).
 
     python benchmarks/gpu_check.py [--out benchmarks/results] [--only NAME ...]
 
@@ -7,7 +7,7 @@ Prints one row per check and writes ``<out>/gpu_check.md`` and ``<out>/gpu_check
 as an error row and the others still run. Exit status 1 if a check failed, else 0. Without
 CUDA it prints one line saying it skipped and exits 0 (the CPU test suite runs it that way).
 
-Checks (one GPU, a world of one rank, TP = PP = DP = 1):
+Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun runs at the end):
 
 * ``te_thd_bf16``: the Transformer-Engine layer spec with a packed row as THD
   ``PackedSeqParams`` (fused RoPE where TE has it) against Megatron's local spec with a
@@ -43,6 +43,9 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1):
   recompute.
 * ``tiny_gpu_run``: ``python -m megatron_dgpo.train recipes/tiny_gpu.yaml`` for its 5 steps:
   5 metric lines, the last checkpoint published by the async saver, the HF export.
+* ``tiny_gpu_tp2``, ``tiny_gpu_dp2``: the same under torchrun on 2 GPUs at TP = 2 and at DP = 2
+  (NCCL groups: where a CPU tensor in a reduction or a pickled CUDA tensor in a broadcast object
+  would fail); reported as not run with fewer than 2 GPUs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -539,17 +543,37 @@ def check_throughput_1p5b() -> Row:
                dict(results, row_lengths=lengths, flops_per_row=flops, peak_flops=peak))
 
 
-def check_tiny_gpu_run() -> Row:
-    goal = "5 steps, checkpoint step_000005 published, HF export"
+TINY_GPU_LAYOUTS = {  # check name: (GPUs, recipe overrides)
+    "tiny_gpu_run": (1, []),
+    # the layouts where a CPU tensor on an NCCL group or a pickled CUDA tensor would surface
+    "tiny_gpu_tp2": (2, ["parallel.tensor_parallel=2"]),
+    "tiny_gpu_dp2": (2, []),
+}
+
+
+def tiny_gpu_command(gpus: int, overrides: list[str], run_dir: str) -> list[str]:
+    """``recipes/tiny_gpu.yaml`` on ``gpus`` GPUs of this node (torchrun when more than one)."""
+    from megatron_dgpo.convert._spawn import free_port
+
+    launcher = [sys.executable] if gpus == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus),
+        "--master-port", str(free_port())]
+    return launcher + ["-m", "megatron_dgpo.train", str(ROOT / "recipes/tiny_gpu.yaml"),
+                       f"run_dir={run_dir}", "logging.progress_bar=false", *overrides]
+
+
+def check_tiny_gpu(name: str) -> Row:
+    gpus, overrides = TINY_GPU_LAYOUTS[name]
+    goal = f"{gpus} GPU(s){' ' + ' '.join(overrides) if overrides else ''}: 5 steps, checkpoint step_000005 published, HF export"
+    if torch.cuda.device_count() < gpus:
+        return Row(name, None, f"not run: {torch.cuda.device_count()} GPU(s), needs {gpus}", goal)
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         begin = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_dgpo.train", str(ROOT / "recipes/tiny_gpu.yaml"),
-             f"run_dir={tmp}/run", "logging.progress_bar=false"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+        proc = subprocess.run(tiny_gpu_command(gpus, overrides, f"{tmp}/run"),
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         seconds = time.perf_counter() - begin
         run = Path(tmp) / "run"
         lines = []
@@ -561,7 +585,7 @@ def check_tiny_gpu_run() -> Row:
     last = lines[-1] if lines else {}
     ok = proc.returncode == 0 and len(lines) == 5 and latest == "step_000005" and exported
     tail = "" if ok else " | " + (proc.stderr or proc.stdout)[-300:].replace("\n", " ")
-    return Row("tiny_gpu_run", ok,
+    return Row(name, ok,
                f"rc {proc.returncode}, {len(lines)} steps in {seconds:.0f} s, latest {latest}, "
                f"export {exported}, last mismatch "
                f"{last.get('mismatch/mean_abs_diff', float('nan')):.2e}{tail}", goal,
@@ -577,7 +601,7 @@ CHECKS = (
     ("distopt_checkpoint", check_distopt_checkpoint),
     ("throughput_1p5b", check_throughput_1p5b),
     ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
-    ("tiny_gpu_run", check_tiny_gpu_run),
+    *((name, partial(check_tiny_gpu, name)) for name in TINY_GPU_LAYOUTS),
 )
 
 
