@@ -29,7 +29,7 @@ Why each condition (Megatron-Core 0.16):
 * Gradient-accumulation fusion accumulates weight gradients straight into the fp32
   ``main_grad`` from the GEMM. TE's linear layers do it natively, but ``GPTModel``'s output
   layer is Megatron's own ``ColumnParallelLinear``, which raises unless apex's
-  ``fused_weight_gradient_mlp_cuda`` extension imports (the NGC PyTorch containers ship it).
+  ``fused_weight_gradient_mlp_cuda`` extension imports (``docker/Dockerfile`` builds it).
   It needs ``main_grad``: models trained with it must be wrapped in Megatron's DDP (they are).
 * Overlapped grad reduce launches each bucket's all-reduce / reduce-scatter during backward;
   the schedule must then be told to hold it until the last micro-batch
@@ -81,7 +81,8 @@ class Platform:
 CPU = Platform(cuda=False)
 """The CPU path: every GPU choice off (what the CPU tests run)."""
 GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True)
-"""A GPU node as the recipes assume it (NGC PyTorch container: TE and apex); the planner's."""
+"""A GPU node as the recipes assume it (the pinned GPU stack of ``docker/Dockerfile``: TE and
+apex); the planner's."""
 
 
 def _import_error(module: str) -> str | None:
