@@ -135,6 +135,9 @@ def test_time_limit_stops_requeues_and_continues_exactly(cluster, reference, tmp
     log = _log(tmp_path, job_id)
     assert job["JobState"] == "COMPLETED", log
     assert int(job["Restarts"]) >= 1 and "requeueing job" in log, log
+    # every cut attempt's trainers stopped at a step boundary with a checkpoint (their own line)
+    stops = re.findall(r"dgpo: \[megatron-dgpo\] stopped after step (\d+) \(SIGUSR1\)", log)
+    assert 1 <= len(stops) <= int(job["Restarts"]), log
     assert_same_run(read_metrics(run_dir), reference)
     assert len(read_metrics(run_dir)) == len(reference)
     print(f"--time={minutes} --signal=B:USR1@{lead} (start-up {reference.startup_s:.0f} s, "
