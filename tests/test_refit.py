@@ -155,6 +155,9 @@ class _RecordingLLM:
         self.calls.append(("wake_up", tuple(tags)))
 
     def collective_rpc(self, method, args=(), kwargs=None):
+        if callable(method):  # a function of ours run in each worker
+            self.calls.append((method.__name__,))
+            return [False]
         self.calls.append(("reload", len(list(kwargs["weights_iterator"]))))
 
     def reset_prefix_cache(self):
@@ -183,11 +186,13 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     pairs.append(("model.norm.weight", torch.zeros(2)))
     engine.update_weights(iter(pairs))
     assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload", 3), ("reload", 1),
-                         ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+                         ("_refresh_tied_output_layer",), ("wake_up", ("kv_cache",)),
+                         ("reset_prefix_cache",)]
     assert engine.holds_weights
     llm.calls.clear()
     engine.update_weights(iter(pairs))  # awake: no wake-up calls
-    assert [c[0] for c in llm.calls] == ["reload", "reload", "reset_prefix_cache"]
+    assert [c[0] for c in llm.calls] == ["reload", "reload", "_refresh_tied_output_layer",
+                                         "reset_prefix_cache"]
     engine.sleep()  # level 2 drops the weights: generating before the next refit is refused
     with pytest.raises(RuntimeError, match="level-2 sleep"):
         engine.generate([[1, 2]], max_tokens=2)

@@ -323,3 +323,20 @@ def _running(process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_tied_embeddings_refit_keeps_the_engine_on_the_trained_policy(tmp_path):
+    """Qwen2.5-0.5B's shape family ties the output layer to the embedding: the refit must carry
+    the trained embedding into vLLM's tied lm_head. After every update the engine's sampled
+    log-probs equal the trainer's (a stale or untied head would be off by the update)."""
+    import json
+
+    run_dir = tmp_path / "tied"
+    _check(_train(run_dir, "model.tiny.tie_word_embeddings=true", "train.steps=3",
+                  "checkpoint.save_every=0", "checkpoint.export_hf=false"))
+    assert json.loads((run_dir / "initial_model" / "config.json").read_text())["tie_word_embeddings"]
+    records = read_metrics(run_dir)
+    assert len(records) == 3
+    for record in records:
+        assert record["mismatch/mean_abs_diff"] < 1e-5 and record["mismatch/max_abs_diff"] < 1e-3, record
+    assert records[1]["train/grad_norm"] > 0  # the policy did move between the samples
