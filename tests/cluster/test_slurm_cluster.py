@@ -79,13 +79,18 @@ def _job(job_id: int) -> dict:
 def _until_done(job_id: int, timeout: float = 900, *, on_running=None) -> dict:
     """Wait for the job to complete; a requeued attempt held by SLURM's requeue delay is started
     at once (``StartTime=now``). ``on_running(job)`` is called while it runs until it returns True."""
-    deadline = time.monotonic() + timeout
+    deadline, held_since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         job = _job(job_id)
         state = job.get("JobState")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return job
-        if state == "PENDING" and job.get("Reason") == "BeginTime":
+        held = state == "PENDING" and job.get("Reason") == "BeginTime"
+        held_since = (held_since or time.monotonic()) if held else None
+        # not before the previous attempt is cleaned up on the nodes: started while they still
+        # complete it, the batch job dies with "Job credential revoked" (SLURM's own delay is
+        # ~2 minutes, so real requeues never meet this)
+        if held and time.monotonic() - held_since >= 3 and not _nodes_completing():
             subprocess.run([IN_CLUSTER, "scontrol", "update", f"jobid={job_id}", "StartTime=now"],
                            capture_output=True)
         if state == "RUNNING" and on_running is not None and on_running(job):
@@ -93,6 +98,12 @@ def _until_done(job_id: int, timeout: float = 900, *, on_running=None) -> dict:
         time.sleep(1)
     subprocess.run([IN_CLUSTER, "scancel", str(job_id)])
     pytest.fail(f"job {job_id} not done after {timeout} s: {_job(job_id)}")
+
+
+def _nodes_completing() -> bool:
+    out = subprocess.run([IN_CLUSTER, "sinfo", "-h", "-t", "completing", "-o", "%N"],
+                         capture_output=True, text=True).stdout
+    return bool(out.strip())
 
 
 def _log(tmp_path: Path, job_id: int) -> str:
