@@ -142,8 +142,10 @@ def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
 class AsyncSaver:
     """Checkpoints written in the background: Megatron's async ``torch_dist`` save.
 
-    ``save_checkpoint(..., saver=saver)`` returns once the state is staged on the host; a
-    forked writer process per rank writes the files while training goes on. The checkpoint
+    ``save_checkpoint(..., saver=saver)`` returns once the state is staged on the host; one
+    persistent writer process per rank (Megatron's ``PersistentAsyncCaller``, spawned at the
+    first save and kept) writes the files while training goes on, so the trainer process,
+    which hosts vLLM and NCCL threads, is never forked for a save. The checkpoint
     is published (renamed from ``.incomplete-<name>``, then ``latest`` replaced) by a
     finalize function that Megatron runs only after the write has finished on every rank,
     from ``poll`` (call it once per step; non-blocking) or ``wait`` (blocking). So the
@@ -152,8 +154,9 @@ class AsyncSaver:
     one, whose clean-up would otherwise remove the new staging folder). Call ``wait`` before
     reading a checkpoint just saved (the final HF export) and before exiting.
 
-    ``queue`` is Megatron's ``AsyncCallsQueue`` (default), which needs CUDA: its finalisation
-    all-reduces a CUDA tensor, so on CPU ``checkpoint.async_save`` is refused here.
+    ``queue`` is Megatron's ``AsyncCallsQueue(persistent=True)`` (default), which needs CUDA:
+    its finalisation all-reduces a CUDA tensor, so on CPU ``checkpoint.async_save`` is refused
+    here. ``close`` (after ``wait``) stops the writer.
     """
 
     def __init__(self, queue=None):
@@ -164,7 +167,7 @@ class AsyncSaver:
                                  "false on CPU")
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            queue = AsyncCallsQueue(persistent=False)
+            queue = AsyncCallsQueue(persistent=True)
         self._queue = queue
 
     @property
@@ -184,6 +187,11 @@ class AsyncSaver:
     def wait(self) -> None:
         """Collective: block until every scheduled save is written and published."""
         self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        """Collective: publish what is pending, then stop the writer process."""
+        self.wait()
+        self._queue.close()
 
 
 def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, optimizer, *,
@@ -233,7 +241,8 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
             _write_json(staging / STATE_FILE, record)
         if saver is not None:
             request.add_finalize_fn(publish)  # runs after Megatron's own finalisation (metadata)
-            saver.schedule(request)  # forks the background writer
+            with children_keep_running():  # the writer worker outlives SLURM's stop signals
+                saver.schedule(request)
     if saver is None:
         publish()
     return root / name

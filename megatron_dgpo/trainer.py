@@ -172,7 +172,7 @@ def train(cfg: RunConfig) -> int:
                     break
 
             if saver is not None:
-                saver.wait()  # the last checkpoint is published before it is exported or we exit
+                saver.close()  # the last checkpoint is published before it is exported or we exit
             if cfg.checkpoint.export_hf and rank0 and not stopped:
                 export_latest(run_dir, cfg.checkpoint.export_dtype)
             comm.barrier()

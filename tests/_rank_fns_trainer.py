@@ -173,6 +173,9 @@ class _HeldQueue:
         while blocking and self.requests:
             self.requests.pop(0).execute_sync()
 
+    def close(self):  # Megatron's stops the persistent writer process here
+        self.closed_with_pending = len(self.requests)
+
 
 def checkpoint_round_trip(rank, world, root):
     """save (keep_last=1 prunes; the second save through the async path), load into a
@@ -204,6 +207,8 @@ def checkpoint_round_trip(rank, world, root):
     torch.distributed.barrier()
     saver.wait()
     pending["after_wait"] = saver.pending
+    saver.close()
+    pending["closed_with_pending"] = saver._queue.closed_with_pending
     saved = _params(models)
     drawn = torch.rand(4)  # the RNG state saved at this layout is restored on load
     step_if_finite(optimizer, models, _grads(models).loss)

@@ -92,6 +92,7 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
         # checkpoint is only a staging folder (no shard written yet) and `latest` is the old one
         staged = result["async"]
         assert staged["pending"] == 1 and staged["after_wait"] == 0
+        assert staged["closed_with_pending"] == 0  # close publishes first, then stops the writer
         assert staged["latest"] == "step_000001"
         assert staged["listing"] == [".incomplete-step_000002", "latest", "step_000001"]
         assert not any(f.endswith(".distcp") for f in staged["staged_files"])
