@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_dgpo.checkpoint import latest_checkpoint
 from megatron_dgpo.telemetry import read_metrics
 from tests.distributed import free_port
@@ -73,6 +75,7 @@ def _layout(run_dir: Path) -> dict:
     return json.loads((latest / "trainer_state.json").read_text())["extra"]["layout"]
 
 
+@pytest.mark.slow  # ~40 s: `make test-slow`
 def test_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
     tp2 = tmp_path / "tp2"
     _finish(_launch(tp2, "parallel.tensor_parallel=2", ranks=2))

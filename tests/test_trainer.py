@@ -264,6 +264,7 @@ def _assert_stopped_with_checkpoint(run_dir: Path, steps: int) -> int:
     return logged[-1]
 
 
+@pytest.mark.slow  # ~35 s each: `make test-slow`
 def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(full_run, tmp_path):
     """Ctrl-C (SIGINT) once, after step 2's line: the step in flight finishes, a checkpoint of it
     is written (off the save schedule), engines and workers shut down, exit 75. Running the same
@@ -288,6 +289,7 @@ def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(fu
         _assert_same_metrics(got, want)
 
 
+@pytest.mark.slow  # ~35 s each: `make test-slow`
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_a_rerun_continues(full_run, tmp_path):
     """DP=2 under torchrun; SIGTERM to rank 1 only (as a node's slurmstepd may deliver it first):
     both ranks agree at the step boundary (without it rank 1 could not save, a collective,
