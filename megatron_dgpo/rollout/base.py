@@ -87,6 +87,12 @@ class RolloutEngine(ABC):
     def shutdown(self) -> None:
         """Free the engine (processes, memory). Idempotent."""
 
+    @property
+    def holds_weights(self) -> bool:
+        """Whether the engine can generate now; False while it waits for a refit to give it
+        weights (a vLLM engine started from dummy weights, or after a level-2 sleep)."""
+        return True
+
     def __enter__(self):
         return self
 

@@ -62,7 +62,7 @@ class ReplicaRollout:
                                        refitted=True)
         # an engine started from dummy weights (colocated on GPU) is filled by a refit first
         self.needs_first_refit = comm.any_rank(
-            self.engine is not None and not getattr(self.engine, "holds_weights", True), self.mp_group)
+            self.engine is not None and not self.engine.holds_weights, self.mp_group)
         if self.role.grades:
             self.pool = reward_pool()
             kind = ("colocated vllm" if self.colocated else
