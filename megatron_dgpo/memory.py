@@ -293,6 +293,54 @@ def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
     return 2 * arch.layers * arch.kv_dim * dtype_bytes
 
 
+NCCL_CHANNEL_BYTES = (4 << 20) + 4_915_200 + (1 << 19)
+"""One NCCL channel's buffers for one connection with NCCL's default sizes: Simple
+``NCCL_BUFFSIZE`` 4 MiB + LL128 4,915,200 bytes (120 x 640 threads x 8 steps x 8 bytes) + LL
+512 KiB (8 lines x 512 threads x 8 steps x 16 bytes) = 9.19 MiB."""
+
+
+def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engine: bool
+                       ) -> list[str]:
+    """The NCCL communicators one trainer GPU holds for the whole job (NCCL creates a
+    communicator at a group's first collective and keeps it):
+
+        TP [t > 1]  DP [D > 1: gradient reduce-scatter, parameter all-gather]
+        PP [p > 1: stage-to-stage send/recv]  model-parallel [t p > 1: gradient-norm and loss
+        reductions]  embedding [p > 1 and tied: tied-weight gradient sync]  world [D t p > 1:
+        ``comm.any_rank`` at every step boundary, step metrics]  vLLM TP [an engine of
+        t_r > 1 GPUs on this GPU: its own PyNccl communicator, kept while it sleeps]
+    """
+    t, p, d = layout.tp, layout.pp, layout.dp
+    named = [("TP", t > 1), ("DP", d > 1), ("PP", p > 1), ("model-parallel", t * p > 1),
+             ("embedding", p > 1 and tied), ("world", t * p * d > 1),
+             ("vLLM TP", has_engine and engine_tp > 1)]
+    return [name for name, used in named if used]
+
+
+def nccl_bytes(communicators: int, channels: int = 32) -> int:
+    """NCCL's buffers on one GPU: communicators x C x 9.19 MiB (``NCCL_CHANNEL_BYTES``), C the
+    channels per communicator (up to 32 on NVLink; ``--nccl-channels``). One connection per
+    channel: since NCCL 2.22 (``NCCL_RUNTIME_CONNECT=1``) only the algorithm a collective
+    uses is connected, a ring has one receive connection per channel (its send buffers are on
+    the next GPU). NCCL's maintainers: memory is linear in channels; ring uses 2 connections
+    regardless of scale (NVIDIA/nccl#986). With every algorithm connected (older NCCL, tree:
+    up to 3 more peers) one communicator measured ~1.1 GiB on 8 GPUs (NVIDIA/nccl#864), 4x
+    this. NVLS (NVLink SHARP) buffers are not counted: set ``NCCL_NVLS_ENABLE=0`` or leave
+    headroom."""
+    return communicators * channels * NCCL_CHANNEL_BYTES
+
+
+def allocator_cache_bytes(dynamic: int, slack: float) -> int:
+    """What PyTorch's caching allocator holds beyond the live tensors at training's peak:
+    slack x (activations + logits). Those are the tensors freed and re-allocated every
+    micro-batch at sizes that vary with the packed rows, so cached blocks do not fit the next
+    request exactly (fragmentation); weights, gradients and optimizer state are allocated once.
+    ``expandable_segments`` would shrink it but is refused by vLLM's sleep-mode allocator, so
+    the trainer leaves it off. The trainer empties the cache before a colocated engine wakes
+    (``train.py``), so rollout does not pay it."""
+    return int(slack * dynamic)
+
+
 # --------------------------------------------------------------------------- a layout's peak
 
 
@@ -349,13 +397,28 @@ class Workload:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
-    overhead_bytes: int = 2 * GIB
-    """CUDA context, NCCL buffers and allocator fragmentation (a flat allowance per GPU)."""
+    enforce_eager: bool = False
+    """``rollout.enforce_eager``: no CUDA graphs, so a sleeping engine keeps no graph pool."""
+    cuda_graph_bytes: int = GIB
+    """A vLLM engine's CUDA-graph pool per GPU (``--cuda-graph-gb``). Since vLLM 0.21 it is
+    profiled inside ``gpu_memory_utilization`` while the engine is awake, but sleep mode does
+    not release it, so it stays through training. Published captures: 0.13 GiB (0.5B model,
+    decode sizes to 256), 0.36 GiB (piecewise sizes to 16), 1.4 GiB (a 1T MoE at TP 8, sizes
+    to 512); vLLM's older warning said 1-3 GiB."""
+    nccl_channels: int = 32
+    """C of ``nccl_bytes`` (``--nccl-channels``)."""
+    allocator_slack: float = 0.1
+    """``allocator_cache_bytes``'s slack (``--allocator-slack``)."""
+    overhead_bytes: int = GIB
+    """The CUDA context (~0.5 GiB with lazy module loading) and the cuBLAS / TE workspaces: a
+    flat allowance per GPU (``--overhead-gb``); NCCL, CUDA graphs and the allocator's cache
+    are their own terms."""
 
     @classmethod
     def from_recipe(cls, run) -> "Workload":
-        """The memory-relevant fields of a ``RunConfig``. The distributed optimizer's ``None``
-        (on with a GPU) counts as on; bf16 unless ``model.dtype: float32``."""
+        """The memory-relevant fields of a ``RunConfig``. ``None`` means what it means on a GPU:
+        the distributed optimizer and sleep mode count as on, ``enforce_eager`` as off (CUDA
+        graphs); bf16 unless ``model.dtype: float32``."""
         dist_opt = run.optimizer.use_distributed_optimizer
         return cls(
             micro_batch_tokens=run.train.micro_batch_tokens,
@@ -373,6 +436,8 @@ class Workload:
             kv_cache_memory_bytes=run.rollout.kv_cache_memory_bytes,
             max_num_seqs=run.rollout.max_num_seqs,
             offload_training_state=run.train.offload_training_state,
+            sleep_mode=run.rollout.sleep_mode is not False,
+            enforce_eager=bool(run.rollout.enforce_eager),
         )
 
 
@@ -396,6 +461,11 @@ class Layout:
         return f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp}"
 
 
+TERMS = ("weights", "grads", "optimizer", "activations", "logits", "cache", "vllm", "graphs",
+         "nccl", "overhead")
+"""``Estimate``'s memory terms, in the order the table prints them."""
+
+
 @dataclass
 class Estimate:
     """Peak bytes on the most loaded GPU of a layout, term by term."""
@@ -412,6 +482,13 @@ class Estimate:
     vllm: int
     overhead: int
     gpu_bytes: int
+    nccl: int = 0
+    """NCCL communicators' buffers (``nccl_bytes``): resident all job long."""
+    graphs: int = 0
+    """A sleeping engine's CUDA-graph pool: resident while training runs (awake, it is inside
+    the vLLM reserve)."""
+    cache: int = 0
+    """The allocator's cached memory at training's peak (``allocator_cache_bytes``)."""
     notes: list[str] = field(default_factory=list)
     vllm_sleeps: bool = False
     """vLLM is asleep while training runs: the peak holds max(vllm, activations + logits)."""
@@ -420,18 +497,23 @@ class Estimate:
     offloaded: bool = False
     """Gradients and optimizer state are off the GPU while vLLM is awake (only matters when it
     sleeps during training)."""
+    communicators: list[str] = field(default_factory=list)
+    """The NCCL communicators counted in ``nccl`` (``nccl_communicators``)."""
 
     @property
     def total(self) -> int:
-        """weights + overhead + the larger of the two phases when vLLM sleeps during training
-        (training: grads + optimizer + activations + logits; rollout: vLLM, + grads + optimizer
-        unless offloaded), else everything at once."""
-        state, training = self.grads + self.optimizer, self.activations + self.logits
+        """weights + NCCL + overhead + the larger of the two phases when vLLM sleeps during
+        training (training: grads + optimizer + activations + logits + cache + the sleeping
+        engine's graphs; rollout: vLLM, + grads + optimizer unless offloaded), else everything
+        at once."""
+        state = self.grads + self.optimizer
+        training = self.activations + self.logits + self.cache
         if self.vllm_sleeps:
-            phases = max(state + training, self.vllm + (0 if self.offloaded else state))
+            phases = max(state + training + self.graphs,
+                         self.vllm + (0 if self.offloaded else state))
         else:
             phases = state + training + self.vllm
-        return self.weights + phases + self.overhead
+        return self.weights + self.nccl + phases + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -442,13 +524,12 @@ class Estimate:
         return self.total <= (1.0 - headroom) * self.gpu_bytes
 
     def as_dict(self) -> dict:
-        terms = {k: getattr(self, k) / GIB for k in
-                 ("weights", "grads", "optimizer", "activations", "logits", "vllm", "overhead")}
+        terms = {k: getattr(self, k) / GIB for k in TERMS}
         return dict(layout=asdict(self.layout), peak_stage=self.stage,
                     gib={**terms, "total": self.total / GIB, "gpu": self.gpu_bytes / GIB},
                     fits=self.fits, notes=list(self.notes), vllm_sleeps=self.vllm_sleeps,
-                    offloaded=self.offloaded,
-                    engines=self.engines)
+                    offloaded=self.offloaded, engines=self.engines,
+                    nccl_communicators=list(self.communicators))
 
 
 def micro_batches_per_update(work: Workload, dp: int) -> int:
@@ -504,7 +585,8 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
 
 def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
     """The peak GPU of ``layout``: the largest over pipeline stages k = 0 .. p-1 of weights +
-    gradients + optimizer + activations + logits + vLLM + overhead, where stage k holds
+    gradients + optimizer + activations + logits + allocator cache + vLLM (+ a sleeping
+    engine's CUDA graphs) + NCCL + overhead (``Estimate.total``), where stage k holds
     min(p - k, micro-batches) micro-batches in flight (1F1B), stage 0 the embedding, the last
     stage the output layer and the logits. vLLM: colocated (the default), an engine of t_r GPUs
     in every rank, on every stage, asleep during training with ``sleep_mode`` (then the stage
@@ -526,24 +608,31 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
     def stage_estimate(stage: int) -> Estimate:
         params = stage_params(arch, t, p, stage)
         last = stage == p - 1
-        has_vllm = colocated or stage * gpus_per_stage < work.rollout_tp
+        has_vllm = work.colocated_rollout and (colocated or stage * gpus_per_stage < t_r)
         name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
+        activations = activation_bytes(arch, tokens, arch.layers // p,
+                                       min(p - stage, micro_batches), t, work.recompute,
+                                       work.dtype_bytes)
+        logits = (logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
+                  + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
+                  if last else 0)
+        communicators = nccl_communicators(layout, tied=arch.tie_word_embeddings,
+                                           engine_tp=t_r, has_engine=has_vllm)
         return Estimate(
             layout=layout, stage=name,
             weights=weight_bytes(params, work.dtype_bytes),
             grads=grad_bytes(params, work.grad_dtype_bytes),
             # CP ranks hold the same weights: Megatron shards the optimizer over DP x CP
             optimizer=optimizer_bytes(params, d * c, work.distributed_optimizer),
-            activations=activation_bytes(arch, tokens, arch.layers // p,
-                                         min(p - stage, micro_batches), t, work.recompute,
-                                         work.dtype_bytes),
-            logits=(logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
-                    + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
-                    if last else 0),
+            activations=activations, logits=logits,
             vllm=vllm if has_vllm else 0,
             overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,
+            nccl=nccl_bytes(len(communicators), work.nccl_channels),
+            graphs=(work.cuda_graph_bytes if has_vllm and sleeps and not work.enforce_eager
+                    else 0),
+            cache=allocator_cache_bytes(activations + logits, work.allocator_slack),
             notes=list(vllm_notes) if has_vllm else [], vllm_sleeps=sleeps, engines=engines,
-            offloaded=sleeps and work.offload_training_state)
+            offloaded=sleeps and work.offload_training_state, communicators=communicators)
 
     # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
     peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)

@@ -4,8 +4,10 @@ A colocated engine shares its GPUs with training. Sleep mode frees the engine's 
 training runs; this frees training's memory that is idle while the engine runs: the gradient
 buffers and the optimizer state (Adam moments and, with bf16 weights, the fp32 main weights),
 about 16 bytes per parameter of the rank's shard against 2 for the bf16 weights that stay
-(NeMo-RL offloads the same before its refit). The trainer offloads after a step's updates and
-brings the state back before the next step's updates (and around a checkpoint save).
+(NeMo-RL offloads the same before its refit). The trainer offloads before the engines start
+(vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free then) and after
+every step's updates, and brings the state back before the next step's updates (and around a
+checkpoint save).
 
 How, per kind of tensor:
 

@@ -19,8 +19,9 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
-from megatron_dgpo.memory import (GIB, PUBLISHED, Architecture, Cluster, Estimate, Layout,
-                                  Workload, estimate, param_count)
+from megatron_dgpo.memory import (GIB, PUBLISHED, TERMS, Architecture, Cluster, Estimate,
+                                  Layout, Workload, activation_elements_per_token_layer,
+                                  estimate, padded_vocab, param_count, stage_params)
 
 
 def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload) -> list[Layout]:
@@ -190,6 +191,80 @@ def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom:
     return plan
 
 
+def _stage_index(e: Estimate) -> int:
+    return {"only": 0, "first": 0, "last": e.layout.pp - 1}.get(e.stage) \
+        if not e.stage.isdigit() else int(e.stage)
+
+
+def explain(plan: Plan, e: Estimate | None = None) -> str:
+    """``dgpo-plan --explain``: every term of one estimate (default: the pick) as a line
+    ``term  formula = value  why``, the values those of ``e`` itself (docs/planner.md has the
+    same rows with their sources)."""
+    e = e or plan.pick
+    arch, work, lay = plan.architecture, plan.workload, e.layout
+    t, p, d = lay.tp, lay.pp, lay.dp
+    n = stage_params(arch, t, p, _stage_index(e))
+    rows = padded_vocab(arch.vocab, t)
+    gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    recompute = "full recompute: each layer's input kept, one layer recomputed" \
+        if work.recompute else "no recompute"
+    lines = [f"{lay}, {e.stage} pipeline stage GPU: {gib(e.total)} of {gib(e.gpu_bytes)}",
+             f"  weights      b N = {work.dtype_bytes} x {n:,} = {gib(e.weights)}"
+             f"   (N: this stage's parameters, V_pad = {rows})",
+             f"  grads        4 N = {gib(e.grads)}   (fp32 main_grad for every local "
+             f"parameter: grad_reduce_in_fp32)",
+             f"  optimizer    12 N / {d if work.distributed_optimizer else 1} = "
+             f"{gib(e.optimizer)}   (fp32 master + Adam m, v"
+             + (", sharded over DP by the distributed optimizer)" if work.distributed_optimizer
+                else ", not sharded)"),
+             f"  activations  m (L / p) s E b / t = {gib(e.activations)}   (s = "
+             f"{work.micro_batch_tokens} tokens, E = "
+             f"{activation_elements_per_token_layer(arch):,} elements per token and layer, "
+             f"sequence parallel over TP {t}; {recompute})",
+             f"  logits       2 s (V_pad / t) b + 2 chunk (V_pad / t) 4 = {gib(e.logits)}   "
+             + ("(last stage: the logits the log-prob kernel saves and their gradient, plus "
+                "its float32 chunks; no third copy: the logits leave Float16Module in bf16 and "
+                "packed rows are one sequence, so GPTModel's transpose copies nothing "
+                "(benchmarks/bench_logits_copies.py))" if e.logits else "(not on this stage)"),
+             f"  cache        {work.allocator_slack:g} (activations + logits) = {gib(e.cache)}   "
+             f"(PyTorch's caching allocator: blocks freed by one micro-batch that the next "
+             f"cannot reuse; --allocator-slack)",
+             ]
+    if e.vllm:
+        how = (f"{work.gpu_memory_utilization:g} x GPU memory" if work.kv_cache_memory_bytes
+               is None else "weights / t_r + rollout.kv_cache_memory_bytes")
+        lines.append(f"  vllm         {how} = {gib(e.vllm)}   (the engine's reserve while it "
+                     f"generates: weights, KV cache, activations and, since vLLM 0.21, its "
+                     f"CUDA graphs; "
+                     + ("asleep while training runs)" if e.vllm_sleeps else "awake all along)"))
+    else:
+        lines.append("  vllm         0   (no engine on this GPU)")
+    lines.append(f"  graphs       --cuda-graph-gb = {gib(e.graphs)}   "
+                 + ("(the sleeping engine's CUDA-graph pool: sleep mode does not free it, so "
+                    "it stays through training)" if e.graphs else
+                    "(none held through training: " + ("rollout.enforce_eager" if
+                                                       work.enforce_eager and e.vllm_sleeps
+                                                       else "no sleeping engine here") + ")"))
+    comms = ", ".join(e.communicators) or "none"
+    lines.append(f"  nccl         {len(e.communicators)} communicators x {work.nccl_channels} "
+                 f"channels x 9.19 MiB = {gib(e.nccl)}   ({comms}; ring buffers of NCCL's "
+                 f"default sizes; --nccl-channels)")
+    lines.append(f"  overhead     --overhead-gb = {gib(e.overhead)}   (CUDA context, cuBLAS "
+                 f"and TE workspaces)")
+    state = e.grads + e.optimizer
+    training = state + e.activations + e.logits + e.cache
+    if e.vllm_sleeps:
+        rollout = e.vllm + (0 if e.offloaded else state)
+        lines.append(f"  total        weights + nccl + overhead + max(training {gib(training + e.graphs)}"
+                     f" = grads + optimizer + activations + logits + cache + graphs, "
+                     f"rollout {gib(rollout)} = vllm"
+                     + (" (grads and optimizer offloaded)" if e.offloaded else
+                        " + grads + optimizer") + f") = {gib(e.total)}")
+    else:
+        lines.append(f"  total        every term at once = {gib(e.total)}")
+    return "\n".join(lines)
+
+
 def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate]) -> str:
     where = (f"{arch.name} on {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
              f"{cluster.gpu_memory_gb:g} GiB")
@@ -200,9 +275,6 @@ def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate]
     least = min(estimates, key=lambda e: e.total)
     return (f"no layout fits {where}: the smallest peak is {least.total / GIB:.1f} GiB "
             f"({least.layout}).")
-
-
-_COLUMNS = ("weights", "grads", "optimizer", "activations", "logits", "vllm", "overhead")
 
 
 def format_table(plan: Plan, headroom: float) -> str:
@@ -219,13 +291,13 @@ def format_table(plan: Plan, headroom: float) -> str:
     if plan.required_overrides:
         lines[-1:] = [f"as configured, {plan.as_configured[0].lower()}{plan.as_configured[1:]}",
                       f"planned with {' '.join(plan.required_overrides)}:", ""]
-    head = ["layout", "stage"] + list(_COLUMNS) + ["total", "fits"]
+    head = ["layout", "stage"] + list(TERMS) + ["total", "fits"]
     rows = []
     for e in sorted(plan.estimates, key=_preference):
         mark = ("yes" if e.fits_with(headroom) else "tight") if e.fits else "no"
         if plan.pick is e:
             mark += " <- pick"
-        rows.append([str(e.layout), e.stage] + [f"{getattr(e, k) / GIB:.1f}" for k in _COLUMNS]
+        rows.append([str(e.layout), e.stage] + [f"{getattr(e, k) / GIB:.1f}" for k in TERMS]
                     + [f"{e.total / GIB:.1f}", mark])
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
@@ -298,8 +370,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--headroom", type=_float_in("--headroom", 0.0, 1.0, "in [0, 1)"), default=0.1,
                     help="fraction of GPU memory to keep free in the preferred layout")
     ap.add_argument("--overhead-gb", type=_float_in("--overhead-gb", 0.0, math.inf, ">= 0"),
-                    default=2.0,
-                    help="per-GPU allowance for CUDA context, NCCL and fragmentation (GiB)")
+                    default=1.0,
+                    help="per-GPU allowance for the CUDA context and the cuBLAS/TE workspaces "
+                         "(GiB)")
+    ap.add_argument("--cuda-graph-gb", type=_float_in("--cuda-graph-gb", 0.0, math.inf, ">= 0"),
+                    default=1.0, help="a vLLM engine's CUDA-graph pool per GPU (GiB), kept "
+                                      "while it sleeps")
+    ap.add_argument("--nccl-channels", type=_positive_int("--nccl-channels"), default=32,
+                    help="NCCL channels per communicator (32: NVLink)")
+    ap.add_argument("--allocator-slack", default=0.1,
+                    type=_float_in("--allocator-slack", 0.0, 1.0, "in [0, 1)"),
+                    help="the caching allocator's share on top of activations + logits")
+    ap.add_argument("--explain", action="store_true",
+                    help="after the table, every term of the pick with its formula")
     ap.add_argument("--hf-config", help="config.json (or its folder) giving the architecture, "
                                         "instead of model.path")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -320,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgpo-plan: error: {exc}", file=sys.stderr)
         return 2
     cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb)
-    work = replace(Workload.from_recipe(run), overhead_bytes=int(args.overhead_gb * GIB))
+    work = replace(Workload.from_recipe(run), overhead_bytes=int(args.overhead_gb * GIB),
+                   cuda_graph_bytes=int(args.cuda_graph_gb * GIB),
+                   nccl_channels=args.nccl_channels, allocator_slack=args.allocator_slack)
     if work.colocated_rollout and (work.rollout_tp or 1) > cluster.gpus_per_node:
         print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
@@ -331,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         print(format_table(plan, args.headroom))
+        if args.explain and plan.pick is not None:
+            print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
     return 0 if plan.pick is not None else 1
 
 

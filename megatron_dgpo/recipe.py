@@ -210,8 +210,9 @@ class TrainConfig:
     the GPU after each step's updates and back before the next step's (``megatron_dgpo.offload``),
     so the colocated vLLM engine refits and generates without them beside it (NeMo-RL's offload
     before refit). Costs host memory (~16 bytes per parameter of a rank's shard, pinned) and
-    two host copies of them per step. ``dgpo-plan`` counts it (with it, the 14B-70B recipes'
-    node counts fit smaller model-parallel layouts); off by default."""
+    two host copies of them per step. The state also leaves before the engines start, so vLLM
+    finds its ``gpu_memory_utilization`` free. ``dgpo-plan`` counts it. Off by default; on in
+    the 14B-70B recipes, which give the freed memory to vLLM's KV cache."""
     max_minutes: float | None = None
     """The job's own time budget (Megatron-LM's ``--exit-duration-in-mins``): the run stops
     with a checkpoint, as on a stop signal, after the first step at whose end another step

@@ -73,6 +73,7 @@ def train(cfg: RunConfig) -> int:
         try:
             if rank0:
                 save_recipe(cfg, run_dir)
+            offload.offload()  # vLLM starts only if its share of the GPU is free then
             rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
                                      batch_prompts=cfg.train.rollout_batch_prompts)
             logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -99,19 +100,32 @@ def test_memory_terms_by_hand():
     assert first.optimizer == 12 * first_params // (2 * 2)  # sharded over DP x CP
     assert first.activations == in_flight * 2 * tokens * act_token_layer
     assert first.logits == 0 and first.vllm == vllm
+    # NCCL: TP, DP, PP, model-parallel (grad norm), world; SMALL is untied, so no embedding
+    # group; the engine has 1 GPU, so no vLLM TP group. 32 channels x (4 MiB Simple + 4.69 MiB
+    # LL128 + 0.5 MiB LL) each
+    assert first.communicators == ["TP", "DP", "PP", "model-parallel", "world"]
+    channel = 4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+    assert first.nccl == 5 * 32 * channel
+    assert first.cache == int(0.1 * first.activations)  # the allocator's slack
+    assert first.graphs == 0  # an awake engine's graphs are inside its reserve
     assert first.total == (2 + 4) * first_params + 12 * first_params // 4 \
-        + 2 * 2 * tokens * act_token_layer + vllm
+        + 2 * 2 * tokens * act_token_layer + first.cache + vllm + first.nccl
 
     # colocated (the default): an engine of rollout_tp=1 GPU in each of the 16 ranks, on every
     # stage, asleep while training, so a stage holds max(vLLM, activations + logits)
     colocated = [estimate(SMALL, cluster, layout, _small_work(sleep_mode=s)) for s in (True, False)]
     assert [(e.engines, e.vllm, e.vllm_sleeps) for e in colocated] == [(16, vllm, True),
                                                                         (16, vllm, False)]
-    static = {e.stage: e.weights + e.grads + e.optimizer for e in colocated}
-    assert colocated[0].total == static[colocated[0].stage] + max(
-        vllm, colocated[0].activations + colocated[0].logits)
-    assert colocated[1].total == static[colocated[1].stage] + vllm + \
-        colocated[1].activations + colocated[1].logits
+    static = {e.stage: e.weights + e.grads + e.optimizer + e.nccl for e in colocated}
+    asleep, awake = colocated
+    # asleep: its CUDA-graph pool (1 GiB by default) stays through training
+    assert asleep.graphs == GIB and awake.graphs == 0
+    assert asleep.total == static[asleep.stage] + max(
+        vllm, asleep.activations + asleep.logits + asleep.cache + GIB)
+    assert awake.total == static[awake.stage] + vllm + \
+        awake.activations + awake.logits + awake.cache
+    eager = estimate(SMALL, cluster, layout, _small_work(enforce_eager=True))
+    assert eager.graphs == 0 and eager.vllm_sleeps
     default_tp = estimate(SMALL, cluster, layout, _small_work(rollout_tp=None))
     assert default_tp.engines == 16 // 2  # PP 2 with DP 2: one engine of TP GPUs per stage
     assert estimate(SMALL, cluster, Layout(tp=8, pp=2, cp=1, dp=1),
@@ -125,7 +139,8 @@ def test_memory_terms_by_hand():
         (2 * last_params, 4 * last_params, 12 * last_params // 4)
     assert last.activations == 1 * 2 * tokens * act_token_layer  # one micro-batch in flight
     assert last.logits == logits + workspace and last.vllm == 0
-    assert last.total == 8_832_960
+    assert last.cache == int(0.1 * (last.activations + logits + workspace)) and last.graphs == 0
+    assert last.total == 8_832_960 + last.cache + 5 * 32 * channel
 
     # full recompute: each layer's input (h per token) for 2 micro-batches x 2 layers, plus one
     # layer's whole activations while it is recomputed
@@ -300,12 +315,15 @@ def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
                                                         dp=lay.dp)
     for row in data["layouts"]:
         g = row["gib"]
-        state, training = g["grads"] + g["optimizer"], g["activations"] + g["logits"]
+        state = g["grads"] + g["optimizer"]
+        training = g["activations"] + g["logits"] + g["cache"]
         if row["vllm_sleeps"]:  # vLLM asleep during training: the larger phase, not the sum
-            phases = max(state + training, g["vllm"] + (0 if row["offloaded"] else state))
+            phases = max(state + training + g["graphs"],
+                         g["vllm"] + (0 if row["offloaded"] else state))
         else:
             phases = state + training + g["vllm"]
-        assert g["weights"] + phases + g["overhead"] == pytest.approx(g["total"])
+        assert g["weights"] + g["nccl"] + phases + g["overhead"] == pytest.approx(g["total"])
+        assert len(row["nccl_communicators"]) * 32 * 9.1875 / 1024 == pytest.approx(g["nccl"])
         assert row["fits"] == (row["gib"]["total"] <= 80)
     assert data["params"] == param_count(arch)
     # only layouts the trainer can run: no context parallelism
@@ -328,6 +346,7 @@ def test_recompute_is_proposed_when_nothing_fits_without_it(capsys):
     # would make room for them)
     code, out, _ = _run_main(capsys, [RECIPE_14B, "model.recompute_activations=false",
                                       "rollout.placement=separate",
+                                      "rollout.gpu_memory_utilization=0.3",
                                       "--gpus-per-node", "8", "--gpu-memory-gb", "64"])
     assert code == 0
     assert "as configured, no layout fits" in out
@@ -387,14 +406,16 @@ def test_offloaded_training_state_is_counted_only_while_vllm_is_awake():
 
     run = load_recipe(RECIPE_14B)
     arch, cluster = PUBLISHED[run.model.path], Cluster(gpus_per_node=8, nodes=4, gpu_memory_gb=80)
-    work = Workload.from_recipe(run)
-    assert work.offload_training_state is False
+    assert Workload.from_recipe(run).offload_training_state is True  # the 14B recipe's choice
+    # at the vLLM share the recipe had without offloading
+    work = replace(Workload.from_recipe(run), gpu_memory_utilization=0.3)
     lay = Layout(tp=2, pp=1, cp=1, dp=16)
     kept, offloaded = (estimate(arch, cluster, lay, replace(work, offload_training_state=o)) for o in (False, True))
     state = kept.grads + kept.optimizer
     assert kept.vllm_sleeps and offloaded.offloaded and not kept.offloaded
-    training = kept.weights + state + kept.activations + kept.logits + kept.overhead
-    rollout = kept.weights + kept.vllm + kept.overhead
+    fixed = kept.weights + kept.nccl + kept.overhead
+    training = fixed + state + kept.activations + kept.logits + kept.cache + kept.graphs
+    rollout = fixed + kept.vllm
     assert kept.total == max(training, rollout + state)
     assert offloaded.total == max(training, rollout) < kept.total
     # a separate engine never sleeps: offloading changes nothing there
@@ -404,3 +425,37 @@ def test_offloaded_training_state_is_counted_only_while_vllm_is_awake():
     picks = [make_plan(arch, cluster, replace(work, offload_training_state=o)).pick.layout.model_parallel
              for o in (False, True)]
     assert picks[1] < picks[0]
+
+
+def test_explain_prints_every_term_with_its_value(capsys):
+    """``dgpo-plan --explain``: one line per memory term of the pick, each value the estimate's
+    own, the total their combination; every term has its row in docs/planner.md."""
+    import re
+
+    from megatron_dgpo.memory import TERMS
+
+    code, out, _ = _run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4",
+                                      "--gpu-memory-gb", "80", "--explain"])
+    assert code == 0
+    text = out.split("terms of the pick")[1]
+    values = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^  (\w+) .*?= ([0-9.]+) GiB", text, re.M)}
+    assert set(values) == set(TERMS) | {"total"}
+
+    from megatron_dgpo.recipe import load_recipe
+
+    run = load_recipe(RECIPE_14B)
+    plan = make_plan(PUBLISHED[run.model.path], Cluster(8, 4, 80), Workload.from_recipe(run),
+                     recipe_tp=4)
+    pick = plan.pick
+    for term in TERMS:
+        assert values[term] == pytest.approx(getattr(pick, term) / GIB, abs=0.006), term
+    assert values["total"] == pytest.approx(pick.total / GIB, abs=0.006)
+    # the 14B recipe offloads and sleeps: the terms combine as the docs say
+    assert pick.vllm_sleeps and pick.offloaded and pick.graphs == GIB
+    training = pick.grads + pick.optimizer + pick.activations + pick.logits + pick.cache + pick.graphs
+    assert pick.total == pick.weights + pick.nccl + pick.overhead + max(training, pick.vllm)
+    assert "TP, DP, model-parallel, world, vLLM TP" in text
+    doc = (Path(__file__).parent.parent / "docs" / "planner.md").read_text()
+    rows = set(re.findall(r"^\| (\w+) \|", doc, re.M))
+    assert set(TERMS) <= rows, set(TERMS) - rows
