@@ -403,12 +403,43 @@ def sft_step(models: list, micro_batches: list[MicroBatch], *, vocab_size: int |
     return float(nll_sum) / num_tokens, num_tokens
 
 
-def _metrics_from_last_stage(merged: dict | None) -> dict:
-    """The last pipeline stage's merged metrics on every stage (broadcast over PP)."""
+def _metrics_from_last_stage(merged):
+    """The last pipeline stage's merged metrics (a ``LossMetrics`` or a dict of scalar
+    tensors) on every stage. They cross PP as plain floats, read from the device in one
+    transfer per group: no tensor travels in the broadcast object (pickled device tensors
+    come back on the sender's device index); every stage rebuilds float64 CPU tensors, which
+    ``reduce_metrics`` / ``comm.reduce_values`` then place for the DP reduction."""
     pp_group, pp_size, last, last_rank = _pp_info()
     if pp_size == 1:
         return merged
-    return comm.broadcast_object(merged if last else None, src=last_rank, group=pp_group)
+    host = _host_floats(merged) if last else None
+    return _from_host_floats(comm.broadcast_object(host, src=last_rank, group=pp_group))
+
+
+def _host_floats(metrics) -> tuple | None:
+    """``metrics`` as ``(kind, {group: {name: float}})``: nothing but Python floats."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, LossMetrics):
+        kind, groups = "loss", {"sums": metrics.sums, "mins": metrics.mins, "maxs": metrics.maxs}
+    else:
+        kind, groups = "dict", {"values": metrics}
+
+    def floats(group: dict) -> dict:
+        keys = sorted(group)
+        values = torch.stack([group[k].detach().double() for k in keys]).tolist() if keys else []
+        return dict(zip(keys, values))
+
+    return kind, {name: floats(group) for name, group in groups.items()}
+
+
+def _from_host_floats(host):
+    if host is None:
+        return None
+    kind, groups = host
+    tensors = {name: {k: torch.tensor(v, dtype=torch.float64) for k, v in group.items()}
+               for name, group in groups.items()}
+    return LossMetrics(**tensors) if kind == "loss" else tensors["values"]
 
 
 def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperature: float = 1.0,

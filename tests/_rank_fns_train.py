@@ -301,6 +301,46 @@ def reference_fn(rank, world_size):
 LAYOUTS = ((1, 1, 2), (2, 1, 4), (1, 2, 4), (2, 2, 8))  # (TP, PP, micro-batches per DP rank)
 
 
+class CrossingObjects:
+    """Records every object ``comm.broadcast_object`` / ``comm.gather_objects`` send while
+    active, and the tensors inside them (found by pickling: any container, any depth)."""
+
+    def __init__(self):
+        self.objects, self.tensors = 0, 0
+
+    def __enter__(self):
+        import io
+        import pickle
+
+        from megatron_dgpo import comm
+
+        recorder = self
+
+        class Counter(pickle.Pickler):
+            def reducer_override(self, obj):
+                if isinstance(obj, torch.Tensor):
+                    recorder.tensors += 1
+                return NotImplemented
+
+        def recording(original):
+            def call(obj, *args, **kwargs):
+                if obj is not None:
+                    self.objects += 1
+                    Counter(io.BytesIO()).dump(obj)
+                return original(obj, *args, **kwargs)
+            return call
+
+        self._saved = comm.broadcast_object, comm.gather_objects
+        comm.broadcast_object = recording(comm.broadcast_object)
+        comm.gather_objects = recording(comm.gather_objects)
+        return self
+
+    def __exit__(self, *exc):
+        from megatron_dgpo import comm
+
+        comm.broadcast_object, comm.gather_objects = self._saved
+
+
 def split_fn(rank, world_size, reference):
     """Every layout of LAYOUTS on 4 ranks, tied and untied: errors vs the single-rank run."""
     from megatron.core import parallel_state as ps
@@ -315,7 +355,8 @@ def split_fn(rank, world_size, reference):
             want = reference[tied]
             models = _build(cfg, tp, pp)
             dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-            res = _step(models, micro_batches(dp_rank, dp_size, n_micro))
+            with CrossingObjects() as crossing:
+                res = _step(models, micro_batches(dp_rank, dp_size, n_micro))
             grads, pad_ok = _grads(models, vocab)
             fwd_err = forward_error(models, dp_rank, dp_size, n_micro, want["logp"],
                                     want["entropy"])
@@ -323,7 +364,8 @@ def split_fn(rank, world_size, reference):
                      for case, (case_res, case_grads)
                      in _case_runs(models, vocab, dp_rank, dp_size, n_micro).items()}
             out.append(dict(layout=(tp, pp, dp_size, n_micro), tied=tied, fwd_err=fwd_err,
-                            **compare(res, grads, want), pad_ok=pad_ok, cases=cases))
+                            **compare(res, grads, want), pad_ok=pad_ok, cases=cases,
+                            crossing=(crossing.objects, crossing.tensors)))
             destroy_parallel()
     return out
 

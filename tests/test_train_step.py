@@ -97,7 +97,7 @@ def test_tp_pp_dp_layouts_match_single_rank(reference):
     layouts = set()
     for tied in (False, True):
         for index, (tp, pp, n_micro) in enumerate(LAYOUTS):
-            covered = set()
+            covered, sent = set(), 0
             for rank_results in results:
                 case = rank_results[2 * index + int(tied)]
                 assert case["tied"] == tied and case["layout"][:2] == (tp, pp)
@@ -109,6 +109,11 @@ def test_tp_pp_dp_layouts_match_single_rank(reference):
                         assert errs[key] <= TOL, (name, key, case["layout"], tied, errs[key])
                     assert errs["num_tokens"] == reference[tied]["cases"][name]["num_tokens"]
                 assert case["pad_ok"]
+                # PP > 1: the last stage's metrics reach the other stages as an object with
+                # no tensor inside (a pickled CUDA tensor unpickles onto the sender's GPU)
+                objects, tensors = case["crossing"]
+                assert tensors == 0, (case["layout"], tensors)
+                sent += objects
                 assert case["fwd_err"] <= TOL, ("forward_logprobs", case["layout"], tied)
                 assert case["num_tokens"] == reference[tied]["num_tokens"]
                 covered |= set(case["covered"])
@@ -117,6 +122,8 @@ def test_tp_pp_dp_layouts_match_single_rank(reference):
             if tied and pp > 1:
                 want.add("output_layer.weight")  # the last stage's copy of the embedding
             assert covered == want, (tp, pp, covered ^ want)
+            # PP 2 on 4 ranks: each of the last stage's 2 ranks sends its metrics once
+            assert sent == (2 if pp > 1 else 0), (tp, pp, sent)
     assert {(tp, pp, dp) for tp, pp, dp, _ in layouts} == {(1, 1, 4), (2, 1, 2), (1, 2, 2),
                                                            (2, 2, 1)}
 
