@@ -67,11 +67,13 @@ def model_overrides(config) -> dict:
     return overrides
 
 
-def wrap_policy(chunks: list, *, use_distributed_optimizer: bool) -> list:
+def wrap_policy(chunks: list, *, use_distributed_optimizer: bool,
+                platform: Platform | None = None) -> list:
     """Collective: built model chunks as the trainer trains them. bf16 chunks go into Megatron's
     Float16Module (``train_step`` asks it for logits in bf16, ``fp32_output=False``); then
     Megatron DDP with ``gpu_config.ddp_flags`` of this machine (overlapped grad reduce, and
-    param gather with the distributed optimizer, on a GPU)."""
+    param gather with the distributed optimizer, on a GPU). ``platform``: default
+    ``Platform.detect()``."""
     if chunks and chunks[0].config.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -81,7 +83,7 @@ def wrap_policy(chunks: list, *, use_distributed_optimizer: bool) -> list:
             wrapper.hf_spec = chunk.hf_spec
             wrapped.append(wrapper)
         chunks = wrapped
-    return wrap_ddp(chunks, **ddp_flags(Platform.detect(),
+    return wrap_ddp(chunks, **ddp_flags(platform or Platform.detect(),
                                         use_distributed_optimizer=use_distributed_optimizer))
 
 
@@ -95,7 +97,8 @@ def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
     if config.without_transformer_engine:
         platform = replace(platform, transformer_engine=False)
     chunks = load_model(str(hf_dir), dtype=dtype, platform=platform, **model_overrides(config))
-    models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer)
+    models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer,
+                         platform=platform)
     return models, read_hf_config(str(hf_dir)), dtype
 
 
