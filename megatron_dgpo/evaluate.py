@@ -121,7 +121,7 @@ def evaluate(
             correct, lengths, truncated = [], [], 0
             for start in range(0, len(records), prompts_per_call):
                 chunk = prompts[start : start + prompts_per_call]
-                groups = engine.generate(chunk, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + start)
+                groups = engine.generate(chunk, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + start * n)
                 texts, gts = [], []
                 for rec, group in zip(records[start : start + prompts_per_call], groups):
                     for s in group:

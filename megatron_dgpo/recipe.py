@@ -202,7 +202,8 @@ class TrainConfig:
     prompt + response."""
     seed: int = 42
     """Seeds weights' RNG, the prompt order, vLLM sampling and mini-batch shuffling: a run is a
-    function of its config (and resuming does not change it)."""
+    function of its config (and resuming does not change it). In [0, 2**23): each seed owns
+    2**40 sampling streams (``rollout.placement.prompt_seeds``)."""
     log_prob_chunk_size: int | None = None
     """Tokens per chunk in the vocab-parallel log-prob kernel (None: automatic)."""
     offload_training_state: bool = False
@@ -229,6 +230,9 @@ class TrainConfig:
         if self.rollout_batch_prompts % self.mini_batch_prompts:
             raise ValueError(f"rollout_batch_prompts ({self.rollout_batch_prompts}) must be a "
                              f"multiple of mini_batch_prompts ({self.mini_batch_prompts})")
+        if not 0 <= self.seed < 1 << 23:  # rollout.placement.MAX_TRAIN_SEED
+            raise ValueError(f"seed must be in [0, 2**23) (sampling seeds are seed << 40 + "
+                             f"stream, below 2**63), got {self.seed}")
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 MAX_TOKENS = 10
 N = 3
-SEED = 1000  # per-prompt seed = SEED + global prompt index
+SEED = 1000  # train.seed: per-prompt seed = (SEED << 40) + global prompt index * N
 
 
 def _tokens(groups):
@@ -59,9 +59,9 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     layout = EngineLayout(world, rank, engine_tp=1)
     mine = shard_prompts(len(prompts), layout.num_engines, layout.engine_index)
     out["whole"] = _tokens(engine.generate(prompts, n=N, max_tokens=MAX_TOKENS,
-                                           seeds=prompt_seeds(SEED, range(len(prompts)))))
+                                           seeds=prompt_seeds(SEED, 0, range(len(prompts)), N)))
     shard = engine.generate([prompts[i] for i in mine], n=N, max_tokens=MAX_TOKENS,
-                            seeds=prompt_seeds(SEED, mine))
+                            seeds=prompt_seeds(SEED, 0, mine, N))
     out["shard"] = _tokens(shard)
     out["diff_a"] = _max_diff_vs_transformers(model_a, [prompts[i] for i in mine], shard)
 
@@ -73,12 +73,12 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
                     "tensors": stats.tensors, "total_bytes": stats.total_bytes,
                     "metrics": stats.as_metrics()}
     after_b = engine.generate(prompts, n=N, max_tokens=MAX_TOKENS,
-                              seeds=prompt_seeds(SEED, range(len(prompts))))
+                              seeds=prompt_seeds(SEED, 0, range(len(prompts)), N))
     out["diff_b"] = _max_diff_vs_transformers(model_b, prompts, after_b)
     out["diff_b_vs_a"] = _max_diff_vs_transformers(model_a, prompts, after_b)
     engine.update_weights_from_dir(model_b)  # full reload from the HF folder: same samples
     from_dir = engine.generate(prompts, n=N, max_tokens=MAX_TOKENS,
-                               seeds=prompt_seeds(SEED, range(len(prompts))))
+                               seeds=prompt_seeds(SEED, 0, range(len(prompts)), N))
     out["bucketed_equals_dir"] = _tokens(after_b) == _tokens(from_dir)
     out["lp_bucketed_vs_dir"] = max(abs(x - y) for ga, gb in zip(after_b, from_dir)
                                     for sa, sb in zip(ga, gb) for x, y in zip(sa.logprobs, sb.logprobs))
@@ -92,7 +92,7 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     # and a level-2 sleep leave): one bucketed refit must refill every tensor it needs, so that
     # its samples are model A's as from a fresh load; identical prompts and seeds on both ranks
     tp2 = _engine(model_a, tp=2, dummy_weights=True)
-    seeds = prompt_seeds(SEED, range(len(prompts)))
+    seeds = prompt_seeds(SEED, 0, range(len(prompts)), N)
     out["tp2_refused_before_refit"] = not tp2.holds_weights
     a_tensors = load_file(os.path.join(model_a, "model.safetensors"))
     tp2.update_weights(iter(a_tensors.items()))

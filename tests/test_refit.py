@@ -317,4 +317,5 @@ def test_engine_layout_and_prompt_shards():
             shards = [shard_prompts(num_prompts, engines, e) for e in range(engines)]
             assert [i for s in shards for i in s] == list(range(num_prompts))  # disjoint, ordered
             assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    assert prompt_seeds(100, range(3, 6)) == [103, 104, 105]
+    # global prompt index (10 consumed + position) x group size 4, above the run's seed root
+    assert prompt_seeds(100, 10, range(3, 6), 4) == [(100 << 40) + 52, (100 << 40) + 56, (100 << 40) + 60]

@@ -1,6 +1,7 @@
 """Real vLLM (CPU build here) on a tiny random Qwen2: sampling contract, log-probs against
 transformers' forward in fp32, in-place weight refit (from a folder and from a tensor stream),
-mismatch metrics, and the transformers fallback engine."""
+mismatch metrics, the transformers fallback engine, and the trainer's sampling seeds (one
+random stream per sample of a run)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from safetensors.torch import load_file
 
 from megatron_dgpo.data import builtin_prompts, render_prompts
 from megatron_dgpo.rollout import HFEngine, logprob_mismatch
+from megatron_dgpo.rollout.placement import (MAX_TRAIN_SEED, SEED_STREAM_BITS, prompt_seeds,
+                                             seed_root, shard_prompts)
 
 MAX_TOKENS = 12
 LOGPROB_ATOL = 1e-4
@@ -69,6 +72,61 @@ def test_generate_contract_and_seeds(vllm_engine, prompts, tiny_tokenizer):
     # the same prompt twice in one call gets different seeds, hence different samples
     twice = vllm_engine.generate([prompts[0], prompts[0]], n=2, max_tokens=MAX_TOKENS, seed=7)
     assert [s.token_ids for s in twice[0]] != [s.token_ids for s in twice[1]]
+
+
+def test_vllm_child_j_draws_with_seed_plus_j(vllm_engine, prompts):
+    """vLLM samples child j of a request seeded s with seed s + j, the rule ``prompt_seeds``
+    spaces its seeds for: seeds one apart make the same prompt's samples coincide, seeds spaced
+    by the group size do not."""
+    same = [prompts[0], prompts[0]]
+    near = vllm_engine.generate(same, n=2, max_tokens=MAX_TOKENS, seeds=[7, 8])
+    assert near[0][1].token_ids == near[1][0].token_ids  # both drawn from stream 8
+    spaced = vllm_engine.generate(same, n=2, max_tokens=MAX_TOKENS, seeds=prompt_seeds(7, 0, range(2), 2))
+    assert len({tuple(s.token_ids) for g in spaced for s in g}) == 4
+
+
+def _child_streams(seeds, n):
+    """The random streams of requests with these seeds and n samples each: vLLM gives child j
+    of a request seeded s the seed s + j (vllm/v1/engine/parallel_sampling.py)."""
+    return [s + j for s in seeds for j in range(n)]
+
+
+def _repeats(streams) -> int:
+    return len(streams) - len(set(streams))
+
+
+def test_sampling_streams_never_repeat_across_prompts_steps_and_seeds():
+    """Every (step, prompt, sample) of a run draws from its own stream, and runs with different
+    train.seed values share none: the replica's seeds (``prompt_seeds`` at stream position
+    ``step * prompts``, what ``generate_experience`` passes) over 2 steps of 64 prompts x 8."""
+    prompts, n, steps = 64, 8, 2
+
+    def run(train_seed, rule):
+        return [stream for step in range(steps)
+                for stream in _child_streams(rule(train_seed, step * prompts), n)]
+
+    new = lambda seed, consumed: prompt_seeds(seed, consumed, range(prompts), n)  # noqa: E731
+    # the rule before: (seed << 20) + prompts consumed + batch position, spaced by one prompt
+    old = lambda seed, consumed: [(seed << 20) + consumed + p for p in range(prompts)]  # noqa: E731
+    assert _repeats(run(42, old)) == 889  # of 1024: sample j of prompt p is sample j-1 of p+1
+    assert _repeats(run(42, new)) == 0
+    assert _repeats(run(0, new) + run(1, new) + run(42, new)) == 0
+    # the same seeds whatever the engine count (each engine seeds its shard of the batch)
+    for engines in (1, 2, 3, 5):
+        shards = [shard_prompts(prompts, engines, e) for e in range(engines)]
+        assert [x for sh in shards for x in prompt_seeds(42, prompts, sh, n)] == new(42, prompts)
+    # a seed's 2**40 streams end below the next seed's first; the largest stays an int64 that
+    # torch (and vLLM's per-request generator) takes
+    last = (1 << SEED_STREAM_BITS) // n - 1
+    assert _child_streams(prompt_seeds(0, last, [0], n), n)[-1] == seed_root(1) - 1
+    top = _child_streams(prompt_seeds(MAX_TRAIN_SEED - 1, last, [0], n), n)[-1]
+    assert top == (1 << 63) - 1
+    torch.Generator().manual_seed(top)
+    for bad in (-1, MAX_TRAIN_SEED):
+        with pytest.raises(ValueError, match="train.seed"):
+            prompt_seeds(bad, 0, range(2), n)
+    with pytest.raises(ValueError, match="sampling streams"):
+        prompt_seeds(0, last + 1, [0], n)
 
 
 def test_logprobs_match_transformers(vllm_engine, prompts, tiny_model_dir):
@@ -173,8 +231,11 @@ def test_hf_engine_contract(prompts, tiny_model_dir, tiny_model_dir_b):
     ]
     assert _max_diff(_hf_model(tiny_model_dir), prompts, out) < LOGPROB_ATOL
     # per-prompt seeds (the trainer's global prompt index): a shard's samples equal the whole's
-    tail = engine.generate(prompts[1:], n=3, max_tokens=MAX_TOKENS, seeds=[5, 6])
+    tail = engine.generate(prompts[1:], n=3, max_tokens=MAX_TOKENS, seeds=[4 + 3, 4 + 6])
     assert [[s.token_ids for s in g] for g in tail] == [[s.token_ids for s in g] for g in out[1:]]
+    # the trainer's seeds: one generator per prompt, its n samples distinct draws of it
+    twice = engine.generate([prompts[0]] * 2, n=2, max_tokens=MAX_TOKENS, seeds=prompt_seeds(7, 0, range(2), 2))
+    assert len({tuple(s.token_ids) for g in twice for s in g}) == 4
     with pytest.raises(ValueError, match="seed"):
         engine.generate(prompts, n=1, max_tokens=MAX_TOKENS, seed=4, seeds=[4, 5, 6])
     engine.update_weights_from_dir(tiny_model_dir_b)

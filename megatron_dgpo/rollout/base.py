@@ -8,9 +8,11 @@ trainer's sequences are ``packing.Sample``, built from them by ``experience.Expe
                       the paper's temperature 1.0 and top-p 1.0 it is the model's log-softmax);
     finish_reason     "stop" (a stop/eos token ended it) or "length" (max_tokens reached).
 
-Seeds: ``generate(..., seed=s)`` gives prompt i the sampling seed ``s + i``, so the same call
+Seeds: ``generate(..., seed=s, n=n)`` gives prompt i the sampling seed ``s + i n`` (sample j
+then draws from stream ``s + i n + j``: no two samples of a call share one), so the same call
 on the same weights returns the same samples, and two identical prompts in one call still get
-different samples. ``seed=None`` draws fresh randomness.
+different samples. ``seeds=[...]`` gives each prompt its own (the trainer's
+``placement.prompt_seeds``). ``seed=None`` draws fresh randomness.
 
 Weight refit: ``update_weights(named_tensors)`` takes an iterable of ``(hf_name, tensor)`` pairs
 in Hugging Face naming (what ``megatron_dgpo.convert.export_hf_weights`` yields) covering the

@@ -4,9 +4,10 @@
 trainer and ``dgpo-eval`` both call it); ``generate_experience`` samples ``group_size``
 responses for each prompt of one engine's share and grades them in a ``RewardPool`` into an
 ``Experience`` (on the engine's leader rank; the samples stay on the DP replica that trains
-on them, see ``rollout.placement``). Prompt p of the step's batch is sampled with seed
-``base + p`` whatever engine it lands on, so a step's samples do not depend on the number of
-engines.
+on them, see ``rollout.placement``). Each prompt's seed comes from the run's seed and its
+global index in the prompt stream (``placement.prompt_seeds``), whatever engine it lands on, so
+a step's samples do not depend on the number of engines and no two samples of a run share a
+random stream.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def reward_pool() -> RewardPool:
 
 def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: list,
                         indices: list[int], positions: range, config: RolloutConfig, *,
-                        base_seed: int) -> Experience | None:
+                        train_seed: int, prompts_consumed: int) -> Experience | None:
     """``config.group_size`` responses for the prompts ``indices[p]``, p in ``positions`` (this
     engine's share of the step's batch ``indices``), graded (+1/-1) when ``pool`` is given.
 
     ``prompts[i]`` is ``(PromptRecord, token_ids)`` as ``data.load_prompts`` returns them;
-    batch position p is sampled with seed ``base_seed + p`` (``placement.prompt_seeds``).
+    batch position p of the step that starts at stream position ``prompts_consumed`` is sampled
+    with seed ``(train_seed << 40) + (prompts_consumed + p) * group_size``
+    (``placement.prompt_seeds``: one stream per sample for the whole run).
     Every rank of a colocated engine must call this with the same arguments; the ranks without
     a ``pool`` only take part in generation and return None.
     """
@@ -67,7 +70,8 @@ def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: lis
     groups = engine.generate([prompts[i][1] for i in share], n=config.group_size,
                              temperature=config.temperature, top_p=config.top_p,
                              max_tokens=config.max_response_tokens,
-                             seeds=prompt_seeds(base_seed, positions))
+                             seeds=prompt_seeds(train_seed, prompts_consumed, positions,
+                                                config.group_size))
     if pool is None:
         return None
     samples = [s for g in groups for s in g]

@@ -3,10 +3,15 @@
 Same contract as ``VLLMEngine`` (see ``megatron_dgpo.rollout.base``). It runs in-process with
 ``model.generate`` on left-padded batches; log-probs are ``log_softmax`` of the processed scores
 (temperature / top-p applied), so with temperature 1.0 and top-p 1.0 they are the model's
-log-softmax. Seeds: prompt i of a call with ``seed=s`` is sampled under ``torch.manual_seed(s + i)``
-(one prompt per generate call when a seed is given, so results do not depend on batching; this
-is slower, which is why the benchmark passes ``seed=None``). Samples differ from vLLM's for the
-same seed (different random streams); distributions are the same.
+log-softmax. Seeds: prompt i is sampled under ``torch.manual_seed(seeds[i])`` (``s + i n`` for
+a call with ``seed=s``, as vLLM), one prompt per generate call when seeds are given, so results do not
+depend on batching (slower, which is why the benchmark passes ``seed=None``). Its ``n`` samples
+are the rows of that one generator's batched draws, so they take disjoint parts of one stream;
+vLLM instead gives sample j the stream ``seeds[i] + j``. Either way the trainer's seeds
+(``placement.prompt_seeds``: one per global prompt index, spaced by the group size) give every
+(step, prompt, sample) of a run its own random numbers: here each prompt of the run owns a
+generator seed no other prompt uses. Samples differ from vLLM's for the same seed (different
+random streams); distributions are the same.
 """
 
 from __future__ import annotations
@@ -49,14 +54,15 @@ class HFEngine(RolloutEngine):
         seed: int | None = None,
         seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """``seeds[i]`` (or ``seed + i``) seeds prompt i, as ``VLLMEngine.generate``."""
+        """``seeds[i]`` (or ``seed + i n``) seeds prompt i's generator, which draws all its ``n``
+        samples (see the module docstring)."""
         check_generate_args(prompts_token_ids, n, temperature, top_p, max_tokens)
         results: list[list[Completion]] = [[] for _ in prompts_token_ids]
         if seeds is not None:
             if seed is not None or len(seeds) != len(prompts_token_ids):
                 raise ValueError("generate: give seed or one seed per prompt (seeds), not both")
         elif seed is not None:
-            seeds = [seed + i for i in range(len(prompts_token_ids))]
+            seeds = [seed + i * n for i in range(len(prompts_token_ids))]
         if seeds is not None:
             groups = [[i] for i in range(len(prompts_token_ids))]
         else:

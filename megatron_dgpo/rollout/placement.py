@@ -8,9 +8,17 @@ the same prompts and seeds; every rank feeds its own engine rank the full HF ten
 ranks can feed any engine).
 
 Sharding a rollout batch of P prompts (each giving a whole group of ``n`` samples): engine e
-takes the contiguous slice ``shard_prompts(P, E, e)`` (sizes differ by at most one), and prompt
-p's sampling seed is ``base_seed + p`` (``prompt_seeds``), so the union of the engines'
-samples equals a single engine's samples for the same batch and seed, whatever E is.
+takes the contiguous slice ``shard_prompts(P, E, e)`` (sizes differ by at most one), and a
+prompt's sampling seed depends only on the run's seed and its global index in the prompt stream
+(``prompt_seeds``), so the union of the engines' samples equals a single engine's samples for the
+same batch and seed, whatever E is.
+
+Seeds (``prompt_seeds``): the prompt with global index g (prompts consumed by earlier steps plus
+its batch position) is sampled with seed ``(train.seed << 40) + g * group_size``. vLLM samples a
+request's child j with seed ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), so sample j
+of that prompt draws from stream ``(train.seed << 40) + g * group_size + j``: one stream per
+(step, prompt, sample) for the whole run, shared by no other sample of this run or of a run with
+another ``train.seed`` (each seed owns 2**40 streams), whatever the engine and rank counts.
 """
 
 from __future__ import annotations
@@ -60,9 +68,39 @@ def shard_prompts(num_prompts: int, num_engines: int, engine_index: int) -> rang
     return range(start, start + base + (engine_index < extra))
 
 
-def prompt_seeds(base_seed: int, prompt_indices) -> list[int]:
-    """Per-prompt sampling seeds from the global prompt index (pass as ``generate(seeds=...)``)."""
-    return [int(base_seed) + int(i) for i in prompt_indices]
+SEED_STREAM_BITS = 40  # streams per train.seed: 2**40 ~ 1.1e12 (prompt, sample) pairs per run
+MAX_TRAIN_SEED = 1 << (63 - SEED_STREAM_BITS)  # every seed stays below 2**63 (vLLM keeps int64)
+
+
+def seed_root(train_seed: int) -> int:
+    """The first sampling stream of a run: ``train_seed << SEED_STREAM_BITS``. Runs with
+    different seeds own disjoint blocks of 2**40 streams; ``train_seed`` must lie in
+    [0, 2**23) so that every seed is a non-negative int64 (vLLM's GPU sampler stores seeds as
+    int64, ``torch.Generator.manual_seed`` takes up to 2**64 - 1)."""
+    if not (isinstance(train_seed, int) and 0 <= train_seed < MAX_TRAIN_SEED):
+        raise ValueError(f"train.seed must be an int in [0, {MAX_TRAIN_SEED}) (sampling seeds are "
+                         f"train.seed << {SEED_STREAM_BITS} + stream), got {train_seed!r}")
+    return train_seed << SEED_STREAM_BITS
+
+
+def prompt_seeds(train_seed: int, prompts_consumed: int, positions, group_size: int) -> list[int]:
+    """The sampling seeds of the step that starts at stream position ``prompts_consumed``, for
+    its batch positions ``positions`` (pass as ``generate(seeds=..., n=group_size)``): position p
+    is global prompt ``g = prompts_consumed + p`` and gets ``seed_root(train_seed) + g *
+    group_size``. Spacing by the group size leaves room for the engine's per-sample streams
+    (vLLM: child j takes ``seed + j``), so no two samples of the run share a stream, across
+    prompts and across steps; the global index keeps seeds independent of the engine count."""
+    if not (isinstance(group_size, int) and group_size >= 1):
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    root = seed_root(train_seed)
+    seeds = []
+    for p in positions:
+        g = int(prompts_consumed) + int(p)
+        if not (g >= 0 and (g + 1) * group_size <= 1 << SEED_STREAM_BITS):
+            raise ValueError(f"global prompt index {g} x group_size {group_size} is outside the "
+                             f"run's 2**{SEED_STREAM_BITS} sampling streams")
+        seeds.append(root + g * group_size)
+    return seeds
 
 
 def engine_tensor_parallel(rollout_tp: int | None, *, tensor_parallel: int, pipeline_parallel: int,

@@ -7,8 +7,9 @@
     rollout.close()
 
 Every rank constructs it and calls every method (they are collective). Where the engines sit
-and which batch positions each samples is ``placement.rollout_role``; prompt p of a step is
-sampled with seed ``base + p``, so a step's samples do not depend on the number of engines.
+and which batch positions each samples is ``placement.rollout_role``; a prompt is sampled with
+a seed from ``train.seed`` and its global index in the prompt stream (``placement.prompt_seeds``),
+so a step's samples do not depend on the number of engines and no two samples share a stream.
 Only the replica's own samples cross ranks, and only inside its model-parallel group; the
 metrics that must be job-wide travel as reduced tensors.
 """
@@ -29,7 +30,7 @@ from megatron_dgpo.optimizer import sync_params
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.recipe import DataConfig, RolloutConfig
 from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
-from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role
+from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role, seed_root
 from megatron_dgpo.rollout.refit import RefitStats
 
 
@@ -40,6 +41,7 @@ class ReplicaRollout:
                  hf_dir: Path, *, seed: int, batch_prompts: int):
         from megatron.core import parallel_state as ps
 
+        seed_root(seed)  # an unusable train.seed fails here, not after the engine started
         self.config, self.seed, self.batch_prompts = rollout, seed, batch_prompts
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.mp_group = ps.get_model_parallel_group()
@@ -89,7 +91,7 @@ class ReplicaRollout:
             begin = time.perf_counter()
             piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
                                         indices, self.role.prompts, self.config,
-                                        base_seed=(self.seed << 20) + prompts_consumed)
+                                        train_seed=self.seed, prompts_consumed=prompts_consumed)
             generation_s = time.perf_counter() - begin
             sleep = getattr(self.engine, "sleep", None)
             if sleep:  # GPU: free the KV cache for training; CPU: logs once

@@ -279,10 +279,13 @@ class VLLMEngine(RolloutEngine):
         seeds: Sequence[int] | None = None,
         use_tqdm: bool = False,
     ) -> list[list[Completion]]:
-        """``n`` samples per prompt. Seeds: ``seeds[i]`` for prompt i when given (pass
-        ``base + global prompt index`` so a prompt's samples do not depend on which engine or
-        call it lands in), else ``seed + i``, else fresh randomness. The ranks of one colocated
-        TP engine must all pass the same prompts and seeds."""
+        """``n`` samples per prompt. Seeds: ``seeds[i]`` for prompt i when given (the trainer
+        passes ``placement.prompt_seeds``, from the global prompt index and spaced by ``n``, so a
+        prompt's samples do not depend on which engine or call it lands in), else ``seed + i n``,
+        else fresh randomness. vLLM samples child j of a prompt seeded s with seed ``s + j``, so
+        spacing by n gives every sample of the call its own stream (``seed + i`` would give
+        prompt i's child j+1 prompt i+1's child j). The ranks of one colocated TP engine must
+        all pass the same prompts and seeds."""
         from vllm import SamplingParams
 
         self._check_open()
@@ -294,7 +297,7 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts_token_ids)} prompts")
             per_prompt = [int(s) for s in seeds]
         else:
-            per_prompt = [None if seed is None else seed + i for i in range(len(prompts_token_ids))]
+            per_prompt = [None if seed is None else seed + i * n for i in range(len(prompts_token_ids))]
         if not prompts_token_ids:
             return []
         if not self._weights_loaded:
