@@ -15,6 +15,7 @@ a token falls in (paper, Table 1), set by the ratio w and the sign of the advant
 
     method    F
     grpo      0 in LN and HP; w elsewhere                                     (PPO clip)
+              with ``dual_clip`` c: also 0 where A < 0 and w > c             (dual-clip PPO)
     cispo     clip(w, 1-eps_low, 1+eps_high) everywhere
     gppo      1-eps_low in LN; 1+eps_high in HP; w elsewhere
     ce_gppo   beta1*(1-eps_low) in LN; beta2*(1+eps_high) in HP; w elsewhere
@@ -37,9 +38,30 @@ still care about, and F * A stays finite in float32 sums over millions of tokens
 
 The objective values J_t (what the loss reports; the gradient does not depend on them):
     grpo      min(w A, clip(w, 1-eps_low, 1+eps_high) A)                    (PPO)
+              with ``dual_clip`` c and A < 0: max(min(w A, clip(w) A), c A), which is the
+              constant c A (F = 0) for w > c and the PPO value otherwise (verl's clip_ratio_c)
     cispo     sg[clip(w, 1-eps_low, 1+eps_high)] A log pi                  (MiniMax-M1)
     others    F A: the paper's probability-weight form J = sg[W] A pi with F = W pi (Eq. 9 for
               DGPO; for gppo/ce_gppo this equals their clipped objective's value).
+
+Dual clip (``LossHyperparams.dual_clip``, off by default) is accepted by ``grpo`` only
+(``DUAL_CLIP_METHODS``): it is a clip of the PPO objective's value (Ye et al. 2020, verl's
+``clip_ratio_c``, which verl applies in its PPO loss only), and the official DGPO code's GRPO
+baseline runs with c = 3. The other methods' F are the paper's tables, which have no such cut
+(CISPO's and ASPO's HN weights are already capped by their own clips); they refuse it.
+
+Log-ratio clamp, compared with the official code (FlyTune/DGPO-RL, verl): both clamp log w to
+[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]. There the ratio of M, LP and HN tokens is
+``exp(clamp(log w))`` itself, so past the clamp their value is frozen and their gradient is
+exactly 0 (``torch.clamp``), while its DGPO LN and HP branches use the unclamped log-probs.
+Here F and J of every region are formed from the clamped log-ratio and only ``logprobs``
+carries the gradient, F(clamped w) A: a token past the clamp keeps the weight F has at the
+clamp's edge (HN: F = e^20 for grpo without dual clip, gppo, ce_gppo, dgpo; LP: F = e^-20 for
+grpo, gppo, ce_gppo, dgpo; cispo's and aspo's F are constants there; DGPO's LN/HP F are taken
+at w = e^-+20; M past the clamp means A = 0, no gradient in either). Kept on purpose: the clamp
+is a floating-point guard, not a trust region, so it adds no zero-gradient region with a jump
+at w = e^+-20 to any method's F table; the differences are confined to tokens whose ratio moved
+by more than e^20 (``ratio/min``, ``ratio/max`` show them).
 """
 
 from __future__ import annotations
@@ -47,7 +69,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 
 import torch
 from torch import Tensor
@@ -58,6 +80,8 @@ AGGREGATIONS = ("token_mean", "group_token_mean", "seq_mean_token_mean")
 ROLLOUT_CORRECTIONS = ("none", "tis")
 """Off-policy correction for the rollout engine's sampler (``truncated_is_weights``)."""
 REGIONS = ("LN", "HP", "LP", "HN", "M")
+DUAL_CLIP_METHODS = ("grpo",)
+"""Methods that accept ``LossHyperparams.dual_clip`` (dual-clip PPO: a cut of PPO's value)."""
 
 # ln(4.9e8): past this a token's ratio has left any trust region by eight orders of magnitude.
 LOG_RATIO_CLAMP = 20.0
@@ -83,6 +107,13 @@ class LossHyperparams:
     """ASPO soft dual-clip for positive advantages: F = 1-aspo_eps_low when w < 1-aspo_eps_low."""
     aspo_eps_high: float = 3.0
     """ASPO soft dual-clip for negative advantages: F = 1+aspo_eps_high when w > 1+aspo_eps_high."""
+    dual_clip: float | None = None
+    """Dual-clip PPO constant c (Ye et al. 2020; verl's ``clip_ratio_c``), method ``grpo`` only
+    (the others refuse it). For A < 0 the token objective becomes max(min(w A, clip(w) A), c A):
+    where A < 0 and w > c its value is the constant c A and its gradient 0 (logged as
+    ``dual_clip_frac``); A >= 0 and w <= c are unchanged. A finite number > 1; 3.0 is verl's
+    default and the GRPO baseline of the paper's official code. null (default): off, GRPO as
+    the paper's Eq. 2 writes it."""
 
     def __post_init__(self):
         for name in ("n", "m"):
@@ -100,6 +131,12 @@ class LossHyperparams:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        c = self.dual_clip
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, Real) or not (math.isfinite(c) and c > 1):
+                raise ValueError(f"dual_clip must be null (off) or a finite number > 1 (verl's "
+                                 f"clip_ratio_c; 3.0 is the official GRPO baseline), got {c!r}")
+            object.__setattr__(self, "dual_clip", float(c))
 
 
 @dataclass(frozen=True)
@@ -121,8 +158,18 @@ class Regions:
         return Regions(LN=ln, HP=hp, LP=lp, HN=hn, M=~(ln | hp | lp | hn))
 
 
+def _dual_clipped(log_w: Tensor, advantages: Tensor, hp: LossHyperparams) -> Tensor:
+    """Tokens whose PPO value dual clip replaces by c A (A < 0 and w > c); all False when off."""
+    if hp.dual_clip is None:
+        return torch.zeros_like(log_w, dtype=torch.bool)
+    return (advantages < 0) & (log_w > math.log(hp.dual_clip))
+
+
 def _grpo(w, log_w, advantages, regions, hp):
-    return torch.where(regions.LN | regions.HP, torch.zeros_like(w), w)
+    clipped = regions.LN | regions.HP
+    if hp.dual_clip is not None:
+        clipped = clipped | _dual_clipped(log_w, advantages, hp)
+    return torch.where(clipped, torch.zeros_like(w), w)
 
 
 def _cispo(w, log_w, advantages, regions, hp):
@@ -165,9 +212,14 @@ method is one function here (and its objective value in ``_objective`` if it is 
 assert tuple(COEFFICIENTS) == METHODS
 
 
-def _check_method(method: str) -> None:
+def check_method(method: str, hp: LossHyperparams | None = None) -> None:
+    """Raise ``ValueError`` unless ``method`` is known and takes the options set in ``hp``."""
     if method not in COEFFICIENTS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    if hp is not None and hp.dual_clip is not None and method not in DUAL_CLIP_METHODS:
+        raise ValueError(f"dual_clip (algorithm.loss.dual_clip = {hp.dual_clip}) applies to "
+                         f"method {' or '.join(DUAL_CLIP_METHODS)} only (dual-clip PPO), not "
+                         f"{method!r}: set it to null")
 
 
 def coefficient(method: str, log_w: Tensor, advantages: Tensor, hp: LossHyperparams) -> Tensor:
@@ -176,7 +228,7 @@ def coefficient(method: str, log_w: Tensor, advantages: Tensor, hp: LossHyperpar
     Pure and differentiable-free: callers pass detached tensors. Every power is taken in
     log space from a log-ratio clamped into its own region, so no branch overflows.
     """
-    _check_method(method)
+    check_method(method, hp)
     regions = Regions.classify(log_w, advantages, hp.eps_low, hp.eps_high)
     return COEFFICIENTS[method](log_w.exp(), log_w, advantages, regions, hp)
 
@@ -186,7 +238,10 @@ def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> T
     if method == "grpo":
         w = log_w.exp()
         clipped = w.clamp(1.0 - hp.eps_low, 1.0 + hp.eps_high)
-        return torch.minimum(w * advantages, clipped * advantages)
+        ppo = torch.minimum(w * advantages, clipped * advantages)
+        if hp.dual_clip is None:
+            return ppo
+        return torch.where(advantages < 0, torch.maximum(ppo, hp.dual_clip * advantages), ppo)
     if method == "cispo":
         return f * advantages * logprobs
     return f * advantages
@@ -221,7 +276,7 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
     Computed in float32, or float64 when ``logprobs`` is float64.
     """
     hp = hp if hp is not None else LossHyperparams()
-    _check_method(method)
+    check_method(method, hp)
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages,
                "mask": mask}
     if weights is not None:
@@ -390,7 +445,10 @@ def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
     divergence argument: it grows without bound as w -> 0 in LN when F stays constant (GPPO,
     CE-GPPO, CISPO) and stays bounded for DGPO. Region fractions, mean F and F / w per region,
     ratio mean and the GRPO clip fraction (tokens whose PPO gradient is zero: LN or HP) follow
-    from them in ``summarize_metrics``.
+    from them in ``summarize_metrics``. With ``hp.dual_clip`` set, also the sum
+    ``dual_clipped_count`` (A < 0 and w > c: the tokens whose F dual clip sets to 0, in HN
+    when c >= 1+eps_high; not counted in ``clipped_count``), read as ``dual_clip_frac``
+    (verl's ``pg_clipfrac_lower``).
     """
     regions = Regions.classify(log_w, advantages, hp.eps_low, hp.eps_high)
     f64, w64 = f.double(), log_w.double().exp()
@@ -408,6 +466,9 @@ def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
     out.mins["ratio_min"] = torch.where(valid, w64, pos_inf).min()
     out.maxs["ratio_max"] = torch.where(valid, w64, neg_inf).max()
     out.sums["clipped_count"] = ((regions.LN | regions.HP) & valid).sum().double()
+    if hp.dual_clip is not None:
+        dual = _dual_clipped(log_w, advantages, hp) & valid
+        out.sums["dual_clipped_count"] = dual.sum().double()
     return out
 
 
@@ -442,7 +503,8 @@ def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
     """Readable numbers from (reduced) metrics: fractions, means, extremes; NaN where empty.
     Sums a train step adds (``entropy_sum``, ``loss_sum``) become per-token ``entropy`` and
     ``loss`` (the loss per unit of ``weight_sum`` when a weighted aggregation adds it); TIS sums
-    (``truncated_is_weights``) become ``tis/*``."""
+    (``truncated_is_weights``) become ``tis/*``; ``dual_clipped_count`` (only with
+    ``dual_clip`` set) becomes ``dual_clip_frac``."""
     tokens = float(metrics["tokens_count"])
 
     def ratio(num, den):
@@ -464,6 +526,8 @@ def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
     out["ratio/min"] = extreme(metrics["ratio_min"])
     out["ratio/max"] = extreme(metrics["ratio_max"])
     out["clip_frac"] = ratio(metrics["clipped_count"], tokens)
+    if "dual_clipped_count" in metrics:
+        out["dual_clip_frac"] = ratio(metrics["dual_clipped_count"], tokens)
     if "entropy_sum" in metrics:
         out["entropy"] = ratio(metrics["entropy_sum"], tokens)
     if "loss_sum" in metrics:  # weighted aggregations divide by the weights' sum, not tokens

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_dgpo.config import load_config, require_choice
-from megatron_dgpo.losses import AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS, LossHyperparams
+from megatron_dgpo.losses import (AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS, LossHyperparams,
+                                  check_method)
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.telemetry import LoggingConfig
 
@@ -153,7 +154,9 @@ class AlgorithmConfig:
     method: str = "dgpo"
     """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.losses.METHODS``)."""
     loss: LossHyperparams = field(default_factory=LossHyperparams)
-    """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO)."""
+    """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO;
+    GRPO's optional ``dual_clip``, which the other methods refuse). How they and the log-ratio
+    clamp differ from the paper's official code: ``megatron_dgpo.losses``' docstring, README."""
     advantage_eps: float = 1e-6
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
     advantage_unbiased_std: bool = True
@@ -161,10 +164,17 @@ class AlgorithmConfig:
     loss_aggregation: Literal["token_mean", "group_token_mean",
                               "seq_mean_token_mean"] = "token_mean"
     """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
-    ``token_mean``: sum_t s_t / (valid tokens of the mini-batch), DAPO's token mean and the
-    paper's code path. ``group_token_mean``: the paper's Eq. 1, each prompt group's token sum
-    divided by that group's token count sum_i |o_i|, then the mean over the mini-batch's groups.
-    ``seq_mean_token_mean``: each response's token mean, averaged over the responses."""
+    ``token_mean``: sum_t s_t / (valid tokens of the whole mini-batch, over every micro-batch
+    and DP rank), DAPO's token mean. Not exactly the paper's official code (verl's
+    ``token-mean``): there each micro-batch's loss is its own token mean, scaled by 1 / (the
+    gradient-accumulation steps) and the gradients averaged over DP ranks, so tokens of short
+    micro-batches weigh more; the two agree only when every micro-batch holds the same number
+    of valid tokens, which packed micro-batches seldom do. Kept: every token of the mini-batch
+    gets the same weight 1/N, so the gradient does not depend on how the mini-batch is split
+    over TP/PP/DP ranks and micro-batches (tested). ``group_token_mean``: the
+    paper's Eq. 1, each prompt group's token sum divided by that group's token count
+    sum_i |o_i|, then the mean over the mini-batch's groups. ``seq_mean_token_mean``: each
+    response's token mean, averaged over the responses."""
     rollout_correction: Literal["none", "tis"] = "none"
     """``tis``: multiply each token's loss term by the truncated importance weight
     min(pi_old / pi_rollout, rollout_correction_cap) (no gradient through it; verl, NeMo-RL),
@@ -178,6 +188,7 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         require_choice("method", self.method, METHODS)
+        check_method(self.method, self.loss)  # loss.dual_clip with a method that refuses it
         require_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
         require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         cap = self.rollout_correction_cap

@@ -417,3 +417,175 @@ def test_tis_metrics_merge_exactly_across_parts():
     assert merged.keys() == whole.keys()
     for key in whole:
         torch.testing.assert_close(merged[key], whole[key], rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------- GRPO dual clip
+
+def verl_dual_clip_ppo(logp, old, adv, mask, eps_low, eps_high, c):
+    """verl's dual-clip PPO loss (``compute_policy_loss_vanilla``, token-mean over ``mask``),
+    written directly from its formula so that autograd gives the reference gradient: per token
+    max(-w A, -clip(w) A), and for A < 0 the min of that with -c A; ratio = exp(clamp(log w))."""
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    clip1 = torch.maximum(pg1, pg2)
+    clip2 = torch.minimum(-adv * c, clip1)
+    per_token = torch.where(adv < 0, clip2, clip1)
+    m = mask.to(per_token.dtype)
+    clipfrac = ((pg2 > pg1).to(m.dtype) * m).sum() / m.sum()
+    clipfrac_lower = ((clip1 > -adv * c) & (adv < 0)).to(m.dtype).mul(m).sum() / m.sum()
+    return (per_token * m).sum() / m.sum(), clipfrac, clipfrac_lower
+
+
+def _dual_clip_batch(c):
+    """Tokens on every side of every boundary (eps 0.2 / 0.28, dual clip c), plus random ones:
+    A < 0 with w < 1-eps_low, inside, between 1+eps_high and c, just below and above c, far
+    above c and past the log-ratio clamp; A > 0 below, inside, above 1+eps_high and above c;
+    A = 0 above c; and masked garbage."""
+    lo, hi = 1 - EPS_LOW, 1 + EPS_HIGH
+    ws = [0.3, 0.7, 0.95, 1.05, 1.2, 0.5 * (hi + c), c * (1 - 1e-6), c * (1 + 1e-6), 2 * c, 50.0,
+          math.exp(25.0),                                # A < 0
+          0.3, 0.95, 1.2, 0.5 * (hi + c), c * (1 + 1e-6), 2 * c, 50.0,  # A > 0
+          2 * c]                                         # A = 0
+    advs = [-1.3] * 11 + [0.8] * 7 + [0.0]
+    assert min(ws[:11]) < lo and sum(w > c for w in ws[:11]) >= 4 and ws[6] < c < ws[7]
+    log_w = torch.tensor([math.log(w) for w in ws], dtype=torch.float64)
+    adv = torch.tensor(advs, dtype=torch.float64)
+    r_logp, r_old, r_adv, r_mask = random_batch(shape=(120,), seed=21)
+    old = torch.cat([torch.full_like(log_w, -2.0), r_old, torch.tensor([3e3, -1e4])])
+    logp = torch.cat([log_w - 2.0, r_logp, torch.tensor([-5e3, 7.0])])
+    adv = torch.cat([adv, r_adv, torch.tensor([-9.0, 4.0])])
+    mask = torch.cat([torch.ones_like(log_w, dtype=torch.bool), r_mask,
+                      torch.tensor([False, False])])
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("c", [3.0, 1.5, 1.1])  # 1.1 < 1+eps_high: the cut reaches into M
+def test_grpo_dual_clip_matches_verls_formula(c):
+    logp, old, adv, mask = _dual_clip_batch(c)
+    hp = LossHyperparams(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=c)
+    ours_in = logp.clone().requires_grad_(True)
+    loss, metrics = policy_loss("grpo", ours_in, old, adv, mask, hp)
+    (grad,) = torch.autograd.grad(loss, ours_in)
+
+    ref_in = logp.clone().requires_grad_(True)
+    ref_loss, clipfrac, clipfrac_lower = verl_dual_clip_ppo(ref_in, old, adv, mask, EPS_LOW,
+                                                           EPS_HIGH, c)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_in)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-18)
+
+    # the F table: 0 in LN, HP and where A < 0 and w > c, w elsewhere (w taken clamped)
+    w = (logp - old).clamp(-20, 20).exp()
+    lo, hi = 1 - EPS_LOW, 1 + EPS_HIGH
+    want_f = [0.0 if (wi < lo and a < 0) or (wi > hi and a > 0) or (a < 0 and wi > c) else wi
+              for wi, a in zip(w.tolist(), adv.tolist())]
+    f = losses.coefficient("grpo", (logp - old).clamp(-20, 20), adv, hp)
+    torch.testing.assert_close(f, torch.tensor(want_f, dtype=torch.float64), rtol=1e-15, atol=0)
+    num_tokens = mask.sum()
+    torch.testing.assert_close(grad, torch.where(mask, -f * adv / num_tokens, 0.0),
+                               rtol=1e-14, atol=0)
+
+    # the named tokens (A < 0 first): dual-clipped ones have no gradient, the others below c
+    # outside LN keep F = w; their value is c A (checked through the loss above)
+    head = slice(0, 19)
+    dual = (adv[head] < 0) & (w[head] > c)
+    assert dual.sum() >= 4 and torch.all(grad[head][dual] == 0)
+    kept = (adv[head] < 0) & (w[head] <= c) & (w[head] >= lo)
+    assert kept.sum() >= 3 and torch.all(grad[head][kept] != 0)
+    if c > hi:  # HN tokens between 1+eps_high and c are not cut
+        assert torch.all(grad[head][kept & (w[head] > hi)] != 0)
+        assert (kept & (w[head] > hi)).sum() >= 2
+
+    summary = losses.summarize_metrics(metrics)
+    assert summary["dual_clip_frac"] == pytest.approx(clipfrac_lower.item(), rel=1e-14)
+    assert summary["clip_frac"] == pytest.approx(clipfrac.item(), rel=1e-14)
+    valid_w, valid_a = w[mask], adv[mask]
+    assert summary["dual_clip_frac"] == pytest.approx(
+        ((valid_a < 0) & (valid_w > c)).double().mean().item(), rel=1e-14)
+
+
+def test_dual_clip_leaves_non_negative_advantages_untouched():
+    logp, old, adv, mask = _dual_clip_batch(3.0)
+    keep = mask & (adv >= 0)
+    results = []
+    for c in (None, 3.0):
+        lp = logp.clone().requires_grad_(True)
+        hp = LossHyperparams(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=c)
+        loss, _ = policy_loss("grpo", lp, old, adv, keep, hp)
+        results.append((loss, *torch.autograd.grad(loss, lp)))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    # A > 0 above c (HP) keeps PPO's value (1+eps_high) A and zero gradient
+    assert ((adv > 0) & keep & ((logp - old).exp() > 3.0)).sum() >= 3
+
+
+def _pre_dual_clip_grpo(logp, old, adv, mask):
+    """The grpo loss as losses.py computed it before dual clip existed, op for op."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        logp_d = torch.where(valid, logp, zero)
+        a = torch.where(valid, adv, zero)
+        log_w = torch.where(valid, logp_d - old, zero).clamp(-20.0, 20.0)
+        low, high = log_w < math.log1p(-EPS_LOW), log_w > math.log1p(EPS_HIGH)
+        w = log_w.exp()
+        f = torch.where((low & (a < 0)) | (high & (a > 0)), torch.zeros_like(w), w)
+        clipped = w.clamp(1.0 - EPS_LOW, 1.0 + EPS_HIGH)
+        value = torch.where(valid, torch.minimum(w * a, clipped * a), zero)
+        slope = torch.where(valid, f * a, zero)
+    return -(value + slope * (logp - logp.detach())).sum() / valid.sum().clamp(min=1).double()
+
+
+def test_dual_clip_off_by_default_is_bit_identical():
+    assert LossHyperparams().dual_clip is None
+    logp, old, adv, mask = _dual_clip_batch(3.0)
+    hp = LossHyperparams(eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    lp, ref = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    loss, metrics = policy_loss("grpo", lp, old, adv, mask, hp)
+    want = _pre_dual_clip_grpo(ref, old, adv, mask)
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(want, ref)[0],
+                               rtol=0, atol=0)
+    # nothing new in the metrics when off
+    assert "dual_clipped_count" not in metrics
+    assert "dual_clip_frac" not in losses.summarize_metrics(metrics)
+    # and the off case really differs from c = 3 on this batch (tokens with A < 0, w > 3)
+    on, _ = policy_loss("grpo", logp, old, adv, mask, LossHyperparams(eps_low=EPS_LOW,
+                                                                      eps_high=EPS_HIGH,
+                                                                      dual_clip=3.0))
+    assert not torch.equal(on, loss.detach())
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -3.0, 0, math.inf, math.nan, "3.0", True, [3.0]])
+def test_bad_dual_clip_names_the_field(bad):
+    with pytest.raises(ValueError, match=r"dual_clip must be null \(off\) or a finite number > 1"):
+        LossHyperparams(dual_clip=bad)
+
+
+def test_dual_clip_accepts_an_integer_as_a_float():
+    assert LossHyperparams(dual_clip=3).dual_clip == 3.0
+    assert isinstance(LossHyperparams(dual_clip=3).dual_clip, float)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "grpo"])
+def test_dual_clip_is_refused_by_the_other_methods(method):
+    logp, old, adv, mask = random_batch(shape=(2, 5))
+    with pytest.raises(ValueError, match=rf"dual_clip \(algorithm.loss.dual_clip = 3.0\) applies "
+                                         rf"to method grpo only .* not '{method}'"):
+        policy_loss(method, logp, old, adv, mask, LossHyperparams(dual_clip=3.0))
+
+
+def test_dual_clip_errors_from_a_recipe_name_the_key():
+    from megatron_dgpo.config import ConfigError, from_dict
+    from megatron_dgpo.recipe import AlgorithmConfig
+
+    cfg = from_dict(AlgorithmConfig, {"method": "grpo", "loss": {"dual_clip": 3}})
+    assert cfg.loss.dual_clip == 3.0
+    with pytest.raises(ConfigError, match=r"algorithm.loss: dual_clip must be null \(off\)"):
+        from_dict(AlgorithmConfig, {"method": "grpo", "loss": {"dual_clip": 1.0}}, "algorithm")
+    with pytest.raises(ConfigError, match=r"algorithm.loss.dual_clip: expected float \| null"):
+        from_dict(AlgorithmConfig, {"method": "grpo", "loss": {"dual_clip": "three"}}, "algorithm")
+    with pytest.raises(ConfigError, match=r"algorithm: dual_clip \(algorithm.loss.dual_clip = "
+                                          r"3.0\) applies to method grpo only .* not 'dgpo'"):
+        from_dict(AlgorithmConfig, {"method": "dgpo", "loss": {"dual_clip": 3.0}}, "algorithm")
