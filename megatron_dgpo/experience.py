@@ -68,6 +68,18 @@ class Experience:
                             for name in ("prompt_tokens", "response_tokens", "rollout_logprobs",
                                          "rewards", "truncated")))
 
+    def replace_groups(self, groups: list[int], other: Experience, group_size: int) -> Experience:
+        """A copy in which group ``groups[k]`` (samples ``groups[k] * group_size`` onwards) is
+        ``other``'s k-th group (DAPO refill: a degenerate group sampled again)."""
+        fields = ("prompt_tokens", "response_tokens", "rollout_logprobs", "rewards", "truncated")
+        out = {name: list(getattr(self, name)) for name in fields}
+        for k, g in enumerate(groups):
+            mine, theirs = slice(g * group_size, (g + 1) * group_size), \
+                slice(k * group_size, (k + 1) * group_size)
+            for name in fields:
+                out[name][mine] = getattr(other, name)[theirs]
+        return Experience(**out)
+
     def gather(self, group) -> Experience:
         """Every rank of ``group`` (a DP replica's model-parallel group) contributes its piece
         (None where the rank graded nothing); all get the pieces joined in rank order. Only the

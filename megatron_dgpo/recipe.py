@@ -185,6 +185,13 @@ class AlgorithmConfig:
     drop_degenerate_groups: bool = False
     """DAPO's filter: prompt groups whose rewards are all equal are left out of the update (no
     tokens in the loss or in N; counted as ``adv/num_dropped_groups``)."""
+    refill_rounds: int = 0
+    """With ``drop_degenerate_groups``: DAPO's dynamic sampling, up to this many extra sampling
+    rounds per step. Each batch position whose group came out degenerate is sampled again from
+    the next unused prompt of the stream, until every position holds an informative group or
+    the rounds run out (positions still degenerate then are dropped as without refill). So the
+    step trains on ``rollout_batch_prompts`` informative groups while the policy sharpens. Logged:
+    ``rollout/refill_rounds``, ``rollout/discarded_groups``. 0: drop without refilling."""
 
     def __post_init__(self):
         require_choice("method", self.method, METHODS)
@@ -195,6 +202,12 @@ class AlgorithmConfig:
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
                 math.isfinite(cap) and cap >= 1):
             raise ValueError(f"rollout_correction_cap must be a finite number >= 1, got {cap!r}")
+        if isinstance(self.refill_rounds, bool) or not isinstance(self.refill_rounds, int) \
+                or self.refill_rounds < 0:
+            raise ValueError(f"refill_rounds must be an integer >= 0, got {self.refill_rounds!r}")
+        if self.refill_rounds and not self.drop_degenerate_groups:
+            raise ValueError("refill_rounds refills the groups drop_degenerate_groups drops: "
+                             "set drop_degenerate_groups: true as well, or refill_rounds: 0")
 
 
 @dataclass

@@ -98,7 +98,8 @@ def train(cfg: RunConfig) -> int:
                 if saver is not None:
                     saver.poll()  # publish a background save that has finished on every rank
                 with timer("rollout"):
-                    batch, engine_stats = rollout.sample(state.prompts_consumed)
+                    batch, engine_stats, prompts_used = rollout.sample(
+                        state.prompts_consumed, cfg.algorithm.refill_rounds)
                     batch.advantages, adv_stats = group_advantages(
                         torch.tensor(batch.rewards), group, eps=cfg.algorithm.advantage_eps,
                         unbiased=cfg.algorithm.advantage_unbiased_std)
@@ -142,7 +143,7 @@ def train(cfg: RunConfig) -> int:
 
                 with timer("refit"):
                     refit_stats = rollout.refit(models)
-                state.step, state.prompts_consumed = step, state.prompts_consumed + cfg.train.rollout_batch_prompts
+                state.step, state.prompts_consumed = step, state.prompts_consumed + prompts_used
 
                 # Logged before the checkpoint: a crash after the save cannot lose this step's line
                 # (a resumed run drops lines past its checkpoint). The save's time goes to the next line.

@@ -208,3 +208,21 @@ def test_rollout_roles_split_whole_groups_over_engines_and_refuse_engines_across
     assert engine_tensor_parallel(None, tensor_parallel=1, pipeline_parallel=2, data_parallel=2) == 1
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2.*parallel.tensor_parallel"):
         roles(4, 1, 2, 2)
+
+
+def test_replace_groups_swaps_whole_groups_and_keeps_the_rest():
+    """DAPO refill: groups 0 and 2 of a 3-group batch come from another batch, in order."""
+    def batch(tag, groups, g=2):
+        n = groups * g
+        return Experience(prompt_tokens=[[tag, i // g] for i in range(n)],
+                          response_tokens=[[tag, i] for i in range(n)],
+                          rollout_logprobs=[[-float(i)] for i in range(n)],
+                          rewards=[float(tag + i) for i in range(n)],
+                          truncated=[bool(i % 2) for i in range(n)])
+
+    old, fresh = batch(0, 3), batch(100, 2)
+    out = old.replace_groups([0, 2], fresh, 2)
+    assert out.response_tokens == [[100, 0], [100, 1], [0, 2], [0, 3], [100, 2], [100, 3]]
+    assert out.rewards == [100.0, 101.0, 2.0, 3.0, 102.0, 103.0]
+    assert out.prompt_tokens[4] == [100, 1] and out.truncated == [False, True] * 3
+    assert old.response_tokens[0] == [0, 0]  # a copy: the original is unchanged

@@ -25,6 +25,8 @@ RECIPE = "recipes/tiny_cpu.yaml"
     ("algorithm.rollout_correction_cap=0.9", "algorithm: rollout_correction_cap must be a finite number >= 1"),
     ("algorithm.drop_degenerate_groups=maybe", "algorithm.drop_degenerate_groups: expected true or false"),
     ("train.seed=8388608", "train: seed must be in [0, 2**23)"),
+    ("algorithm.refill_rounds=2", "refill_rounds refills the groups drop_degenerate_groups drops"),
+    ("algorithm.refill_rounds=-1", "refill_rounds must be an integer >= 0"),
 ])
 def test_bad_overrides_fail_before_anything_starts_and_name_the_key(override, message, capsys):
     assert main([RECIPE, override]) == 2

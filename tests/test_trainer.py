@@ -342,3 +342,35 @@ def test_tied_embeddings_refit_keeps_the_engine_on_the_trained_policy(tmp_path):
     for record in records:
         assert record["mismatch/mean_abs_diff"] < 1e-5 and record["mismatch/max_abs_diff"] < 1e-3, record
     assert records[1]["train/grad_norm"] > 0  # the policy did move between the samples
+
+
+@pytest.mark.slow  # two 2-step runs with up to 3 sampling rounds each: `make test-slow`
+def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(full_run, tmp_path):
+    """algorithm.refill_rounds (DAPO's dynamic sampling): a batch position whose group came out
+    degenerate is sampled again from the next batch of the stream. The first round is the
+    plain run's batch, so its degenerate groups are the ones discarded first; what is still
+    degenerate after the last round is dropped as before; the stream advances by the rounds
+    used; and two replicas (each refilling its own positions) equal one."""
+    refill = ["algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _check(_train(one, "train.steps=2", "checkpoint.save_every=2", *refill))
+    _torchrun(two, *refill)
+    plain, records = read_metrics(full_run)[0], read_metrics(one)
+    first = records[0]
+    degenerate = plain["adv/num_degenerate"]  # of the plain run's step 1 = this run's round 1
+    assert degenerate > 0
+    assert 1 <= first["rollout/refill_rounds"] <= 2
+    assert first["rollout/discarded_groups"] >= degenerate
+    # what the last round left degenerate is dropped; never more than without refill
+    assert first["adv/num_dropped_groups"] <= degenerate
+    if first["rollout/refill_rounds"] < 2:
+        assert first["adv/num_dropped_groups"] == 0
+    state = json.loads((one / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["prompts_consumed"] == 32 * sum(1 + r["rollout/refill_rounds"] for r in records)
+    for got, want in zip(read_metrics(two), records):
+        assert got["rollout/engines"] == 2
+        assert _rollout(got) == _rollout(want)  # the same rounds, discards and samples
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("adv/")},
+                             {k: v for k, v in want.items() if k.startswith("adv/")}, rel=1e-12)
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
+                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)

@@ -2,7 +2,7 @@
 
     rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=..., batch_prompts=...)
     if resumed or rollout.needs_first_refit: rollout.refit(models)
-    batch, metrics = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
+    batch, metrics, used = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
     metrics = rollout.refit(models)                     # each engine from its own model-parallel group
     rollout.close()
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo import comm, data
+from megatron_dgpo.advantages import drop_degenerate_groups
 from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import Experience, prompt_order
 from megatron_dgpo.optimizer import sync_params
@@ -80,25 +81,66 @@ class ReplicaRollout:
         """The batch positions (whole prompt groups) this rank's DP replica trains on."""
         return self.role.replica_prompts
 
-    def sample(self, prompts_consumed: int) -> tuple[Experience, dict[str, float]]:
+    def sample(self, prompts_consumed: int, refill_rounds: int = 0
+               ) -> tuple[Experience, dict[str, float], int]:
         """The replica's samples of the step that starts at stream position
-        ``prompts_consumed`` (graded; identical on every rank of the replica), and
-        ``rollout/engines`` plus generation tokens/s per engine. Collective (world)."""
-        piece, generation_s = None, 0.0
+        ``prompts_consumed`` (graded; identical on every rank of the replica), its metrics
+        (``rollout/engines``, generation tokens/s per engine; with refill, the rounds and the
+        discarded groups) and how many prompts of the stream the step used. Collective (world).
+
+        ``refill_rounds`` (DAPO's dynamic sampling, ``algorithm.refill_rounds``): after each
+        round, every batch position whose group is degenerate is sampled again from the same
+        position of the next ``batch_prompts`` prompts of the stream, up to that many extra
+        rounds. A position's fate depends only on its own stream, so the result is the same
+        for any number of engines and replicas; only a vector of flags crosses ranks."""
+        piece, generation_s, group = None, 0.0, self.config.group_size
+        positions = list(self.role.prompts)
         if self.role.has_engine:
-            indices = prompt_order(len(self.prompts), self.seed, prompts_consumed,
-                                   self.batch_prompts)
-            begin = time.perf_counter()
-            piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
-                                        indices, self.role.prompts, self.config,
-                                        train_seed=self.seed, prompts_consumed=prompts_consumed)
-            generation_s = time.perf_counter() - begin
+            piece, generation_s = self._generate(prompts_consumed, positions)
+        rounds, discarded = 0, 0.0
+        while rounds < refill_rounds:
+            redo = self._degenerate_positions(piece, positions)
+            if not redo.any():
+                break
+            rounds, discarded = rounds + 1, discarded + float(redo.sum())
+            mine = [k for k, p in enumerate(positions) if redo[p]]
+            if self.role.has_engine and mine:
+                start = prompts_consumed + rounds * self.batch_prompts
+                fresh, seconds = self._generate(start, [positions[k] for k in mine])
+                generation_s += seconds
+                if piece is not None:
+                    piece = piece.replace_groups(mine, fresh, group)
+        if self.role.has_engine:
             sleep = getattr(self.engine, "sleep", None)
             if sleep:  # GPU: free the KV cache for training; CPU: logs once
                 sleep()
         # A rank that graded nothing takes its replica's samples from the ranks that did.
         batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(self.mp_group)
-        return batch, self._engine_metrics(piece, generation_s)
+        metrics = self._engine_metrics(piece, generation_s)
+        if refill_rounds:
+            metrics.update({"rollout/refill_rounds": float(rounds),
+                            "rollout/discarded_groups": discarded})
+        return batch, metrics, (1 + rounds) * self.batch_prompts
+
+    def _generate(self, start: int, positions: list[int]) -> tuple[Experience | None, float]:
+        """This engine's groups at batch ``positions`` of the batch that starts at stream
+        position ``start`` (None on ranks that do not grade), and the seconds it took."""
+        indices = prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
+        begin = time.perf_counter()
+        piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
+                                    indices, positions, self.config,
+                                    train_seed=self.seed, prompts_consumed=start)
+        return piece, time.perf_counter() - begin
+
+    def _degenerate_positions(self, piece: Experience | None, positions: list[int]) -> torch.Tensor:
+        """[batch_prompts] bool, the same on every rank: which batch positions hold a group whose
+        rewards are all equal (each grading rank flags its own positions; one MAX all-reduce)."""
+        flags = torch.zeros(self.batch_prompts, dtype=torch.float64)
+        if piece is not None:
+            keep = drop_degenerate_groups(piece.rewards, self.config.group_size).keep
+            for k, position in enumerate(positions):
+                flags[position] = float(not keep[k * self.config.group_size])
+        return comm.reduce_values(flags, "max") > 0
 
     def refit(self, models: list) -> dict[str, float]:
         """Stream the trained weights into this rank's engine, a collective over the replica's
