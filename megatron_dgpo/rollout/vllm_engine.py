@@ -246,6 +246,9 @@ class VLLMEngine(RolloutEngine):
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
         self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
+        # only a tied output layer needs its kernel state re-derived after a refit
+        self._tied = bool(getattr(self._llm.model_config.hf_text_config,
+                                  "tie_word_embeddings", False))
         self._closed = False
 
     @property
@@ -405,7 +408,8 @@ class VLLMEngine(RolloutEngine):
         self._after_refit()
 
     def _after_refit(self) -> None:
-        self._llm.collective_rpc(_refresh_tied_output_layer)
+        if self._tied:
+            self._llm.collective_rpc(_refresh_tied_output_layer)
         self._wake(["kv_cache"])  # (re)allocated after the weights, as vLLM's RL recipe orders it
         self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
