@@ -81,7 +81,7 @@ SETTINGS = {
                       "for negative advantages), where the soft-clipping methods' weight on "
                       "grad pi is unbounded; every method's accuracy collapses in that step"),
 }
-COLUMNS = ("setting", "method", "seed", "final_accuracy", "eval_avg_at_k", "eval_pass_at_k",
+COLUMNS = ("setting", "method", "seed", "warm_start", "final_accuracy", "eval_avg_at_k", "eval_pass_at_k",
            "entropy_start", "entropy_end", "max_LN_weight_on_grad_pi", "max_HP_weight_on_grad_pi",
            "max_grad_norm", "clipped_token_frac", "truncated_frac", "skipped_updates", "seconds")
 LAST = 5
@@ -113,45 +113,58 @@ def evaluate(model_dir: Path, heldout: Path, out: Path, n: int, max_tokens: int,
     return json.loads(out.read_text())
 
 
-def warm_start(out: Path, sft_steps: int, args) -> Path:
-    """The task and the supervised warm start (once); returns the warm-started HF folder."""
+def warm_start_name(seed: int) -> str:
+    """The warm start of supervised seed ``seed``: ``sft`` for seed 0 (the study's first), else
+    ``sft_w<seed>``; also the name of its evaluation (``warm_start`` / ``warm_start_w<seed>``)."""
+    return "sft" if seed == 0 else f"sft_w{seed}"
+
+
+def warm_start(out: Path, sft_steps: int, args, seed: int = 0) -> Path:
+    """The task and the supervised warm start of ``sft.seed=seed`` (once each); returns the
+    warm-started HF folder. Warm starts differ in the SFT data order (the seed); the task and
+    the random initial policy are shared."""
     from megatron_dgpo.arithmetic import make_task
 
     task = make_task(out / "task")
-    sft_dir = out / "sft"
+    sft_dir = out / warm_start_name(seed)
     if not (sft_dir / "hf" / "config.json").is_file():
         _run([sys.executable, "-m", "megatron_dgpo.sft", str(SFT_RECIPE), f"run_dir={sft_dir}",
               f"model.path={task / 'initial_model'}", f"sft.data={task / 'sft.jsonl'}",
-              f"sft.steps={sft_steps}", "logging.progress_bar=false"], sft_dir / "sft.log")
-    for name, model_dir in (("initial", task / "initial_model"), ("warm_start", sft_dir / "hf")):
+              f"sft.steps={sft_steps}", f"sft.seed={seed}", "logging.progress_bar=false"],
+             sft_dir / "sft.log")
+    warm = "warm_start" if seed == 0 else f"warm_start_w{seed}"
+    for name, model_dir in (("initial", task / "initial_model"), (warm, sft_dir / "hf")):
         evaluate(model_dir, task / "heldout.jsonl", out / "eval" / f"{name}.json", args.eval_n,
                  args.max_tokens, args.eval_limit)
     return sft_dir / "hf"
 
 
-def cell_dir(out: Path, setting: str, method: str, seed: int) -> Path:
-    """The run directory of one cell."""
-    return out / "runs" / setting / method / f"seed{seed}"
+def cell_dir(out: Path, setting: str, method: str, seed: int, warm: int = 0) -> Path:
+    """The run directory of one cell (warm start 0's cells keep the study's first layout)."""
+    base = out / "runs" / setting
+    return (base if warm == 0 else base / f"w{warm}") / method / f"seed{seed}"
 
 
-def run_cell(out: Path, setting: str, method: str, seed: int, args) -> dict:
-    """RL for one setting x method x seed from the warm start, then its held-out evaluation;
-    returns the cell's ``results.csv`` row."""
-    run_dir = cell_dir(out, setting, method, seed)
+def run_cell(out: Path, setting: str, method: str, seed: int, warm: int, args) -> dict:
+    """RL for one setting x method x seed from warm start ``warm``, then its held-out
+    evaluation; returns the cell's ``results.csv`` row."""
+    run_dir = cell_dir(out, setting, method, seed, warm)
     begin = time.perf_counter()
     if not (run_dir / "hf" / "config.json").is_file():
         _run([sys.executable, "-m", "megatron_dgpo.train", str(RL_RECIPE), f"run_dir={run_dir}",
-              f"model.path={out / 'sft' / 'hf'}", f"data.source={out / 'task' / 'train.jsonl'}",
+              f"model.path={out / warm_start_name(warm) / 'hf'}",
+              f"data.source={out / 'task' / 'train.jsonl'}",
               f"algorithm.method={method}", f"train.seed={seed}",
               f"train.steps={SETTINGS[setting].steps or args.steps}",
               "logging.progress_bar=false", *SETTINGS[setting].overrides], run_dir / "train.log")
     result = evaluate(run_dir / "hf", out / "task" / "heldout.jsonl", run_dir / "eval.json",
                       args.eval_n, args.max_tokens, args.eval_limit)
-    return cell_row(setting, method, seed, read_metrics(run_dir), result, time.perf_counter() - begin)
+    return cell_row(setting, method, seed, read_metrics(run_dir), result,
+                    time.perf_counter() - begin, warm)
 
 
 def cell_row(setting: str, method: str, seed: int, records: list[dict], result: dict,
-             seconds: float) -> dict:
+             seconds: float, warm: int = 0) -> dict:
     """One ``results.csv`` row from a run's metrics records and its evaluation result."""
     if not records:
         raise ValueError(f"{setting}/{method}/seed{seed}: the run logged no step")
@@ -167,7 +180,7 @@ def cell_row(setting: str, method: str, seed: int, records: list[dict], result: 
 
     n = result["config"]["n"]
     average = result["average"]
-    return {"setting": setting, "method": method, "seed": seed,
+    return {"setting": setting, "method": method, "seed": seed, "warm_start": warm,
             "final_accuracy": mean("rollout/accuracy"),
             "eval_avg_at_k": average[f"avg@{n}"], "eval_pass_at_k": average["pass@k"][str(n)],
             "entropy_start": records[0]["train/entropy"], "entropy_end": mean("train/entropy"),
@@ -181,18 +194,31 @@ def cell_row(setting: str, method: str, seed: int, records: list[dict], result: 
 
 
 def read_results(path: Path) -> list[dict]:
-    """The rows of ``results.csv`` (numbers parsed), [] when absent."""
+    """The rows of ``results.csv`` (numbers parsed), [] when absent. A file written before the
+    ``warm_start`` column existed reads as warm start 0."""
     if not path.is_file():
         return []
     with open(path) as f:
         rows = list(csv.DictReader(f))
     for row in rows:
+        row.setdefault("warm_start", "0")
         for key in COLUMNS[2:]:
-            row[key] = int(row[key]) if key in ("seed", "skipped_updates") else float(row[key])
+            row[key] = (int(row[key]) if key in ("seed", "warm_start", "skipped_updates")
+                        else float(row[key]))
     return rows
 
 
 def append_result(path: Path, row: dict) -> None:
+    """Append ``row``; a file with an older header is rewritten with today's columns first."""
+    if path.is_file():
+        with open(path) as f:
+            header = next(csv.reader(f), [])
+        if tuple(header) != COLUMNS:
+            rows = read_results(path)
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
     new = not path.is_file()
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -205,6 +231,128 @@ def seeds_for_gap(std: float, gap: float = 0.03) -> int:
     """Seeds per method for a two-sided 5% test to detect ``gap`` with 80% power, given the
     per-seed standard deviation ``std`` of the metric: n = 2 (z_0.975 + z_0.8)^2 std^2 / gap^2."""
     return max(2, math.ceil(2 * (1.959964 + 0.841621) ** 2 * std**2 / gap**2))
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularised incomplete beta function (Lentz's method)."""
+    tiny, front = 1e-300, 1.0
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+            front = d * c
+        if abs(front - 1.0) < 1e-15:
+            break
+    return h
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularised incomplete beta function, for a, b > 0 and 0 <= x <= 1."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
+    return incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile (q > 0.5) of Student's t with ``df`` degrees of freedom (bisection)."""
+    low, high = 0.0, 1e3
+    for _ in range(200):
+        mid = (low + high) / 2
+        if 1.0 - t_two_sided_p(mid, df) / 2.0 < q:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def sign_flip_p(differences: list[float]) -> float:
+    """Two-sided p of the paired sign-flip (randomisation) test: the share of the 2^n sign
+    assignments whose mean is at least as far from 0 as the observed one (exact; n <= 20)."""
+    n = len(differences)
+    if not 1 <= n <= 20:
+        raise ValueError(f"sign_flip_p enumerates 2^n assignments: n must be 1..20, got {n}")
+    observed = abs(sum(differences)) - 1e-12
+    hits = sum(abs(sum(d if mask >> i & 1 else -d for i, d in enumerate(differences))) >= observed
+               for mask in range(1 << n))
+    return hits / (1 << n)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired comparison of method ``a`` against ``b``: differences a - b of one metric over
+    the cells they share, paired by (warm start, seed) (same warm start, same first rollout)."""
+
+    a: str
+    b: str
+    differences: list[float]
+    by_warm_start: dict[int, list[float]]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.differences)
+
+    @property
+    def t(self) -> float:
+        n, sd = len(self.differences), statistics.stdev(self.differences)
+        return self.mean / (sd / math.sqrt(n)) if sd > 0 else math.copysign(math.inf, self.mean)
+
+    @property
+    def p(self) -> float:
+        return t_two_sided_p(self.t, len(self.differences) - 1) if math.isfinite(self.t) else 0.0
+
+    def interval(self, level: float = 0.95) -> tuple[float, float]:
+        n = len(self.differences)
+        half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(self.differences) / math.sqrt(n)
+        return self.mean - half, self.mean + half
+
+
+def paired(rows: list[dict], setting: str, a: str, b: str, key: str = "eval_avg_at_k") -> Paired | None:
+    """``Paired`` of ``a`` vs ``b`` at ``setting`` (None with fewer than 3 pairs)."""
+    cells = {(r["method"], r.get("warm_start", 0), r["seed"]): r[key]
+             for r in rows if r["setting"] == setting}
+    pairs = sorted((w, k) for (m, w, k) in cells if m == a and (b, w, k) in cells)
+    if len(pairs) < 3:
+        return None
+    by_warm: dict[int, list[float]] = {}
+    for w, k in pairs:
+        by_warm.setdefault(w, []).append(cells[a, w, k] - cells[b, w, k])
+    return Paired(a, b, [d for w in sorted(by_warm) for d in by_warm[w]], by_warm)
+
+
+def verdict(comparison: Paired, level: float = 0.05) -> str:
+    """One paragraph: the paired difference in points with its CI and tests, per warm start,
+    and whether ``a`` beating ``b`` is reproduced (significant at ``level`` by the paired t
+    test and the sign-flip test, and ahead in every warm start)."""
+    c, scale = comparison, 100.0
+    low, high = c.interval(1 - level)
+    warm = ", ".join(f"warm start {w}: {scale * statistics.fmean(d):+.1f} ({len(d)} pairs)"
+                     for w, d in sorted(c.by_warm_start.items()))
+    flip = sign_flip_p(c.differences) if len(c.differences) <= 20 else math.nan
+    ahead = all(statistics.fmean(d) > 0 for d in c.by_warm_start.values())
+    holds = c.p < level and flip < level and ahead and c.mean > 0
+    return (f"{c.a} - {c.b}, held-out Avg@k: {scale * c.mean:+.1f} points over "
+            f"{len(c.differences)} pairs ({1 - level:.0%} CI {scale * low:+.1f} to "
+            f"{scale * high:+.1f}; paired t = {c.t:.2f}, df {len(c.differences) - 1}, "
+            f"p = {c.p:.3g}; sign-flip p = {flip:.3g}); {warm}. "
+            + (f"**Reproduced at this scale**: {c.a} ends above {c.b}."
+               if holds else f"**Not reproduced at this scale**: no significant lead of {c.a} "
+                             f"over {c.b} that holds in every warm start."))
 
 
 def early_accuracy(records: list[dict]) -> float:
@@ -242,7 +390,7 @@ def summary_table(rows: list[dict], evals: dict[str, dict], k: int, metrics: dic
             if not cell:
                 continue
             col = lambda key: [r[key] for r in cell]  # noqa: E731
-            records = [metrics[setting, method, r["seed"]] for r in cell]
+            records = [metrics[setting, method, r["seed"], r["warm_start"]] for r in cell]
             early = [early_accuracy(run) for run in records]
             # the first step is on the shared warm start: how hard each method pushes from it
             first_norm = [run[0]["train/grad_norm_max"] for run in records]
@@ -266,6 +414,12 @@ def summary_table(rows: list[dict], evals: dict[str, dict], k: int, metrics: dic
         lines.append(f"- `{setting}`: seed spread of held-out Avg@{k}, pooled over {len(values)} "
                      f"methods: {100 * pooled:.1f} points; a 3-point gap between two methods needs "
                      f"{seeds_for_gap(pooled)} seeds per method (two-sided 5% test, 80% power).")
+    comparisons = [(setting, paired(rows, setting, "dgpo", "grpo")) for setting in SETTINGS]
+    comparisons = [(setting, c) for setting, c in comparisons if c is not None]
+    if comparisons:
+        lines += ["", "DGPO vs GRPO, paired by warm start and seed (the same warm start and seed "
+                      "give both methods the same first rollout):", ""]
+        lines += [f"- `{setting}`: {verdict(c)}" for setting, c in comparisons]
     return "\n".join(lines) + "\n"
 
 
@@ -296,7 +450,7 @@ def plot(rows: list[dict], metrics: dict, path: Path) -> None:
                              squeeze=False)
     for i, setting in enumerate(settings):
         for method in METHODS:
-            runs = [metrics[setting, method, r["seed"]]
+            runs = [metrics[setting, method, r["seed"], r["warm_start"]]
                     for r in rows if r["setting"] == setting and r["method"] == method]
             if not runs:
                 continue
@@ -331,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40, help="RL steps per cell")
     parser.add_argument("--sft-steps", type=int, default=400, help="supervised warm-start steps")
+    parser.add_argument("--warm-starts", nargs="+", type=int, default=[0],
+                        help="supervised seeds: one warm start each, every cell run from each")
     parser.add_argument("--eval-n", type=int, default=8, help="samples per held-out problem (k)")
     parser.add_argument("--eval-limit", type=int, default=None, help="first N held-out problems")
     parser.add_argument("--max-tokens", type=int, default=48, help="response limit in evaluation")
@@ -341,18 +497,19 @@ def main(argv: list[str] | None = None) -> int:
     results = out / "results.csv"
 
     begin = time.perf_counter()
-    warm_start(out, args.sft_steps, args)
-    print(f"warm start ready ({time.perf_counter() - begin:.0f} s)", flush=True)
-    done = {(r["setting"], r["method"], r["seed"]) for r in read_results(results)}
-    todo = [(s, m, k) for s in args.settings for k in args.seeds for m in args.methods
-            if (s, m, k) not in done]
+    for seed in args.warm_starts:
+        warm_start(out, args.sft_steps, args, seed)
+    print(f"warm start(s) ready ({time.perf_counter() - begin:.0f} s)", flush=True)
+    done = {(r["setting"], r["method"], r["seed"], r["warm_start"]) for r in read_results(results)}
+    todo = [(s, m, k, w) for w in args.warm_starts for s in args.settings for k in args.seeds
+            for m in args.methods if (s, m, k, w) not in done]
     lock = Lock()
 
     def work(cell):
         row = run_cell(out, *cell, args)
         with lock:
             append_result(results, row)
-            print(f"{cell[0]:>6} {cell[1]:>7} seed {cell[2]}: held-out Avg@{args.eval_n} "
+            print(f"{cell[0]:>6} {cell[1]:>7} seed {cell[2]} warm {cell[3]}: held-out Avg@{args.eval_n} "
                   f"{100 * row['eval_avg_at_k']:.1f}, train acc {100 * row['final_accuracy']:.1f}, "
                   f"max LN F/w {row['max_LN_weight_on_grad_pi']:.3g} ({row['seconds']:.0f} s)", flush=True)
 
@@ -361,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
             future.result()
 
     rows = [r for r in read_results(results) if r["setting"] in SETTINGS and r["method"] in METHODS]
-    evals = {name: json.loads((out / "eval" / f"{name}.json").read_text()) for name in ("initial", "warm_start")}
-    cells = [(r["setting"], r["method"], r["seed"]) for r in rows]
+    evals = {path.stem: json.loads(path.read_text())
+             for path in sorted((out / "eval").glob("*.json"))}  # initial, warm_start[_w<seed>]
+    cells = [(r["setting"], r["method"], r["seed"], r["warm_start"]) for r in rows]
     metrics = {cell: read_metrics(cell_dir(out, *cell)) for cell in cells}  # read once, used twice
     (out / "results.md").write_text(summary_table(rows, evals, args.eval_n, metrics))
     plot(rows, metrics, out / "results.png")
