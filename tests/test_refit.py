@@ -146,7 +146,13 @@ class _RecordingLLM:
     engine's calls so their order can be checked."""
 
     def __init__(self, **kwargs):
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
         self.kwargs, self.calls = kwargs, []
+        # what the engine reads of vLLM's model config: whether the output layer is tied
+        self.model_config = SimpleNamespace(hf_text_config=AutoConfig.from_pretrained(kwargs["model"]))
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -185,13 +191,13 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     pairs = [(f"model.layers.0.self_attn.{p}_proj.weight", torch.zeros(2)) for p in "qkv"]
     pairs.append(("model.norm.weight", torch.zeros(2)))
     engine.update_weights(iter(pairs))
+    # untied: no refresh of the output layer (only a tied one needs it)
     assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload", 3), ("reload", 1),
-                         ("_refresh_tied_output_layer",), ("wake_up", ("kv_cache",)),
-                         ("reset_prefix_cache",)]
+                         ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
     assert engine.holds_weights
     llm.calls.clear()
     engine.update_weights(iter(pairs))  # awake: no wake-up calls
-    assert [c[0] for c in llm.calls] == ["reload", "reload", "_refresh_tied_output_layer",
+    assert [c[0] for c in llm.calls] == ["reload", "reload",
                                          "reset_prefix_cache"]
     engine.sleep()  # level 2 drops the weights: generating before the next refit is refused
     with pytest.raises(RuntimeError, match="level-2 sleep"):
