@@ -4,7 +4,8 @@
     make run && .venv/bin/python benchmarks/step_breakdown.py outputs/tiny_cpu [--skip 1]
 
 Prints mean seconds per step and share of the step for each phase (rollout, old log-probs,
-mini-batch updates, refit, checkpoint), and the rollout / training throughput. ``--skip``
+mini-batch updates, refit, checkpoint, evaluation on held-out problems when the run had any),
+and the rollout / training throughput. ``--skip``
 leaves out the first steps (warm-up: the first forward passes, the checkpoint writer's start).
 """
 
@@ -15,7 +16,8 @@ import sys
 
 from megatron_dgpo.telemetry import read_metrics
 
-PHASES = ("rollout", "old_logprobs", "update", "refit", "checkpoint")
+PHASES = ("rollout", "old_logprobs", "update", "refit", "checkpoint", "eval")
+OUTSIDE_STEP = ("checkpoint", "eval")  # logged beside time/step, not inside it
 
 
 def main(argv=None) -> int:
@@ -28,12 +30,16 @@ def main(argv=None) -> int:
         print(f"error: no steps after skipping {args.skip} in {args.run}", file=sys.stderr)
         return 2
     steps = len(records)
-    # A line's time/checkpoint is the save after the previous step (logged before saving).
-    total = sum(r["time/step"] + r.get("time/checkpoint", 0.0) for r in records) / steps
+    # A line's time/checkpoint is the save after the previous step (logged before saving);
+    # time/eval (the evaluation after the step's refit) is not part of time/step either.
+    total = sum(r["time/step"] + sum(r.get(f"time/{p}", 0.0) for p in OUTSIDE_STEP)
+                for r in records) / steps
     print(f"{steps} steps, {total:.3f} s/step on average\n")
     print("| phase | s/step | share |")
     print("| --- | --- | --- |")
     for phase in PHASES:
+        if phase == "eval" and not any("time/eval" in r for r in records):
+            continue  # the run did not evaluate
         mean = sum(r.get(f"time/{phase}", 0.0) for r in records) / steps
         print(f"| {phase} | {mean:.3f} | {100 * mean / total:.1f}% |")
     other = total - sum(sum(r.get(f"time/{p}", 0.0) for r in records) / steps for p in PHASES)

@@ -290,6 +290,41 @@ def benchmark_files(directory: str | os.PathLike) -> dict[str, Path]:
     return found
 
 
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def resolve_benchmarks(specs: Sequence[str], directory: str | os.PathLike | None = None, *,
+                       limit: int | None = None) -> dict[str, list[PromptRecord]]:
+    """``{name: problems}`` of the benchmarks ``specs`` name, in their order (``dgpo-eval
+    --benchmarks`` and the trainer's ``eval.benchmarks``). A spec is a file (an existing path,
+    or one ending in .jsonl/.json/.parquet; any layout ``load_benchmark`` reads; named by its
+    stem) or one of ``BENCHMARKS``, read from ``directory`` (default: ``find_benchmarks_dir``).
+    ``limit``: the first problems of each. Raises ``ValueError`` naming the spec when it is
+    neither, when two specs give the same name, or when one has no problems
+    (``FileNotFoundError`` for a missing file)."""
+    folder = Path(directory) if directory else find_benchmarks_dir()
+    available = benchmark_files(folder) if folder and folder.is_dir() else {}
+    out: dict[str, list[PromptRecord]] = {}
+    for spec in specs:
+        path = Path(spec)
+        if path.is_file() or path.suffix.lower() in DATASET_SUFFIXES:
+            name, records = path.stem, load_benchmark(path, limit=limit)
+        elif spec in available:
+            name, records = spec, load_benchmark(available[spec], spec, limit=limit)
+        else:
+            where = (f"in {folder}: {', '.join(sorted(available)) or 'none'}" if folder else
+                     f"(no benchmark folder: set ${BENCHMARKS_ENV} or give a folder)")
+            raise ValueError(f"benchmark {spec!r} is neither a dataset file (.jsonl, .json, "
+                             f".parquet) nor one of the benchmarks found {where}")
+        if name in out:
+            raise ValueError(f"two benchmarks are named {name!r} (a name and a file, or two files "
+                             f"with the same stem): metrics are keyed by name")
+        if not records:
+            raise ValueError(f"benchmark {spec!r} has no problems")
+        out[name] = records
+    return out
+
+
 # ---------------------------------------------------------------------------------- rendering
 
 

@@ -8,7 +8,10 @@ For a problem with n graded samples of which c are correct:
 
 Both are averaged over the problems of a benchmark; "average" is the unweighted mean over
 benchmarks (the paper's "Avg." column). k runs over 1, 2, 4, ..., n (and n itself). Samples are
-graded with the conservative evaluation grader (``rewards.eval_correct``) in a ``RewardPool``.
+graded with the conservative evaluation grader (``rewards.eval_correct``) in a ``RewardPool``;
+problem i is sampled with seed ``--seed + i n``. The sampling, grading and scores are
+``megatron_dgpo.rollout.evaluation``'s, which the trainer's evaluation during training (recipe
+section ``eval``) shares, so both give the same numbers for the same policy and settings.
 
 CLI (``dgpo-eval``, also ``python tools/dgpo_eval.py``):
     dgpo-eval --model runs/x/hf --benchmarks aime24 math500 --n 32 --max-tokens 8192 --out eval.json
@@ -20,70 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from megatron_dgpo.data import PromptRecord, benchmark_files, find_benchmarks_dir, load_benchmark, render_prompts
+from megatron_dgpo.data import PromptRecord, benchmark_files, find_benchmarks_dir, render_prompts, resolve_benchmarks
 from megatron_dgpo.rewards import RewardPool
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased Pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (exact integers)."""
-    if not 0 <= c <= n:
-        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
-    if not 1 <= k <= n:
-        raise ValueError(f"need 1 <= k <= n, got k={k}, n={n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def ks_up_to(k_max: int) -> list[int]:
-    """1, 2, 4, ... up to k_max, with k_max itself included."""
-    if k_max < 1:
-        raise ValueError(f"k_max must be >= 1, got {k_max}")
-    ks, k = [], 1
-    while k < k_max:
-        ks.append(k)
-        k *= 2
-    return ks + [k_max]
-
-
-@dataclass
-class BenchmarkResult:
-    """Metrics of one benchmark. correct[i]: number of correct samples of problem i (of n)."""
-
-    name: str
-    n: int
-    correct: list[int]
-    mean_response_tokens: float
-    truncated_frac: float
-    pass_at: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def avg(self) -> float:
-        return sum(self.correct) / (self.n * len(self.correct)) if self.correct else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "num_problems": len(self.correct),
-            "n": self.n,
-            f"avg@{self.n}": self.avg,
-            "pass@k": {str(k): v for k, v in self.pass_at.items()},
-            "mean_response_tokens": self.mean_response_tokens,
-            "truncated_frac": self.truncated_frac,
-            "correct_per_problem": self.correct,
-        }
-
-
-def score_benchmark(name: str, correct: Sequence[int], n: int, *, mean_response_tokens=0.0, truncated_frac=0.0) -> BenchmarkResult:
-    """Avg@n and Pass@k (k in ``ks_up_to(n)``) of per-problem correct counts."""
-    pass_at = {k: sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks_up_to(n)} if correct else {}
-    return BenchmarkResult(name, n, list(correct), mean_response_tokens, truncated_frac, pass_at)
+from megatron_dgpo.rollout.evaluation import (BenchmarkResult, grade_problems, ks_up_to, pass_at_k,  # noqa: F401
+                                              problem_seeds, score_benchmark)
 
 
 def evaluate(
@@ -120,18 +68,15 @@ def evaluate(
             prompts = render_prompts(tokenizer, records)
             correct, lengths, truncated = [], [], 0
             for start in range(0, len(records), prompts_per_call):
-                chunk = prompts[start : start + prompts_per_call]
-                groups = engine.generate(chunk, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + start * n)
-                texts, gts = [], []
-                for rec, group in zip(records[start : start + prompts_per_call], groups):
-                    for s in group:
-                        texts.append(tokenizer.decode(s.token_ids, skip_special_tokens=True))
-                        gts.append(rec.ground_truth)
-                        lengths.append(len(s.token_ids))
-                        truncated += s.finish_reason == "length"
-                scores = pool.score(texts, gts, grader="eval")
-                correct += [int(sum(scores[i * n : (i + 1) * n])) for i in range(len(groups))]
-                bar.update(len(groups))
+                stop = min(start + prompts_per_call, len(records))
+                graded = grade_problems(engine, pool, tokenizer, prompts[start:stop],
+                                        [r.ground_truth for r in records[start:stop]],
+                                        problem_seeds(seed, range(start, stop), n), n=n,
+                                        max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+                correct += graded.correct
+                lengths += graded.lengths
+                truncated += graded.truncated
+                bar.update(stop - start)
                 bar.set_postfix(bench=name)
             results[name] = score_benchmark(
                 name, correct, n, mean_response_tokens=sum(lengths) / len(lengths), truncated_frac=truncated / len(lengths)
@@ -169,22 +114,15 @@ def format_table(result: dict) -> str:
 
 
 def _resolve_benchmarks(specs: Sequence[str] | None, bench_dir: str | None, limit: int | None) -> dict[str, list[PromptRecord]]:
-    directory = Path(bench_dir) if bench_dir else find_benchmarks_dir()
-    available = benchmark_files(directory) if directory and directory.is_dir() else {}
     if not specs:
-        if not available:
+        directory = Path(bench_dir) if bench_dir else find_benchmarks_dir()
+        specs = list(benchmark_files(directory)) if directory and directory.is_dir() else []
+        if not specs:
             raise SystemExit("dgpo-eval: no --benchmarks given and no benchmark folder found (--bench-dir)")
-        specs = list(available)
-    out = {}
-    for spec in specs:
-        path = Path(spec)
-        if path.is_file():
-            out[path.stem] = load_benchmark(path, limit=limit)
-        elif spec in available:
-            out[spec] = load_benchmark(available[spec], spec, limit=limit)
-        else:
-            raise SystemExit(f"dgpo-eval: benchmark {spec!r} is neither a file nor one of {sorted(available)} in {directory}")
-    return out
+    try:
+        return resolve_benchmarks(specs, bench_dir, limit=limit)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"dgpo-eval: {exc}") from None
 
 
 def _build_engine(args):

@@ -167,6 +167,11 @@ class ProgressBar:
 class PhaseTimer:
     """Wall-clock seconds per phase of one step (GPU work synchronised at phase ends)."""
 
+    OUTSIDE_STEP = ("eval",)
+    """Phases timed (``time/<phase>``) but not part of the training step: the evaluation on
+    held-out problems is left out of ``time/step``, and the throughputs count only the rollout
+    and update phases."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self.start = time.perf_counter()
@@ -180,10 +185,12 @@ class PhaseTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
 
     def metrics(self, generated: int, trained_tokens: int, dp_size: int) -> dict[str, float]:
-        """``time/<phase>``, ``time/step`` and rollout/train throughput of a step that generated
-        ``generated`` response tokens in all (``trained_tokens`` per DP rank)."""
+        """``time/<phase>``, ``time/step`` (without the ``OUTSIDE_STEP`` phases) and rollout/train
+        throughput of a step that generated ``generated`` response tokens in all
+        (``trained_tokens`` per DP rank)."""
         out = {f"time/{phase}": s for phase, s in self.seconds.items()}
-        out["time/step"] = time.perf_counter() - self.start
+        outside = sum(self.seconds.get(phase, 0.0) for phase in self.OUTSIDE_STEP)
+        out["time/step"] = time.perf_counter() - self.start - outside
         out["throughput/rollout_tokens_per_s"] = generated / max(self.seconds["rollout"], 1e-9)
         out["throughput/train_tokens_per_s"] = trained_tokens * dp_size / max(self.seconds["update"], 1e-9)
         return out

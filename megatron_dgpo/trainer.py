@@ -3,7 +3,8 @@
     rollout (the replica's engines: colocated vLLM in its ranks, or one engine on its leader)
     -> rewards (math-verify workers, where the samples are) -> group advantages
     -> old log-probs (forward only) -> one optimizer update per mini-batch (N all-reduced)
-    -> bucketed refit of each engine from its own model-parallel group -> log -> checkpoint
+    -> bucketed refit of each engine from its own model-parallel group
+    -> (recipe section ``eval``, on schedule) held-out problems on the refitted engines -> log -> checkpoint
 
 and, at the end, the final policy exported as an HF folder. A run directory holding a checkpoint
 is continued (``checkpoint.resume: auto``); a stop signal or the time budget ends the run at a
@@ -34,6 +35,7 @@ from megatron_dgpo.offload import TrainingStateOffload
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.recipe import RunConfig, save_recipe
+from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
 from megatron_dgpo.rollout.mismatch import mismatch_metrics
 from megatron_dgpo.rollout.replica import ReplicaRollout
 from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step
@@ -74,6 +76,9 @@ def train(cfg: RunConfig) -> int:
             if rank0:
                 save_recipe(cfg, run_dir)
             offload.offload()  # vLLM starts only if its share of the GPU is free then
+            # held-out problems read and rendered on every rank before any engine starts
+            evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, hf_dir, cfg.rollout)
+                          if cfg.eval.enabled else None)
             rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
                                      batch_prompts=cfg.train.rollout_batch_prompts)
             logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
@@ -143,6 +148,10 @@ def train(cfg: RunConfig) -> int:
 
                 with timer("refit"):
                     refit_stats = rollout.refit(models)
+                eval_metrics = {}
+                if evaluation is not None and cfg.eval.due(step, cfg.train.steps):
+                    with timer("eval"):  # the refitted engines; outside time/step and throughput
+                        eval_metrics = evaluation.run(rollout)
                 state.step, state.prompts_consumed = step, state.prompts_consumed + prompts_used
 
                 # Logged before the checkpoint: a crash after the save cannot lose this step's line
@@ -153,7 +162,7 @@ def train(cfg: RunConfig) -> int:
                 metrics = {**sampled, **reduce_group_stats(group_stats, dp_group), **mismatch,
                            **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                            "train/skipped_updates_total": float(state.skipped_updates),
-                           **engine_stats, **refit_stats,
+                           **engine_stats, **refit_stats, **eval_metrics,
                            **timer.metrics(generated, trained_tokens, dp_size), **save_time}
                 logger.log(step, metrics)
                 bar.advance(metrics)

@@ -1,5 +1,6 @@
 """Evaluation metrics against brute-force enumeration, the evaluate() pipeline with a scripted
-engine (known answers) and with the session's vLLM engine, and the dgpo-eval CLI end to end."""
+engine (known answers) and with the session's vLLM engine, the dgpo-eval CLI end to end, and the
+evaluation during training's split over replicas (1 and 2 gloo ranks give the same numbers)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from megatron_dgpo.data import builtin_prompts, find_benchmarks_dir, load_benchmark
 from megatron_dgpo.evaluate import evaluate, format_table, ks_up_to, pass_at_k
 from megatron_dgpo.rewards import RewardPool
-from megatron_dgpo.rollout.base import RolloutEngine, Completion
+from megatron_dgpo.rollout.base import Completion
+from tests._rank_fns_eval import GenerateOnlyEngine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,13 +41,13 @@ def test_pass_at_k_matches_enumeration():
     assert ks_up_to(32) == [1, 2, 4, 8, 16, 32] and ks_up_to(6) == [1, 2, 4, 6] and ks_up_to(1) == [1]
 
 
-class ScriptedEngine(RolloutEngine):
+class ScriptedEngine(GenerateOnlyEngine):
     """Answers problem i correctly in its first plan[i] samples, wrongly in the others."""
 
     def __init__(self, tokenizer, answers, plan):
         self.tok, self.answers, self.plan, self.offset = tokenizer, answers, plan, 0
 
-    def generate(self, prompts_token_ids, *, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None):
+    def generate(self, prompts_token_ids, *, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None, seeds=None):
         out = []
         for j in range(len(prompts_token_ids)):
             i = self.offset + j
@@ -53,15 +55,6 @@ class ScriptedEngine(RolloutEngine):
             out.append([Completion(j, self.tok(t, add_special_tokens=False)["input_ids"], [0.0] * len(self.tok(t)["input_ids"]), "stop") for t in texts])
         self.offset += len(prompts_token_ids)
         return out
-
-    def update_weights(self, named_tensors):
-        raise NotImplementedError
-
-    def update_weights_from_dir(self, hf_dir):
-        raise NotImplementedError
-
-    def shutdown(self):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +116,51 @@ def test_dgpo_eval_cli_end_to_end(tiny_model_dir, tmp_path):
     no_model = subprocess.run(cmd[:2] + ["--model", str(tmp_path / "absent")] + cmd[4:],
                               capture_output=True, text=True, timeout=120, cwd=REPO)
     assert no_model.returncode == 2 and "no config.json there" in no_model.stderr
+
+
+def test_benchmarks_resolve_by_name_or_file_and_errors_name_the_spec(tmp_path):
+    from megatron_dgpo.data import resolve_benchmarks
+
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    (folder / "amc23.jsonl").write_text(json.dumps({"problem": "What is 1+1?", "answer": "2.0"}) + "\n")
+    held = tmp_path / "held_out.json"
+    held.write_text(json.dumps([{"problem": f"What is {i}+1?", "answer": str(i + 1)} for i in range(5)]))
+    got = resolve_benchmarks(["amc23", str(held)], folder, limit=3)
+    assert list(got) == ["amc23", "held_out"] and [len(v) for v in got.values()] == [1, 3]
+    with pytest.raises(ValueError, match="'aime24' is neither a dataset file .* found in .*bench: amc23"):
+        resolve_benchmarks(["aime24"], folder)
+    with pytest.raises(ValueError, match="two benchmarks are named 'amc23'"):
+        resolve_benchmarks(["amc23", str(folder / "amc23.jsonl")], folder)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        resolve_benchmarks([str(tmp_path / "missing.jsonl")], folder)
+
+
+def test_evaluation_split_over_replicas_equals_the_whole(tiny_model_dir):
+    """The evaluation during training (``HeldOutEvaluation.run``): each replica samples its share
+    of each benchmark's problems and fills their slots; one sum over the ranks gives every rank
+    the whole benchmark's counts. Hand-made counts on 1 and 2 gloo ranks: the same combined
+    counts and the same metrics, equal to score_benchmark on the whole benchmark; every problem
+    sampled once, with seed eval.seed + i n whatever replica took it."""
+    from megatron_dgpo.rollout.evaluation import score_benchmark
+    from tests import _rank_fns_eval as fns
+    from tests.distributed import run_ranks
+
+    one = fns.evaluate_replicas(0, 1, str(tiny_model_dir))  # no process group: a world of one
+    two = run_ranks(fns.evaluate_replicas, 2, str(tiny_model_dir))
+    whole = fns.PLAN["a"] + fns.PLAN["b"]
+    assert two[0]["mine"] == list(range(6)) and two[1]["mine"] == list(range(6, 11))
+    assert one["combined"] == two[0]["combined"] == two[1]["combined"] == whole
+    want = {}
+    for name, counts in fns.PLAN.items():
+        result = score_benchmark(name, counts, fns.N)
+        want[f"eval/{name}/avg@{fns.N}"] = result.avg
+        want.update({f"eval/{name}/pass@{k}": v for k, v in result.pass_at.items()})
+    assert sorted(want) == sorted(one["names"])
+    assert one["metrics"] == two[0]["metrics"] == two[1]["metrics"] == want
+    assert want["eval/a/avg@4"] == pytest.approx(14 / 28) and want["eval/b/pass@4"] == 0.75
+    seeds = {**two[0]["seeds"], **two[1]["seeds"]}
+    assert len(seeds) == len(two[0]["seeds"]) + len(two[1]["seeds"]) == 11  # each problem once
+    assert seeds == one["seeds"] == {(b, i): fns.SEED + i * fns.N
+                                     for b, counts in fns.PLAN.items() for i in range(len(counts))}
+    assert one["calls"] == 4 and two[0]["calls"] == two[1]["calls"] == 2  # 3 problems per call

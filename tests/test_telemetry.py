@@ -72,3 +72,35 @@ def test_plot_run_draws_present_panels(tmp_path):
     assert titles == ["Reward", "Entropy", "Clip regions"]
     assert out.stat().st_size > 10_000
     assert plot_run.main([str(tmp_path / "missing")]) == 2
+
+
+def test_plot_run_draws_the_held_out_evaluation_when_present(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False))
+    for step in range(1, 5):
+        extra = {} if step % 2 else {"eval/aime24/avg@4": 0.1 * step, "eval/aime24/pass@1": 0.1 * step,
+                                     "eval/aime24/pass@2": 0.2, "eval/aime24/pass@4": 0.3,
+                                     "eval/held/avg@4": 0.5, "eval/held/pass@4": 0.9}
+        logger.log(step, {"rollout/reward_mean": 0.0, **extra})
+    plot_run = load_plot_run()
+    runs = {str(tmp_path): read_metrics(tmp_path)}
+    assert plot_run.eval_panel(runs) == [("Held-out evaluation", [
+        "eval/aime24/avg@4", "eval/held/avg@4", "eval/aime24/pass@4", "eval/held/pass@4"], "accuracy")]
+    assert plot_run.plot_runs([tmp_path], tmp_path / "dyn.png") == ["Reward", "Held-out evaluation"]
+    assert plot_run.eval_panel({"run": [{"step": 1, "rollout/reward_mean": 0.0}]}) == []
+
+
+def test_phase_timer_leaves_evaluation_out_of_the_step_and_the_throughputs(monkeypatch):
+    """time/eval is logged, but time/step and throughput/* count only the training phases."""
+    from megatron_dgpo import telemetry
+
+    clock = iter([0.0, 0.0, 2.0, 2.0, 6.0, 6.0, 16.0, 16.5])
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    timer = telemetry.PhaseTimer()               # start at 0
+    for phase in ("rollout", "update", "eval"):  # 2 s, 4 s, 10 s
+        with timer(phase):
+            pass
+    metrics = timer.metrics(generated=100, trained_tokens=40, dp_size=2)
+    assert metrics["time/eval"] == 10.0 and metrics["time/rollout"] == 2.0
+    assert metrics["time/step"] == 16.5 - 10.0
+    assert metrics["throughput/rollout_tokens_per_s"] == 50.0
+    assert metrics["throughput/train_tokens_per_s"] == 20.0

@@ -27,6 +27,18 @@ RECIPE = "recipes/tiny_cpu.yaml"
     ("train.seed=8388608", "train: seed must be in [0, 2**23)"),
     ("algorithm.refill_rounds=2", "refill_rounds refills the groups drop_degenerate_groups drops"),
     ("algorithm.refill_rounds=-1", "refill_rounds must be an integer >= 0"),
+    ("eval.evry=2", "unknown key 'eval.evry'; did you mean 'eval.every'?"),
+    ("eval.every=-1", "eval: every must be an integer >= 0"),
+    ("eval.every=2", "eval: benchmarks must name at least one benchmark or held-out file"),
+    ("eval.at_end=true", "eval: benchmarks must name at least one benchmark or held-out file"),
+    ("eval.benchmarks=aime24", "eval.benchmarks: expected a list, got 'aime24'"),
+    ("eval.n=0", "eval: n must be an integer >= 1, got 0"),
+    ("eval.max_tokens=0", "eval: max_tokens must be null or an integer >= 1, got 0"),
+    ("eval.max_tokens=100", "eval.max_tokens (100) leaves no room for a prompt in the engines' context"),
+    ("eval.temperature=0", "eval: temperature must be > 0"),
+    ("eval.top_p=1.5", "eval: top_p must lie in (0, 1]"),
+    ("eval.limit=0", "eval: limit must be null or an integer >= 1, got 0"),
+    ("eval.seed=-1", "eval: seed must be an integer in [0, 2**62)"),
 ])
 def test_bad_overrides_fail_before_anything_starts_and_name_the_key(override, message, capsys):
     assert main([RECIPE, override]) == 2
@@ -50,7 +62,9 @@ def test_describe_documents_every_key(capsys):
         assert doc, f"{key} has no documentation under its declaration"
         assert f"{key}  (" in out
     for key in ("algorithm.loss_aggregation", "algorithm.rollout_correction",  # issue 14
-                "algorithm.rollout_correction_cap", "algorithm.drop_degenerate_groups"):
+                "algorithm.rollout_correction_cap", "algorithm.drop_degenerate_groups",
+                "eval.every", "eval.at_end", "eval.benchmarks", "eval.n", "eval.max_tokens",  # issue 21
+                "eval.temperature", "eval.top_p", "eval.limit", "eval.seed"):
         assert f"{key}  (" in out
 
 
@@ -80,3 +94,16 @@ def test_the_tiny_recipe_loads_with_its_documented_values():
     assert cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts == 4
     assert cfg.data.builtin_families == ["repeat"] and cfg.model.tiny is not None
 
+
+
+def test_eval_is_off_by_default_and_due_on_its_schedule():
+    from megatron_dgpo.recipe import EvalConfig
+
+    assert not load_recipe(RECIPE).eval.enabled
+    assert [s for s in range(1, 8) if EvalConfig().due(s, 7)] == []
+    every = EvalConfig(every=3, benchmarks=["aime24"])  # at_end defaults to true with every
+    assert [s for s in range(1, 8) if every.due(s, 7)] == [3, 6, 7]
+    no_end = EvalConfig(every=3, at_end=False, benchmarks=["aime24"])
+    assert [s for s in range(1, 8) if no_end.due(s, 7)] == [3, 6]
+    end_only = EvalConfig(at_end=True, benchmarks=["x.jsonl"])
+    assert end_only.enabled and [s for s in range(1, 8) if end_only.due(s, 7)] == [7]

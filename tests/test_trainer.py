@@ -8,6 +8,8 @@ Three jobs share this module (each starts its own vLLM engine, ~30 s):
   the TP=1 run's;
 * the same recipe at DP=2 (torchrun, 2 gloo ranks, two colocated engines): each engine samples
   its replica's half of the batch, and the run equals the single-engine run;
+* evaluation on held-out problems during training (``eval``): logged at its steps, the training
+  identical to the run without it, and the same numbers from two replicas (the DP=2 run) as one;
 * stop signals (Ctrl-C at 1 rank, SIGTERM to one of 2 ranks): the run stops at a step boundary
   with a checkpoint, exits 75, and the same command continues it to the uninterrupted result.
 """
@@ -73,6 +75,36 @@ def full_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tiny_full")
     _check(_train(run_dir))
     return run_dir
+
+
+EVAL_N = 16
+
+
+@pytest.fixture(scope="module")
+def eval_overrides(tmp_path_factory) -> list[str]:
+    """Evaluation every 2 steps (and at the end) on a held-out file in the benchmarks' layout:
+    the tiny task's ten "repeat" problems (the family has no others; the tiny policy solves a
+    few % of them, so 160 samples give non-trivial numbers)."""
+    path = tmp_path_factory.mktemp("held_out") / "repeat_digits.jsonl"
+    path.write_text("".join(json.dumps({"id": f"digit-{d}", "answer": str(d), "problem":
+                                        f"Repeat the digit {d}. Put it in \\boxed{{}}."}) + "\n"
+                            for d in range(10)))
+    return ["eval.every=2", f"eval.benchmarks=[{path}]", f"eval.n={EVAL_N}"]
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory, eval_overrides):
+    run_dir = tmp_path_factory.mktemp("tiny_eval")
+    _check(_train(run_dir, "train.steps=3", *eval_overrides))
+    return run_dir
+
+
+def _training(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("eval/")}
+
+
+def _evaluation(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k.startswith("eval/")}
 
 
 def test_reward_rises_and_telemetry_is_complete(full_run):
@@ -186,12 +218,15 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
     assert (run_dir / "hf" / "config.json").is_file()
 
 
-def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, tmp_path):
+def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, eval_run, eval_overrides,
+                                                                 tmp_path):
     """DP=2: each rank's colocated engine samples its replica's whole groups (disjoint halves of
     the batch) with seeds from the global prompt index; no rank receives the other's samples.
-    The metrics (from reduced sums) and the updates (N all-reduced) equal the 1-engine run's."""
+    The metrics (from reduced sums) and the updates (N all-reduced) equal the 1-engine run's.
+    With evaluation on (at step 2): each engine evaluates half of the held-out problems, and the
+    combined numbers equal the 1-engine run's (``eval_run``); the training is as without it."""
     run_dir = tmp_path / "dp2"
-    proc = _torchrun(run_dir)
+    proc = _torchrun(run_dir, *eval_overrides)
     assert _engine_shares(proc.stderr) == [(0, 15), (16, 31)]
     records, reference = read_metrics(run_dir), read_metrics(full_run)[:2]
     assert [r["step"] for r in records] == [1, 2]
@@ -204,6 +239,41 @@ def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, tmp_p
         _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
                              {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
         assert got["mismatch/mean_abs_diff"] < 1e-5
+    assert not _evaluation(records[0]) and "time/eval" not in records[0]
+    assert _evaluation(records[1]) == _evaluation(read_metrics(eval_run)[1])  # 2 engines = 1
+
+
+def test_evaluation_during_training_is_logged_and_leaves_training_unchanged(full_run, eval_run):
+    """eval.every=2 on a 3-step run: eval/<benchmark>/avg@16 and pass@1..16 and time/eval at
+    steps 2 (every) and 3 (the last step), in [0, 1], Pass@k rising with k. The training is
+    bit-identical to the run without evaluation (every deterministic metric of every step equals
+    full_run's), and the throughputs still count only rollout and update tokens."""
+    records, reference = read_metrics(eval_run), read_metrics(full_run)[:3]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    names = [f"eval/repeat_digits/avg@{EVAL_N}"] + [f"eval/repeat_digits/pass@{k}"
+                                                    for k in (1, 2, 4, 8, 16)]
+    assert not _evaluation(records[0]) and "time/eval" not in records[0]
+    for record in records[1:]:
+        assert sorted(_evaluation(record)) == sorted(names)
+        values = [record[k] for k in names]
+        assert all(0.0 <= v <= 1.0 for v in values), values
+        assert values[1:] == sorted(values[1:]) and math.isclose(values[0], values[1])
+        assert record["time/eval"] > 0
+    assert any(records[i][names[-1]] > 0 for i in (1, 2))  # some problem solved at least once
+    for got, want in zip(records, reference):
+        _assert_same_metrics(_training(got), want)  # exact: evaluation changed nothing
+        # throughput: the step's own rollout and update work over their own phases' seconds
+        generated = got["rollout/response_length_mean"] * got["rollout/num_samples"]
+        assert math.isclose(got["throughput/rollout_tokens_per_s"] * got["time/rollout"], generated,
+                            rel_tol=1e-9)
+        assert math.isclose(got["throughput/train_tokens_per_s"] * got["time/update"],
+                            want["throughput/train_tokens_per_s"] * want["time/update"], rel_tol=1e-9)
+    from tools.plot_run import plot_runs
+
+    assert "Held-out evaluation" in plot_runs([eval_run], eval_run / "dynamics.png")
+    from benchmarks.step_breakdown import main as breakdown_main
+
+    assert breakdown_main([str(eval_run)]) == 0
 
 
 def _sigint_default():

@@ -5,7 +5,9 @@
     python tools/plot_run.py runs/a runs/b -o cmp.png # overlays several runs
 
 Reads each run's ``metrics.jsonl`` (megatron_dgpo.telemetry). A panel is drawn for every
-metric group present in at least one run; missing ones are skipped.
+metric group present in at least one run; missing ones are skipped. A run that evaluated on
+held-out problems (recipe section ``eval``) gets a panel of each benchmark's Avg@n and its
+largest Pass@k against the step (points at the evaluated steps only).
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ PANELS = [
 ]
 
 
+def eval_panel(runs: dict[str, list[dict]]) -> list[tuple[str, list[str], str]]:
+    """The held-out evaluation panel (``eval/<benchmark>/avg@<n>`` and the largest
+    ``eval/<benchmark>/pass@<k>`` of each benchmark), or none when no run evaluated."""
+    keys = {k for recs in runs.values() for r in recs for k in r if k.startswith("eval/")}
+    shown = sorted(k for k in keys if "/avg@" in k)
+    largest: dict[str, tuple[int, str]] = {}
+    for key in keys:
+        bench, _, metric = key.rpartition("/")
+        if metric.startswith("pass@") and metric[5:].isdigit():
+            largest[bench] = max(largest.get(bench, (0, "")), (int(metric[5:]), key))
+    shown += sorted(key for _, key in largest.values())
+    return [("Held-out evaluation", shown, "accuracy")] if shown else []
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> list[str]:
     """Draw the panels present in the runs' metrics into ``out``; returns the panel titles."""
     import matplotlib
@@ -40,7 +56,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     runs = {str(d): read_metrics(d) for d in run_dirs}
-    present = [p for p in PANELS
+    present = [p for p in PANELS + eval_panel(runs)
                if any(k in r for recs in runs.values() for r in recs for k in p[1])]
     if not present:
         raise SystemExit(f"none of the known metrics are in {', '.join(runs)}")
@@ -54,7 +70,8 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[str]:
                 points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
                 if points:
                     steps, values = zip(*points)
-                    label = key.split("/")[-1] if len(runs) == 1 else f"{Path(name).name}: {key}"
+                    short = key.split("/", 1)[1] if key.startswith("eval/") else key.split("/")[-1]
+                    label = short if len(runs) == 1 else f"{Path(name).name}: {key}"
                     ax.plot(steps, values, marker="o", ms=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -51,10 +51,11 @@ class ReplicaRollout:
                                            tensor_parallel=parallel.tensor_parallel,
                                            pipeline_parallel=parallel.pipeline_parallel,
                                            data_parallel=dp_size)
-        self.role = rollout_role(colocated=self.colocated, engine_tp=engine_tp,
-                                 rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                 model_parallel_ranks=dist.get_process_group_ranks(self.mp_group),
-                                 dp_rank=dp_rank, dp_size=dp_size, num_prompts=batch_prompts)
+        self._placement = dict(colocated=self.colocated, engine_tp=engine_tp,
+                               rank=dist.get_rank(), world_size=dist.get_world_size(),
+                               model_parallel_ranks=dist.get_process_group_ranks(self.mp_group),
+                               dp_rank=dp_rank, dp_size=dp_size)
+        self.role = rollout_role(**self._placement, num_prompts=batch_prompts)
         self.engine = self.pool = None
         if self.role.has_engine:
             self.prompts, self.tokenizer = data.load_prompts(data_config, hf_dir,
@@ -80,6 +81,12 @@ class ReplicaRollout:
     def replica_prompts(self) -> range:
         """The batch positions (whole prompt groups) this rank's DP replica trains on."""
         return self.role.replica_prompts
+
+    def share(self, num_items: int) -> range:
+        """This rank's engine's share of ``num_items`` items split over the job's engines as a
+        batch's prompts are (``placement.rollout_role``: by replica, then by engine inside it;
+        empty without an engine): the held-out problems of an evaluation."""
+        return rollout_role(**self._placement, num_prompts=num_items).prompts
 
     def sample(self, prompts_consumed: int, refill_rounds: int = 0
                ) -> tuple[Experience, dict[str, float], int]:

@@ -413,6 +413,12 @@ class VLLMEngine(RolloutEngine):
         self._wake(["kv_cache"])  # (re)allocated after the weights, as vLLM's RL recipe orders it
         self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt KV cached by earlier calls (the trainer's evaluation, between a
+        refit and the next rollout, so the rollout finds the cache as the refit left it)."""
+        self._check_open()
+        self._llm.reset_prefix_cache()
+
     # -------------------------------------------------------------------------------- lifetime
 
     def _check_open(self) -> None:
