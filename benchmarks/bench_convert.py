@@ -59,7 +59,7 @@ def _synthesize(hf_dir: str, layers: int) -> tuple[int, int]:
 
     from megatron_dgpo.convert import ShardedSafetensorsWriter, copy_side_files
     from megatron_dgpo.convert.hf_source import iter_params
-    from megatron_dgpo.convert.transforms import hf_shapes
+    from megatron_dgpo.convert.transforms import hf_tensors
     from megatron_dgpo.models import describe
 
     cfg = dict(SHAPES, num_hidden_layers=layers)
@@ -69,7 +69,7 @@ def _synthesize(hf_dir: str, layers: int) -> tuple[int, int]:
     generator = torch.Generator().manual_seed(0)
     largest = 0
     for pm, layer in iter_params(description.family.active(cfg), layers):
-        for name, shape in zip(pm.hf_names(layer), hf_shapes(pm, dims)):
+        for name, shape in hf_tensors(pm, layer, dims):
             tensor = torch.randn(shape, generator=generator).to(torch.bfloat16)
             largest = max(largest, tensor.numel() * 2)
             writer.add(name, tensor)

@@ -28,6 +28,19 @@ Patched (all idempotent, process-wide, never undone):
    is replaced by the same scaling (``grads *= max_norm / (total_norm + 1e-6)`` when < 1) on
    CPU tensors. One optimizer and one checkpoint format then serve CPU and GPU. Megatron's
    distributed optimizer refuses CPU tensors outright: on CPU the trainer uses the plain one.
+
+Mixture of experts (``shared/notes/qwen3-moe-on-cpu.md``; SequentialMLP experts, both the
+allgather and the alltoall token dispatcher over gloo):
+
+7. Router gating calls ``moe_utils.te_general_gemm`` when it is not None, but 0.16.1's
+   import fallback never defines it (``NameError``): without TE it is set to None, the torch
+   path.
+8. The alltoall dispatcher builds a ``torch.cuda.Stream`` for its device-to-host copies and
+   synchronises on it: the ``token_dispatcher`` module sees a ``torch`` whose ``cuda`` streams
+   are no-ops (CPU work is synchronous anyway).
+9. The same dispatcher hands its split sizes to ``all_to_all_single`` as numpy arrays through
+   ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts CUDA tensors only (gloo then
+   gets tensors: ``TypeError``): the module's copy also converts CPU tensors.
 """
 
 from __future__ import annotations
@@ -67,6 +80,80 @@ class _TorchOnCpu(types.ModuleType):
             return attr(*args, device=device, **kwargs)
 
         return factory
+
+
+class _NoStream:
+    """A CUDA stream / event stand-in: CPU work is already ordered and complete."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> "_NoStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def __enter__(self) -> "_NoStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _CudaStreamsOnCpu(types.ModuleType):
+    """``torch.cuda`` whose streams are ``_NoStream`` (the alltoall dispatcher's side stream)."""
+
+    _STREAM = _NoStream()
+
+    def __init__(self, real):
+        super().__init__("torch.cuda")
+        self._real = real
+
+    def Stream(self, *args, **kwargs) -> _NoStream:  # noqa: N802  (torch.cuda's name)
+        return self._STREAM
+
+    def current_stream(self, device=None) -> _NoStream:
+        return self._STREAM
+
+    def stream(self, stream) -> _NoStream:
+        return self._STREAM
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _TorchWithCpuStreams(_TorchOnCpu):
+    """``_TorchOnCpu`` whose ``cuda`` is ``_CudaStreamsOnCpu``."""
+
+    def __init__(self, real):
+        super().__init__(real)
+        self.cuda = _CudaStreamsOnCpu(real.cuda)
+
+
+def _to_host(move):
+    """``moe_utils.maybe_move_tensor_to_cpu`` that also gives CPU tensors as numpy when asked."""
+
+    @functools.wraps(move)
+    def wrapper(tensor, as_numpy: bool = False, record_stream: bool = False):
+        tensor = move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(tensor):
+            tensor = tensor.numpy()
+        return tensor
+
+    return wrapper
+
+
+def _apply_moe_compat() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not isinstance(token_dispatcher.torch, _TorchWithCpuStreams):
+        token_dispatcher.torch = _TorchWithCpuStreams(torch)
+    if not hasattr(token_dispatcher.maybe_move_tensor_to_cpu, "__wrapped__"):
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host(
+            token_dispatcher.maybe_move_tensor_to_cpu)
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -124,6 +211,7 @@ def apply_cpu_compat() -> bool:
     setup = LanguageModule.setup_embeddings_and_output_layer
     if not getattr(setup, "_dgpo_cpu_compat", False):
         LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(setup)
+    _apply_moe_compat()
     _APPLIED = True
     return True
 

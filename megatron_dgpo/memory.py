@@ -7,8 +7,10 @@ assumptions and the published figures they were checked against. ``megatron_dgpo
 Notation: h hidden size, L layers, a attention heads, g KV groups, d head size, f FFN width,
 V vocabulary (padded to a multiple of 128 TP as Megatron does), t TP, p PP, c CP, D DP,
 s the tokens of one packed micro-batch row (``train.micro_batch_tokens``), b bytes per element
-of the training dtype (2 for bf16). Memory is in bytes (GIB = 2^30, the unit ``nvidia-smi``
-uses). CP (c) is kept in the formulas for what-if estimates only: the trainer has no context
+of the training dtype (2 for bf16). Mixture of experts (Qwen3-MoE): E routed experts per layer,
+k experts per token, f_e one expert's SwiGLU width, e EP (expert parallel), u ETP (expert
+tensor parallel), D_e = world / (p e u) the expert data-parallel size. Memory is in bytes
+(GIB = 2^30, the unit ``nvidia-smi`` uses). CP (c) is kept in the formulas for what-if estimates only: the trainer has no context
 parallelism, so ``dgpo-plan`` searches c = 1.
 """
 
@@ -28,7 +30,8 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Architecture:
-    """The shape of a dense decoder (Qwen2 / Llama): what the memory formulas need.
+    """The shape of a decoder (Qwen2, Llama, Qwen3 dense; Qwen3-MoE with ``experts`` > 0): what
+    the memory formulas need.
 
     Built from an HF config with ``from_hf_config`` (through ``megatron_dgpo.models``), or by
     hand for what-if estimates."""
@@ -51,6 +54,15 @@ class Architecture:
     """Bias on the Q, K, V projections (Qwen2: yes; Llama: no)."""
     head_dim: int = 0
     """d; 0 means h / a."""
+    qk_norm: bool = False
+    """RMSNorm weights over each query and key head (Qwen3): 2 d parameters per layer."""
+    experts: int = 0
+    """E, routed experts per layer (every layer an MoE layer); 0 for a dense model, whose
+    layers have the SwiGLU MLP of width ``intermediate``."""
+    moe_ffn: int = 0
+    """f_e, one expert's SwiGLU width (its fc1 is [2 f_e, h], fc2 [h, f_e])."""
+    topk: int = 0
+    """k, experts each token is routed to."""
 
     def __post_init__(self):
         for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
@@ -61,8 +73,16 @@ class Architecture:
         if self.heads % self.kv_heads:
             raise ValueError(f"architecture {self.name}: heads ({self.heads}) must be a "
                              f"multiple of kv_heads ({self.kv_heads})")
+        if self.experts and not (self.moe_ffn >= 1 and 1 <= self.topk <= self.experts):
+            raise ValueError(f"architecture {self.name}: an MoE model needs moe_ffn >= 1 and "
+                             f"1 <= topk <= experts ({self.experts}), got moe_ffn="
+                             f"{self.moe_ffn!r}, topk={self.topk!r}")
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def q_dim(self) -> int:
@@ -89,7 +109,8 @@ class Architecture:
             hidden=dims.hidden, layers=dims.layers, heads=dims.heads, kv_heads=dims.kv_heads,
             intermediate=dims.ffn, vocab=dims.vocab,
             tie_word_embeddings=desc.tie_word_embeddings, qkv_bias=desc.qkv_bias,
-            head_dim=dims.head_dim,
+            head_dim=dims.head_dim, qk_norm=desc.qk_norm, experts=dims.experts,
+            moe_ffn=dims.moe_ffn, topk=dims.topk,
         )
 
 
@@ -97,6 +118,14 @@ _QWEN2 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False)
 _LLAMA31_70B = dict(model_type="llama", hidden_size=8192, num_hidden_layers=80,
                     num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
                     vocab_size=128256, tie_word_embeddings=False, attention_bias=False)
+# every Qwen3 model: head_dim 128 whatever h / a is (Qwen3-32B: 5120 / 64 = 80), untied
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False,
+              attention_bias=False)
+# both released MoE models: 128 experts, top-8, renormalised top-k, every layer MoE (their
+# intermediate_size is that of the dense MLP they do not have)
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  router_aux_loss_coef=0.001)
 PUBLISHED_CONFIGS: dict[str, dict] = {
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": dict(
         _QWEN2, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
@@ -115,6 +144,21 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
     **{hub_id: _LLAMA31_70B for hub_id in (
         "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct",
         "meta-llama/Llama-3.3-70B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Llama-70B")},
+    "Qwen/Qwen3-8B": dict(
+        _QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=12288),
+    "Qwen/Qwen3-14B": dict(
+        _QWEN3, hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=17408),
+    "Qwen/Qwen3-32B": dict(
+        _QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, intermediate_size=25600),
+    "Qwen/Qwen3-30B-A3B": dict(
+        _QWEN3_MOE, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, intermediate_size=6144, moe_intermediate_size=768),
+    "Qwen/Qwen3-235B-A22B": dict(
+        _QWEN3_MOE, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+        num_key_value_heads=4, intermediate_size=12288, moe_intermediate_size=1536),
 }
 """The architecture fields of published config.json files
 (huggingface.co/<id>/blob/main/config.json)."""
@@ -122,7 +166,7 @@ PUBLISHED: dict[str, Architecture] = {
     hub_id: Architecture.from_hf_config(cfg, name=hub_id.split("/")[1])
     for hub_id, cfg in PUBLISHED_CONFIGS.items()}
 """The planner's built-in architectures by hub id; the family registry supplies the quirks
-(Qwen2: QKV bias; Llama: none)."""
+(Qwen2: QKV bias; Llama: none; Qwen3: q/k norms; Qwen3-MoE: router and experts)."""
 
 
 def padded_vocab(vocab: int, tp: int) -> int:

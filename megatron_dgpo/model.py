@@ -1,4 +1,5 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config of a registered family (Qwen2, Llama).
+"""Megatron-Core ``GPTModel`` from a Hugging Face config of a registered family (Qwen2, Llama,
+Qwen3, Qwen3-MoE).
 
 The HF config is read once, by ``megatron_dgpo.models.describe`` (family quirks, dimensions,
 RoPE; see ``megatron_dgpo/models``). This module maps that description onto Megatron:
@@ -10,6 +11,18 @@ RoPE; see ``megatron_dgpo/models``). This module maps that description onto Mega
     rope.theta / scaling / factor -> rotary_base / rope_scaling / rope_scaling_factor
     tie_word_embeddings -> share_embeddings_and_output_weights
     vocab_size -> padded_vocab_size(vocab_size, TP) (rows past vocab_size are padding)
+    qk_norm (Qwen3) -> qk_layernorm (RMSNorm per query / key head, in the layer spec too)
+
+Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
+
+    dims.experts / topk / moe_ffn -> num_moe_experts / moe_router_topk / moe_ffn_hidden_size
+    router.norm_topk_prob -> moe_router_pre_softmax = not norm_topk_prob, score function
+        softmax, router in fp32 (HF's semantics; a wrong setting moves logits by ~0.4)
+    load balancing: none with ``moe_aux_loss_coeff`` 0 (RL's default), else aux_loss
+    expert parallelism / expert TP: from Megatron's parallel state (``ParallelConfig``)
+    experts: TEGroupedMLP (``moe_grouped_gemm``) with Transformer-Engine, else SequentialMLP
+    token dispatcher: ``moe_token_dispatcher_type`` (alltoall by default; allgather needs
+        fixed sequence lengths, which only PP = 1 affords)
 
 The model is built with ``parallel_output=True``: the last pipeline stage returns logits
 [B, S, V_padded / TP], this rank's contiguous vocab shard. Padded columns (global index >=
@@ -44,7 +57,7 @@ class ModelSpec:
     """What the HF config says that ``TransformerConfig`` does not carry."""
 
     family: str
-    """"qwen2" or "llama"."""
+    """The HF ``model_type`` of a family in ``megatron_dgpo.models.FAMILIES``."""
     vocab_size: int
     """The HF vocabulary size: logits columns >= this are TP padding."""
     max_position_embeddings: int
@@ -114,6 +127,7 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         vpp = vpp or parallel_state.get_virtual_pipeline_model_parallel_world_size()
 
     dtype = overrides.get("params_dtype", torch.float32)
+    moe = moe_kwargs(desc, platform, pp=pp or 1, **overrides) if dims.moe else {}
     kwargs = dict(
         num_layers=dims.layers,
         hidden_size=dims.hidden,
@@ -127,6 +141,7 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=desc.qkv_bias,
+        qk_layernorm=desc.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=desc.attention_dropout,
         init_method_std=desc.init_std,
@@ -143,7 +158,50 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         attention_softmax_in_fp32=True,
         **transformer_flags(platform, tp or 1),
     )
+    kwargs.update(moe)
     kwargs.update(overrides)
+    return kwargs
+
+
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""Megatron's token dispatchers: alltoall (default; any layout), allgather (PP = 1 only: it
+needs fixed sequence lengths), flex (DeepEP / HybridEP kernels, GPU only)."""
+
+
+def moe_kwargs(desc, platform: Platform, *, pp: int, **overrides) -> dict:
+    """The MoE fields of ``TransformerConfig`` for an MoE description (module docstring).
+    Expert-parallel sizes come from Megatron's parallel state when it is initialised."""
+    from megatron.core import parallel_state
+
+    dims, router = desc.dims, desc.router
+    dispatcher = overrides.get("moe_token_dispatcher_type", "alltoall")
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"model.moe_token_dispatcher must be one of {MOE_DISPATCHERS}, got "
+                         f"{dispatcher!r}")
+    if dispatcher == "allgather" and pp > 1:
+        raise ValueError("model.moe_token_dispatcher 'allgather' needs pipeline_parallel 1 "
+                         "(Megatron refuses it with the variable sequence lengths PP uses); "
+                         "use 'alltoall'")
+    if dispatcher == "flex" and not platform.cuda:
+        raise ValueError("model.moe_token_dispatcher 'flex' needs a GPU (DeepEP / HybridEP)")
+    coeff = float(overrides.get("moe_aux_loss_coeff", 0.0))
+    kwargs = dict(
+        num_moe_experts=dims.experts,
+        moe_router_topk=dims.topk,
+        moe_ffn_hidden_size=dims.moe_ffn,
+        moe_router_pre_softmax=not router.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=platform.transformer_engine,
+        variable_seq_lengths=dispatcher != "allgather",
+    )
+    if parallel_state.model_parallel_is_initialized():
+        kwargs.update(
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
     return kwargs
 
 
@@ -156,13 +214,17 @@ def unwrap_model(model):
 
 
 def layer_spec(config=None, *, platform: Platform | None = None):
-    """TE layer spec with TE and CUDA, Megatron's local RMSNorm spec otherwise."""
+    """TE layer spec with TE and CUDA, Megatron's local RMSNorm spec otherwise; q/k norms and
+    experts as ``config`` says."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     platform = Platform.detect() if platform is None else platform
+    shape = dict(num_experts=getattr(config, "num_moe_experts", None),
+                 moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
+                 qk_layernorm=bool(getattr(config, "qk_layernorm", False)))
     if platform.transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**shape)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **shape)
 
 
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,

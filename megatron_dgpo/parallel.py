@@ -3,7 +3,9 @@
 The backend follows the hardware: nccl with a GPU, gloo without one (then the CPU
 compatibility patches of ``megatron_dgpo.cpu`` are applied). DP is what is left of the world:
 ``world_size / (tp * pp)``. Megatron's rank order is ``tp-cp-ep-dp-pp``: TP ranks are adjacent,
-PP is outermost. Under ``torchrun --max-restarts N`` each restart attempt gets its own store
+PP is outermost. MoE layers' experts use a second decomposition of each pipeline stage,
+``etp-ep-edp`` (expert TP, expert parallel, expert DP): dense weights are replicated over DP,
+experts over the expert-DP ranks only. Under ``torchrun --max-restarts N`` each restart attempt gets its own store
 prefix, so a restarted job can form its process group again (``_attempt_store``).
 """
 
@@ -37,6 +39,14 @@ class ParallelConfig:
     """Pipeline stages: layers split into this many consecutive groups (1F1B schedule)."""
     virtual_pipeline_parallel: int | None = None
     """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no VPP."""
+    expert_parallel: int = 1
+    """Expert-parallel size (MoE models): each MoE layer's routed experts split over this many
+    ranks of a pipeline stage, tokens exchanged by the token dispatcher. Must divide the
+    number of experts; expert_tensor_parallel x expert_parallel must divide the ranks of a
+    stage (world / pipeline_parallel). Dense models ignore it (their DP is unchanged)."""
+    expert_tensor_parallel: int | None = None
+    """Tensor parallelism inside each expert; None = tensor_parallel (Megatron's default).
+    1 is the usual choice for fine-grained experts (Qwen3-MoE): whole experts per rank."""
     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
     """How long any collective (torch.distributed and Megatron's groups) may wait before the
     job fails with a timeout error instead of hanging. Must exceed the longest time one rank
@@ -50,11 +60,15 @@ class ParallelConfig:
     few seconds of scheduling noise; None turns it off."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
         vpp = self.virtual_pipeline_parallel
+        etp = self.expert_tensor_parallel
+        if etp is not None and not (isinstance(etp, int) and etp >= 1):
+            raise ValueError(f"ParallelConfig.expert_tensor_parallel must be None or a positive "
+                             f"int, got {etp!r}")
         if vpp is not None and not (isinstance(vpp, int) and vpp >= 1):
             raise ValueError(f"ParallelConfig.virtual_pipeline_parallel must be None or a "
                              f"positive int, got {vpp!r}")
@@ -68,6 +82,12 @@ class ParallelConfig:
         if vpp is not None and vpp > 1 and self.pipeline_parallel == 1:
             raise ValueError("ParallelConfig.virtual_pipeline_parallel > 1 needs "
                              "pipeline_parallel > 1")
+
+    @property
+    def etp(self) -> int:
+        """Expert TP size as Megatron resolves it."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None \
+            else self.expert_tensor_parallel
 
     @property
     def vpp(self) -> int | None:
@@ -156,11 +176,17 @@ def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
     if world % model_parallel:
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel * "
                          f"pipeline_parallel = {model_parallel}")
+    expert_model_parallel = config.etp * config.expert_parallel * config.pipeline_parallel
+    if world % expert_model_parallel:
+        raise ValueError(f"world size {world} is not a multiple of expert_tensor_parallel * "
+                         f"expert_parallel * pipeline_parallel = {expert_model_parallel}")
     apply_cpu_compat()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
         virtual_pipeline_model_parallel_size=config.vpp,
+        expert_model_parallel_size=config.expert_parallel,
+        expert_tensor_parallel_size=config.expert_tensor_parallel,
         distributed_timeout_minutes=config.timeout_minutes,  # Megatron's subgroups' timeout
     )
     seed_model_parallel_rng(seed)

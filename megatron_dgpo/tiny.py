@@ -1,8 +1,10 @@
-"""Tiny test/demo artifacts built locally, with no download: a tokenizer and a random Qwen2.
+"""Tiny test/demo artifacts built locally, with no download: a tokenizer and a random Qwen2
+(or Qwen3, or Qwen3-MoE).
 
     from megatron_dgpo.tiny import make_tiny_model
     model_dir = make_tiny_model("/tmp/tiny")            # tokenizer + Qwen2 weights, fp32
     model_dir = make_tiny_model("/tmp/tiny2", seed=1)   # same shapes and tokenizer, new weights
+    model_dir = make_tiny_model("/tmp/moe", family="qwen3_moe")  # 8 experts, top 2
 
 ``train_tokenizer(texts, out_dir, vocab_size=512)``: byte-level BPE trained with ``tokenizers``
 on ``texts``, saved as a transformers tokenizer (``AutoTokenizer.from_pretrained(out_dir)``
@@ -13,13 +15,14 @@ works, and so does vLLM). Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|
 The chat template is Qwen's ChatML:
 ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``.
 
-``make_tiny_model(out_dir, *, seed=0, tie_word_embeddings=False, **config_overrides)``: a
-randomly initialised ``Qwen2ForCausalLM`` (default: hidden 128, 4 heads of size 32, 2 KV heads,
-2 layers, MLP 256, ~0.3M parameters) saved with ``save_pretrained`` in fp32 safetensors, with a
+``make_tiny_model(out_dir, *, seed=0, tie_word_embeddings=False, family="qwen2",
+**config_overrides)``: a randomly initialised ``Qwen2ForCausalLM`` (default: hidden 128, 4 heads
+of size 32, 2 KV heads, 2 layers, MLP 256, ~0.3M parameters; ``family`` "qwen3" adds q/k norms,
+"qwen3_moe" replaces each MLP by 8 routed experts of width 64, top 2) saved with ``save_pretrained`` in fp32 safetensors, with a
 ``generation_config.json`` (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer of
 ``tiny_tokenizer_texts()`` in the same folder. Head size 32 is the smallest vLLM's CPU attention
 accepts. The result depends only on ``seed`` and the overrides (deterministic). Any
-``Qwen2Config`` field can be overridden (e.g. ``num_hidden_layers=4``,
+field of the family's config class can be overridden (e.g. ``num_hidden_layers=4``,
 ``initializer_range=0.2`` for peakier output distributions); ``vocab_size`` follows the tokenizer.
 """
 
@@ -49,6 +52,12 @@ TINY_CONFIG = dict(
     initializer_range=0.02,
     use_sliding_window=False,
 )
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                norm_topk_prob=True, router_aux_loss_coef=0.0)
+"""The routed experts of a tiny ``family="qwen3_moe"`` (8 experts, top 2, width 64)."""
+_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512, *,
@@ -118,21 +127,28 @@ def make_tiny_model(
     vocab_size: int = 512,
     tokenizer_texts: Iterable[str] | None = None,
     individual_digits: bool = False,
+    family: str = "qwen2",
     **config_overrides,
 ) -> Path:
-    """Build and save a random tiny Qwen2 (fp32 safetensors) plus its tokenizer in ``out_dir``.
+    """Build and save a random tiny model (fp32 safetensors) plus its tokenizer in ``out_dir``.
 
-    seed fixes the weights (the tokenizer does not depend on it); config_overrides are
-    ``Qwen2Config`` fields. tokenizer_texts: the tokenizer's training corpus (default
-    ``tiny_tokenizer_texts()``); individual_digits: see ``train_tokenizer``. Returns ``out_dir``
-    (loadable by transformers and vLLM).
+    family: "qwen2" (default), "qwen3" (q/k norms) or "qwen3_moe" (every MLP routed experts,
+    ``TINY_MOE``). seed fixes the weights (the tokenizer does not depend on it);
+    config_overrides are fields of the family's config class. tokenizer_texts: the tokenizer's
+    training corpus (default ``tiny_tokenizer_texts()``); individual_digits: see
+    ``train_tokenizer``. Returns ``out_dir`` (loadable by transformers and vLLM).
     """
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
-    unknown = set(config_overrides) - set(Qwen2Config().to_dict()) - set(TINY_CONFIG)
+    if family not in _CLASSES:
+        raise ValueError(f"model.tiny.family must be one of {sorted(_CLASSES)}, got {family!r}")
+    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
+    defaults = {**TINY_CONFIG, **(TINY_MOE if family == "qwen3_moe" else {})}
+    unknown = set(config_overrides) - set(config_class().to_dict()) - set(defaults)
     if unknown:
-        raise ValueError(f"unknown Qwen2Config fields: {sorted(unknown)}")
+        raise ValueError(f"unknown {config_class.__name__} fields: {sorted(unknown)}")
     if "vocab_size" in config_overrides:
         raise ValueError("vocab_size follows the tokenizer: pass it as make_tiny_model(vocab_size=...)")
     out = Path(out_dir)
@@ -143,8 +159,8 @@ def make_tiny_model(
     tokenizer = AutoTokenizer.from_pretrained(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    fields = {**TINY_CONFIG, **config_overrides}
-    config = Qwen2Config(
+    fields = {**defaults, **config_overrides}
+    config = config_class(
         vocab_size=len(tokenizer),
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
@@ -153,12 +169,12 @@ def make_tiny_model(
         torch_dtype="float32",
         **fields,
     )
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim < 32:
         raise ValueError(f"head size {head_dim} < 32: vLLM's CPU attention needs 32, 64, 80, ... (hidden/heads)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=[eos, pad], pad_token_id=pad, do_sample=True, temperature=1.0, top_p=1.0
     )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_dgpo.convert.hf_source import iter_params
-from megatron_dgpo.convert.transforms import hf_shapes, megatron_shape
+from megatron_dgpo.convert.transforms import hf_tensors, megatron_shape
 from megatron_dgpo.memory import PUBLISHED_CONFIGS, Architecture, padded_vocab, param_count
 from megatron_dgpo.model import transformer_config_from_hf
 from megatron_dgpo.models import FAMILIES, Family, describe
@@ -60,7 +60,7 @@ def _check_one_description(cfg: dict, tp: int = 2) -> None:
     reference = _transformers_shapes(cfg)
     params = desc.family.active(cfg)
     ours = {name: shape for pm, layer in iter_params(params, d.layers)
-            for name, shape in zip(pm.hf_names(layer), hf_shapes(pm, d))}
+            for name, shape in hf_tensors(pm, layer, d)}
     assert ours == reference
     assert param_count(arch) == sum(torch.Size(s).numel() for s in reference.values())
     # the converter's Megatron side against the planner's count at the padded vocabulary

@@ -1,11 +1,11 @@
 """``dgpo-convert``: HF <-> Megatron-Core (torch_dist) checkpoint conversion.
 
-    dgpo-convert hf-to-megatron HF_DIR OUT_DIR [--tp 2 --pp 2] [--dtype bfloat16]
+    dgpo-convert hf-to-megatron HF_DIR OUT_DIR [--tp 2 --pp 2 --ep 2] [--dtype bfloat16]
     dgpo-convert megatron-to-hf CKPT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-gb 5]
 
-hf-to-megatron with tp * pp > 1 spawns that many local gloo processes, or runs collectively
-when started under torchrun (world size a multiple of tp * pp). The checkpoint loads at any
-TP/PP either way.
+hf-to-megatron with max(tp, ep) * pp > 1 spawns that many local gloo processes, or runs
+collectively when started under torchrun (world size a multiple of it). The checkpoint loads
+at any TP/PP/EP either way.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     to_mg.add_argument("out_dir")
     to_mg.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to write with")
     to_mg.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout to write with")
+    to_mg.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel layout to write with (MoE models)")
     to_mg.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                        help="stored dtype (default: the HF tensors' dtype)")
     to_hf = sub.add_parser("megatron-to-hf", help="torch_dist checkpoint -> HF folder")
@@ -45,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = _DTYPES[args.dtype] if args.dtype else None
     try:
         if args.command == "hf-to-megatron":
-            hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=dtype,
-                           progress=True)
+            hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+                           dtype=dtype, progress=True)
         else:
             megatron_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype,
                            max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True)

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
-from megatron_dgpo.convert.transforms import hf_shapes, megatron_box
+from megatron_dgpo.convert.transforms import hf_tensors, megatron_box
 from megatron_dgpo.model import transformer_config_from_hf
 from megatron_dgpo.models import ParamMap, describe
 
@@ -35,7 +35,7 @@ class HFSource:
         transformer_config_from_hf(self.config)  # the builder's refusals (RoPE scaling, act, ...)
         consumed = set()
         for pm, layer in iter_params(self.params, self.dims.layers):
-            for name, expected in zip(pm.hf_names(layer), hf_shapes(pm, self.dims)):
+            for name, expected in hf_tensors(pm, layer, self.dims):
                 consumed.add(name)
                 if name not in self.reader:
                     raise KeyError(f"tensor {name!r} is missing from the HF checkpoint "

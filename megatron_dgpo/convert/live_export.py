@@ -21,19 +21,41 @@ from megatron_dgpo.models import Family, describe, megatron_param_key
 
 
 def _local_params(chunks, family: Family, tied: bool):
-    """{(checkpoint key, global layer or None): parameter} of this rank's chunks."""
-    out = {}
+    """{(checkpoint key, global layer or None): (map, parameter)} of this rank's chunks; an
+    expert map's entry holds this rank's experts stacked, [local experts, ...]."""
+    out, experts = {}, {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             found = megatron_param_key(family, name)
             if found is None:
                 raise KeyError(f"parameter {name!r} has no HF mapping in family {family.name!r}")
-            pm, local = found
+            pm, local, expert = found
             if tied and pm.megatron == "output_layer.weight":
                 continue  # the last stage's copy of the tied embedding
             layer = None if local is None else chunk.decoder.layers[local].layer_number - 1
-            out[(pm.key(), layer)] = (pm, param)
+            if pm.expert:
+                experts.setdefault((pm.key(), layer), (pm, {}))[1][expert] = param
+            else:
+                out[(pm.key(), layer)] = (pm, param)
+    for key, (pm, by_index) in experts.items():
+        out[key] = (pm, torch.stack([by_index[i].detach() for i in sorted(by_index)]))
     return out
+
+
+def _gather_full(pm, shard: torch.Tensor, groups) -> torch.Tensor:
+    """The global tensor of ``pm`` from this rank's shard: TP shards joined (expert TP for an
+    expert map), then every expert-parallel rank's experts."""
+    tp_group, expert_tp_group, ep_group = groups
+    group = expert_tp_group if pm.expert else tp_group
+    if dist.get_world_size(group) > 1:
+        shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        comm.all_gather_(shards, shard, group=group)
+        shard = tp_unshard(pm, shards)
+    if pm.expert and dist.get_world_size(ep_group) > 1:
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(ep_group))]
+        comm.all_gather_(parts, shard.contiguous(), group=ep_group)
+        shard = torch.cat(parts)
+    return shard
 
 
 def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype | None = None,
@@ -42,7 +64,9 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
 
     Collective over the model-parallel group: *every* rank of it must exhaust the generator.
     Per tensor, the pipeline stage that owns it all-gathers its TP shards (undoing the QKV /
-    gate-up / vocab-padding layouts via the family map) and, for ``consumer="all"``, broadcasts
+    gate-up / vocab-padding layouts via the family map; an MoE layer's experts are gathered
+    from every expert-parallel rank, all of a layer's experts in one collective, and come out
+    expert by expert, all of them before the next tensor) and, for ``consumer="all"``, broadcasts
     it over the pipeline group: every model-parallel rank then receives every pair. With
     ``consumer="first"`` only model-parallel rank 0 (TP 0, PP 0) receives pairs (a point-to-point
     send from the owning stage); the others yield nothing. Tensors are on the model's device,
@@ -60,8 +84,9 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
     description = describe(cfg, padded_vocab=chunks[0].vocab_size)
     family, dims = description.family, description.dims
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    groups = (tp_group, parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
+              parallel_state.get_expert_model_parallel_group(check_initialized=False))
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    tp_size = dist.get_world_size(tp_group)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     pp_ranks = dist.get_process_group_ranks(pp_group)
     first = parallel_state.get_tensor_model_parallel_rank() == 0 and pp_rank == 0
@@ -81,13 +106,7 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
             raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")
         full = None
         if pp_rank == src:
-            shard = local[(pm.key(), layer)][1].detach().contiguous()
-            if tp_size > 1:
-                shards = [torch.empty_like(shard) for _ in range(tp_size)]
-                comm.all_gather_(shards, shard, group=tp_group)
-            else:
-                shards = [shard]
-            full = tp_unshard(pm, shards)
+            full = _gather_full(pm, local[(pm.key(), layer)][1].detach().contiguous(), groups)
         if pp_size > 1 and consumer == "all":
             if full is None:
                 full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],

@@ -15,33 +15,44 @@ from megatron_dgpo.convert.checkpoint_format import (METADATA_FILE, model_sharde
                                                      read_metadata)
 from megatron_dgpo.convert.hf_source import HFSource
 from megatron_dgpo.convert.safetensors_io import read_hf_config
-from megatron_dgpo.convert.transforms import megatron_shape, tp_shard_boxes
+from megatron_dgpo.convert.transforms import expert_shape, megatron_shape, tp_shard_boxes
 from megatron_dgpo.model import build_model, unwrap_model
 from megatron_dgpo.models import megatron_param_key
 
 
 def load_hf_into(chunks, hf_dir: str) -> None:
-    """Copy an HF checkpoint into this rank's model chunks (its TP shards, its PP layers)."""
+    """Copy an HF checkpoint into this rank's model chunks (its TP shards, its PP layers, its
+    experts and their expert-TP shards)."""
     from megatron.core import parallel_state
 
     chunks = [unwrap_model(c) for c in chunks]
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp = (parallel_state.get_tensor_model_parallel_rank(),
+          parallel_state.get_tensor_model_parallel_world_size())
     padded = chunks[0].vocab_size
     source = HFSource(hf_dir, padded_vocab=padded)
     by_key = {pm.key(): pm for pm in source.params}
+    if source.dims.moe:
+        expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
+                     parallel_state.get_expert_tensor_parallel_world_size())
+        first_expert = (parallel_state.get_expert_model_parallel_rank() * source.dims.experts
+                        // parallel_state.get_expert_model_parallel_world_size())
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             found = megatron_param_key(source.family, name)
             if found is None:
                 raise KeyError(f"parameter {name!r} has no HF mapping in family "
                                f"{source.family.name!r}")
-            pm, local = found
+            pm, local, local_expert = found
             if pm.megatron == "output_layer.weight" and pm.key() not in by_key:
                 pm = by_key["embedding.word_embeddings.weight"]  # tied: last stage's copy
             layer = None if local is None else chunk.decoder.layers[local].layer_number - 1
-            boxes = tp_shard_boxes(pm, megatron_shape(pm, source.dims), tp_rank, tp_size)
-            shard = torch.cat([source.box(pm, layer, box) for box in boxes])
+            if pm.expert:  # one expert: its leading axis of 1 dropped
+                boxes = tp_shard_boxes(pm, expert_shape(pm, source.dims), *expert_tp,
+                                       expert=first_expert + local_expert)
+                shard = torch.cat([source.box(pm, layer, box) for box in boxes], dim=1)[0]
+            else:
+                boxes = tp_shard_boxes(pm, megatron_shape(pm, source.dims), *tp)
+                shard = torch.cat([source.box(pm, layer, box) for box in boxes])
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"shape mismatch for parameter {name!r}: the HF checkpoint gives "
                                  f"{tuple(shard.shape)}, the model has {tuple(param.shape)}")

@@ -15,7 +15,7 @@ from megatron_dgpo.convert.checkpoint_format import ASSETS_DIR, read_metadata
 from megatron_dgpo.convert.hf_source import iter_params
 from megatron_dgpo.convert.safetensors_io import (TensorBlocks, copy_side_files,
                                                   write_hf_checkpoint)
-from megatron_dgpo.convert.transforms import hf_from_megatron, megatron_shape
+from megatron_dgpo.convert.transforms import hf_from_megatron, hf_tensors, megatron_shape
 from megatron_dgpo.models import describe, family_for
 
 
@@ -86,9 +86,9 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None
     if progress:
         from tqdm import tqdm
 
-        family = family_for(cfg)
-        total = sum(len(pm.hf) for pm, _ in iter_params(family.active(cfg),
-                                                        int(cfg["num_hidden_layers"])))
+        dims = describe(cfg).dims
+        total = sum(len(hf_tensors(pm, layer, dims))
+                    for pm, layer in iter_params(family_for(cfg).active(cfg), dims.layers))
         bar = tqdm(total=total, desc="megatron-to-hf", unit="tensor")
     write_hf_checkpoint(export_from_checkpoint(ckpt_dir, row_blocks=True), out_dir, dtype=dtype,
                         max_shard_bytes=max_shard_bytes, progress=bar)

@@ -108,20 +108,34 @@ def _split_large(sharded: dict, max_bytes: int) -> dict:
     return out
 
 
-def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
+def _layout(tp: int, pp: int, ep: int) -> ParallelConfig:
+    """The converter's layout: experts whole per rank (expert TP 1) when EP > 1."""
+    return ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                          expert_tensor_parallel=1 if ep > 1 else None)
+
+
+def _world(tp: int, pp: int, ep: int) -> int:
+    """Ranks a (tp, pp, ep) conversion runs on: each stage needs tp and ep ranks."""
+    if max(tp, ep) % min(tp, ep):
+        raise ValueError(f"hf_to_megatron: tp={tp} and ep={ep} must divide one another")
+    return max(tp, ep) * pp
+
+
+def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
                         dtype: torch.dtype | None, progress: bool = False) -> None:
-    """HF -> torch_dist on the current process group (world = a multiple of tp * pp)."""
+    """HF -> torch_dist on the current process group (world = a multiple of the layout's)."""
     from megatron.core import dist_checkpointing, parallel_state
 
     own_state = not parallel_state.model_parallel_is_initialized()
     if own_state:
-        initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+        initialize_parallel(_layout(tp, pp, ep))
     else:
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise ValueError(f"hf_to_megatron(tp={tp}, pp={pp}) called under an initialised "
-                             f"parallel state with (tp, pp) = {have}")
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise ValueError(f"hf_to_megatron(tp={tp}, pp={pp}, ep={ep}) called under an "
+                             f"initialised parallel state with (tp, pp, ep) = {have}")
     try:
         source = HFSource(hf_dir, tp=tp)
         dtype = dtype or source.dtype
@@ -136,20 +150,21 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int,
                                     source, progress and dist.get_rank() == 0))
         if dist.get_rank() == 0:
             write_metadata(out_dir, source.config, source.dims.padded_vocab, dtype, hf_dir=hf_dir,
-                           saved_tp=tp, saved_pp=pp)
+                           saved_tp=tp, saved_pp=pp, saved_ep=ep)
         comm.barrier()
     finally:
         if own_state:
             destroy_parallel()
 
 
-def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, dtype, progress):
+def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, ep, dtype,
+                     progress):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
+        _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress)
     finally:
         dist.destroy_process_group()
 
@@ -169,29 +184,35 @@ def single_process_group():
             dist.destroy_process_group()
 
 
-def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *,
+def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: int = 1,
                    dtype: torch.dtype | None = None, progress: bool = False) -> str:
-    """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp).
+    """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp, ep).
 
     Under an initialised ``torch.distributed`` (e.g. torchrun) this is collective over the world
-    (a multiple of tp * pp ranks). Otherwise it runs in this process for tp * pp == 1 and spawns
-    tp * pp local gloo processes for larger layouts. The layout only decides which rank writes
-    which chunk: the checkpoint loads at any TP/PP. ``dtype`` defaults to the HF tensors' dtype.
+    (a multiple of max(tp, ep) * pp ranks). Otherwise it runs in this process for a 1-rank
+    layout and spawns max(tp, ep) * pp local gloo processes for larger ones. The layout only
+    decides which rank writes which chunk: the checkpoint loads at any TP/PP/EP (``ep``: expert
+    parallelism of an MoE model, experts whole per rank). ``dtype`` defaults to the HF tensors'
+    dtype.
     Raises before writing anything on an unsupported architecture, a missing file or tensor, or
     a tensor whose shape disagrees with config.json.
     """
-    HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here, clearly
+    source = HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here
+    if ep > 1 and source.dims.experts % ep:
+        raise ValueError(f"hf_to_megatron: ep={ep} must divide the model's "
+                         f"{source.dims.experts or 'no'} experts")
+    world = _world(tp, pp, ep)
     if dist.is_initialized():
-        _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
-    elif tp * pp == 1:
+        _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress)
+    elif world == 1:
         with single_process_group():
-            _convert_collective(hf_dir, out_dir, tp, pp, dtype, progress)
+            _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress)
     else:
         import torch.multiprocessing as mp
 
         from megatron_dgpo.convert._spawn import free_port
 
         mp.spawn(_spawned_convert,
-                 args=(tp * pp, free_port(), hf_dir, out_dir, tp, pp, dtype, progress),
-                 nprocs=tp * pp, join=True)
+                 args=(world, free_port(), hf_dir, out_dir, tp, pp, ep, dtype, progress),
+                 nprocs=world, join=True)
     return out_dir

@@ -4,20 +4,22 @@ Everything that depends on *which* decoder family a Hugging Face ``config.json``
 here, once, and is read by the model builder (``megatron_dgpo.model``), the converter
 (``megatron_dgpo.convert``) and the memory planner (``megatron_dgpo.plan``):
 
-    families.py   ``Family``: architectures, quirks (QKV / MLP bias, refused fields, RoPE
-                  scaling) and the HF <-> Megatron tensor name map; ``FAMILIES``, ``family_for``
-    describe.py   ``describe(hf_config) -> ModelDescription`` (family, ``ModelDims``, RoPE,
-                  norm eps, tying) and ``padded_vocab_size`` (Megatron's vocabulary padding)
+    families.py   ``Family``: architectures, quirks (QKV / MLP bias, refused fields, q/k norms,
+                  mixture of experts) and the HF <-> Megatron tensor name map; ``FAMILIES``,
+                  ``family_for``, ``megatron_param_key`` (live parameter -> map, layer, expert)
+    describe.py   ``describe(hf_config) -> ModelDescription`` (family, ``ModelDims`` incl.
+                  experts, RoPE, norm eps, tying, MoE ``Router``) and ``padded_vocab_size``
+                  (Megatron's vocabulary padding)
 
 Adding a family is one ``Family(...)`` entry in ``families.py``. This package imports neither
 torch nor Megatron-Core, so the planner stays light and nothing here can form an import cycle.
 """
 
 from megatron_dgpo.models.describe import (VOCAB_DIVISOR, ModelDescription, ModelDims, Rope,
-                                           describe, hf_config_dict, padded_vocab_size)
-from megatron_dgpo.models.families import (FAMILIES, Family, ParamMap, family_for,
+                                           Router, describe, hf_config_dict, padded_vocab_size)
+from megatron_dgpo.models.families import (FAMILIES, Family, LiveParam, ParamMap, family_for,
                                            megatron_param_key, supported_architectures)
 
-__all__ = ["VOCAB_DIVISOR", "ModelDescription", "ModelDims", "Rope", "describe",
-           "hf_config_dict", "padded_vocab_size", "FAMILIES", "Family", "ParamMap",
+__all__ = ["VOCAB_DIVISOR", "ModelDescription", "ModelDims", "Rope", "Router", "describe",
+           "hf_config_dict", "padded_vocab_size", "FAMILIES", "Family", "LiveParam", "ParamMap",
            "family_for", "megatron_param_key", "supported_architectures"]

@@ -10,7 +10,16 @@ The only place that reads architecture fields of an HF config. Field mapping (HF
     rope scaling: none/"default", or Llama-3 ("llama3") with Megatron's fixed constants
         (low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)
     ``family.norm_eps_field`` (rms_norm_eps) -> norm_eps; tie_word_embeddings -> tied
-    family.qkv_bias(cfg) -> qkv_bias; fields in ``family.refused_fields`` must be falsy
+    family.qkv_bias(cfg) -> qkv_bias; family.qk_norm -> qk_norm (Qwen3's per-head q/k RMSNorm)
+    fields in ``family.refused_fields`` must be falsy
+
+Mixture of experts (``family.moe``, Qwen3-MoE): every layer's MLP is a router + routed experts
+
+    num_experts (or num_local_experts) -> dims.experts   moe_intermediate_size -> dims.moe_ffn
+    num_experts_per_tok -> dims.topk   norm_topk_prob -> moe.norm_topk_prob
+    router_aux_loss_coef -> moe.hf_aux_loss_coef (what HF trains with; RL runs keep it off)
+    refused: decoder_sparse_step != 1 or a non-empty mlp_only_layers (dense layers between
+    MoE layers), shared experts
 
 Pure Python (no torch): the planner imports it.
 """
@@ -77,6 +86,16 @@ class ModelDims:
     """V as the HF config states it."""
     padded_vocab: int
     """Rows of the embedding / output layer: ``padded_vocab_size(V, TP)`` or as stored."""
+    experts: int = 0
+    """E, routed experts per MoE layer (num_moe_experts); 0 for a dense model."""
+    moe_ffn: int = 0
+    """Each expert's SwiGLU width (moe_ffn_hidden_size): its fc1 is [2 moe_ffn, h]."""
+    topk: int = 0
+    """Experts each token is routed to (moe_router_topk)."""
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -93,6 +112,19 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Router:
+    """How an MoE model's router turns logits into expert weights (HF semantics)."""
+
+    norm_topk_prob: bool
+    """True: softmax over all experts, keep the top k, renormalise them to sum 1 (equivalently
+    a softmax over the top-k logits: Megatron's ``moe_router_pre_softmax=False``); False: keep
+    the top-k softmax probabilities as they are (``moe_router_pre_softmax=True``)."""
+    hf_aux_loss_coef: float
+    """HF's ``router_aux_loss_coef`` (pre-training's load-balancing loss weight). Not applied
+    here by default: RL fine-tuning runs without it (``model.moe_aux_loss_coeff``)."""
+
+
+@dataclass(frozen=True)
 class ModelDescription:
     """Everything the builder, converter and planner need to know about one HF config."""
 
@@ -105,6 +137,10 @@ class ModelDescription:
     max_position_embeddings: int
     init_std: float
     attention_dropout: float
+    qk_norm: bool = False
+    """RMSNorm over each query / key head before RoPE (Qwen3: q_norm, k_norm [head_dim])."""
+    router: Router | None = None
+    """The MoE router's semantics; None for a dense model."""
 
 
 def _require(cfg: dict, key: str) -> int:
@@ -145,6 +181,7 @@ def describe(hf_config: Any, *, tp: int = 1, padded_vocab: int | None = None) ->
     for key in ("use_sliding_window",) + family.refused_fields:
         if cfg.get(key):
             raise ValueError(f"{key}={cfg[key]!r} is not supported")
+    moe = _moe_of(cfg, family) if family.moe else None
     hidden = _require(cfg, "hidden_size")
     heads = _require(cfg, "num_attention_heads")
     vocab = _require(cfg, "vocab_size")
@@ -153,11 +190,36 @@ def describe(hf_config: Any, *, tp: int = 1, padded_vocab: int | None = None) ->
         kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         ffn=_require(cfg, "intermediate_size"), vocab=vocab,
-        padded_vocab=int(padded_vocab or padded_vocab_size(vocab, tp)))
+        padded_vocab=int(padded_vocab or padded_vocab_size(vocab, tp)),
+        **(moe[0] if moe else {}))
     return ModelDescription(
         family=family, dims=dims, qkv_bias=family.qkv_bias(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
         rope=rope_of(cfg), norm_eps=float(cfg.get(family.norm_eps_field, 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         init_std=float(cfg.get("initializer_range", 0.02)),
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)))
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        qk_norm=family.qk_norm, router=moe[1] if moe else None)
+
+
+def _moe_of(cfg: dict, family: Family) -> tuple[dict, Router]:
+    """(MoE fields of ``ModelDims``, ``Router``) of an MoE family's config; errors name the field."""
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        raise ValueError(f"decoder_sparse_step={cfg.get('decoder_sparse_step')!r} / "
+                         f"mlp_only_layers={cfg.get('mlp_only_layers')!r} is not supported: "
+                         f"every layer must be an MoE layer (decoder_sparse_step 1, "
+                         f"mlp_only_layers [])")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"shared_expert_intermediate_size="
+                         f"{cfg['shared_expert_intermediate_size']!r} is not supported "
+                         f"({family.name} has no shared expert)")
+    # transformers 5 writes num_local_experts (its attribute map's name); released configs
+    # (Qwen3-30B-A3B) say num_experts
+    experts_field = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    experts, topk = _require(cfg, experts_field), _require(cfg, "num_experts_per_tok")
+    if not 1 <= topk <= experts:
+        raise ValueError(f"num_experts_per_tok={topk} must be between 1 and num_experts="
+                         f"{experts}")
+    dims = dict(experts=experts, topk=topk, moe_ffn=_require(cfg, "moe_intermediate_size"))
+    return dims, Router(norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                        hf_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 LAYER_PREFIX = "decoder.layers."
 
@@ -53,13 +53,18 @@ class ParamMap:
     """Local-spec parameter suffix when it differs from the TE/checkpoint name."""
     enabled: Callable[[dict], bool] = lambda cfg: True
     """Whether this tensor exists for an HF config (biases, untied lm_head)."""
+    expert: bool = False
+    """One tensor per routed expert: HF names contain ``{e}``; the layer's Megatron tensor is
+    the experts stacked, [E, *per-expert shape] (the checkpoint's [L, E, ...] minus the layer
+    axis), and ``kind`` / ``tp_axis`` describe one expert's tensor (expert TP splits it)."""
 
     def key(self) -> str:
         """Distributed-checkpoint key (``decoder.layers.`` + suffix for per-layer tensors)."""
         return LAYER_PREFIX + self.megatron if self.per_layer else self.megatron
 
-    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
-        return tuple(name.format(i=layer) for name in self.hf)
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
+        """HF names of one tensor (for an expert map: of expert ``expert``)."""
+        return tuple(name.format(i=layer, e=expert) for name in self.hf)
 
 
 @dataclass(frozen=True)
@@ -78,12 +83,17 @@ class Family:
     """HF field of the RMSNorm epsilon."""
     tied_by_default: bool = False
     """``tie_word_embeddings`` when the config omits it (the family's config class default)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (Qwen3's q_norm / k_norm)."""
+    moe: bool = False
+    """Every layer's MLP is a router and routed experts (Qwen3-MoE)."""
     params: tuple[ParamMap, ...] = ()
     """HF <-> Megatron tensor map; empty: the Llama-style decoder (``_decoder_params``)."""
 
     def __post_init__(self):
         if not self.params:
-            object.__setattr__(self, "params", _decoder_params(self.qkv_bias))
+            object.__setattr__(self, "params", _decoder_params(self.qkv_bias, self.qk_norm,
+                                                               self.moe))
 
     def active(self, cfg: dict) -> tuple[ParamMap, ...]:
         """The maps that exist for this HF config."""
@@ -94,14 +104,13 @@ def _untied(cfg: dict) -> bool:
     return not cfg.get("tie_word_embeddings", False)
 
 
-def _decoder_params(qkv_bias: Callable[[dict], bool]) -> tuple[ParamMap, ...]:
-    """The Llama-style decoder's tensor map (Qwen2, Llama); families differ in the QKV bias."""
-    layer = "model.layers.{i}."
-    attn = layer + "self_attn."
-    mlp = layer + "mlp."
-    return (
-        ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0),
-        ParamMap("self_attention.linear_qkv.layer_norm_weight", (layer + "input_layernorm.weight",),
+_LAYER = "model.layers.{i}."
+
+
+def _attention(qkv_bias: Callable[[dict], bool], qk_norm: bool) -> tuple[ParamMap, ...]:
+    attn = _LAYER + "self_attn."
+    maps = (
+        ParamMap("self_attention.linear_qkv.layer_norm_weight", (_LAYER + "input_layernorm.weight",),
                  "copy", None, per_layer=True, local_name="input_layernorm.weight"),
         ParamMap("self_attention.linear_qkv.weight",
                  (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
@@ -109,16 +118,53 @@ def _decoder_params(qkv_bias: Callable[[dict], bool]) -> tuple[ParamMap, ...]:
         ParamMap("self_attention.linear_qkv.bias",
                  (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
                  "qkv", 0, per_layer=True, enabled=qkv_bias),
-        ParamMap("self_attention.linear_proj.weight", (attn + "o_proj.weight",), "copy", 1,
-                 per_layer=True),
-        ParamMap("mlp.linear_fc1.layer_norm_weight", (layer + "post_attention_layernorm.weight",),
+    )
+    if qk_norm:  # one [head_dim] weight shared by all heads: replicated over TP
+        maps += (ParamMap("self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "copy",
+                          None, per_layer=True),
+                 ParamMap("self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "copy",
+                          None, per_layer=True))
+    return maps + (ParamMap("self_attention.linear_proj.weight", (attn + "o_proj.weight",),
+                            "copy", 1, per_layer=True),)
+
+
+def _dense_mlp() -> tuple[ParamMap, ...]:
+    mlp = _LAYER + "mlp."
+    return (
+        ParamMap("mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",),
                  "copy", None, per_layer=True, local_name="pre_mlp_layernorm.weight"),
         ParamMap("mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                  "gate_up", 0, per_layer=True),
         ParamMap("mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "copy", 1, per_layer=True),
-        ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
-        ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", 0, enabled=_untied),
     )
+
+
+def _moe_mlp() -> tuple[ParamMap, ...]:
+    """Router + routed experts. The norm before an MoE MLP is never fused into a linear layer,
+    so its name is the same for the local and the TE spec."""
+    expert = _LAYER + "mlp.experts.{e}."
+    return (
+        ParamMap("pre_mlp_layernorm.weight", (_LAYER + "post_attention_layernorm.weight",),
+                 "copy", None, per_layer=True),
+        ParamMap("mlp.router.weight", (_LAYER + "mlp.gate.weight",), "copy", None,
+                 per_layer=True),
+        ParamMap("mlp.experts.experts.linear_fc1.weight",
+                 (expert + "gate_proj.weight", expert + "up_proj.weight"), "gate_up", 0,
+                 per_layer=True, expert=True),
+        ParamMap("mlp.experts.experts.linear_fc2.weight", (expert + "down_proj.weight",), "copy",
+                 1, per_layer=True, expert=True),
+    )
+
+
+def _decoder_params(qkv_bias: Callable[[dict], bool], qk_norm: bool = False,
+                    moe: bool = False) -> tuple[ParamMap, ...]:
+    """The Llama-style decoder's tensor map: families differ in the QKV bias, Qwen3's q/k
+    norms and the MLP (dense SwiGLU or router + experts)."""
+    return (
+        (ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0),)
+        + _attention(qkv_bias, qk_norm) + (_moe_mlp() if moe else _dense_mlp())
+        + (ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
+           ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", 0, enabled=_untied)))
 
 
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=lambda cfg: True)
@@ -126,7 +172,12 @@ QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=lambda cfg: True)
 # covers only the latter (and add_bias_linear would add MLP biases too), so it is refused.
 LLAMA = Family("llama", ("LlamaForCausalLM",), qkv_bias=lambda cfg: False,
                refused_fields=("attention_bias", "mlp_bias"))
-FAMILIES = {f.name: f for f in (QWEN2, LLAMA)}
+# Qwen3's attention_bias, like Llama's, would bias o_proj too; its released models have none.
+QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), qkv_bias=lambda cfg: False,
+               refused_fields=("attention_bias",), qk_norm=True)
+QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qkv_bias=lambda cfg: False,
+                   refused_fields=("attention_bias",), qk_norm=True, moe=True)
+FAMILIES = {f.name: f for f in (QWEN2, LLAMA, QWEN3, QWEN3_MOE)}
 
 
 def supported_architectures() -> str:
@@ -148,18 +199,44 @@ def family_for(cfg: dict) -> Family:
 
 
 _LOCAL_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# A live expert's name -> (its map's checkpoint suffix, local expert index): SequentialMLP
+# (local spec) numbers experts in the module path, TEGroupedMLP (GPU) in the parameter name.
+_LIVE_EXPERT_RES = (re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$"),
+                    re.compile(r"^mlp\.experts\.(linear_fc[12]\.weight)(\d+)$"))
 
 
-def megatron_param_key(family: Family, name: str) -> tuple[ParamMap, int | None] | None:
-    """(map, local layer index or None) for a live model's parameter name, local or TE spec.
+class LiveParam(NamedTuple):
+    """Where a live model's parameter sits in the family map."""
+
+    map: ParamMap
+    layer: int | None
+    """Layer index within its (virtual) pipeline chunk; None for non-layer tensors."""
+    expert: int | None = None
+    """Local expert index on this expert-parallel rank; None for non-expert tensors."""
+
+
+def _live_expert(suffix: str) -> tuple[str, int] | None:
+    sequential, grouped = (pattern.match(suffix) for pattern in _LIVE_EXPERT_RES)
+    if sequential:
+        return "mlp.experts.experts." + sequential.group(2), int(sequential.group(1))
+    if grouped:
+        return "mlp.experts.experts." + grouped.group(1), int(grouped.group(2))
+    return None
+
+
+def megatron_param_key(family: Family, name: str) -> LiveParam | None:
+    """Where a live model's parameter name (local or TE spec) sits in the family map.
 
     ``None`` for names that carry no weights (``_extra_state``) or are not in the family map.
     """
     match = _LOCAL_LAYER_RE.match(name)
+    suffix, expert = (match.group(2), None) if match else (None, None)
+    if match and family.moe and (found := _live_expert(suffix)) is not None:
+        suffix, expert = found
     for pm in family.params:
         if match and pm.per_layer:
-            if match.group(2) in (pm.megatron, pm.local_name):
-                return pm, int(match.group(1))
+            if suffix in (pm.megatron, pm.local_name):
+                return LiveParam(pm, int(match.group(1)), expert)
         elif not match and not pm.per_layer and name == pm.megatron:
-            return pm, None
+            return LiveParam(pm, None)
     return None

