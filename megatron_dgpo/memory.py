@@ -179,15 +179,34 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 def layer_params(arch: Architecture, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank:
+    """Parameters of one transformer layer on one TP rank, routed experts excluded
+    (``expert_layer_params``):
 
         (h (a d + 2 g d)  [QKV]  + (a d + 2 g d) [QKV bias, if any]  + a d h [proj]
-         + 2 f h [fc1, gate and up] + f h [fc2]) / t   +   2 h [two RMSNorm weights, replicated]
+         + 2 f h [fc1, gate and up] + f h [fc2]       (dense MLP only)) / t
+        + 2 h [two RMSNorm weights]  + 2 d [q/k norms, Qwen3]  + E h [router, MoE]
+
+    The norms and the router are replicated over TP (Megatron's ``TopKRouter`` weight is
+    [E, h] on every rank).
     """
     qkv_out = arch.q_dim + 2 * arch.kv_dim
+    mlp = 0 if arch.moe else 3 * arch.intermediate * arch.hidden
     sharded = (arch.hidden * qkv_out + (qkv_out if arch.qkv_bias else 0)
-               + arch.q_dim * arch.hidden + 3 * arch.intermediate * arch.hidden)
-    return sharded // tp + 2 * arch.hidden
+               + arch.q_dim * arch.hidden + mlp)
+    replicated = (2 * arch.hidden + (2 * arch.head_dim if arch.qk_norm else 0)
+                  + arch.experts * arch.hidden)
+    return sharded // tp + replicated
+
+
+def expert_layer_params(arch: Architecture, ep: int = 1, etp: int = 1) -> int:
+    """One layer's routed-expert parameters on one rank: (E / e) 3 f_e h / u (each expert's
+    fc1 [2 f_e, h] and fc2 [h, f_e], E / e experts per EP rank, each split over expert TP
+    u); 0 for a dense model."""
+    if not arch.moe:
+        return 0
+    if arch.experts % ep:
+        raise ValueError(f"expert_parallel {ep} does not divide {arch.experts} experts")
+    return arch.experts // ep * 3 * arch.moe_ffn * arch.hidden // etp
 
 
 def embedding_params(arch: Architecture, vocab_rows: int, tp: int = 1) -> int:
@@ -198,29 +217,41 @@ def embedding_params(arch: Architecture, vocab_rows: int, tp: int = 1) -> int:
 def param_count(arch: Architecture, vocab_rows: int | None = None) -> int:
     """Unique parameters of the whole model:
 
-        V h [embedding] + L layer_params + h [final norm] + (0 if tied else V h) [output layer]
+        V h [embedding] + L (layer_params + expert_layer_params) + h [final norm]
+        + (0 if tied else V h) [output layer]
 
     ``vocab_rows`` defaults to the HF vocabulary (what model cards count); pass
     ``padded_vocab(V, t)`` for what Megatron builds.
     """
     rows = arch.vocab if vocab_rows is None else vocab_rows
     vocab_mats = 1 if arch.tie_word_embeddings else 2
-    return vocab_mats * rows * arch.hidden + arch.layers * layer_params(arch) + arch.hidden
+    return (vocab_mats * rows * arch.hidden
+            + arch.layers * (layer_params(arch) + expert_layer_params(arch)) + arch.hidden)
 
 
-def stage_params(arch: Architecture, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one GPU of pipeline stage ``stage`` (0 .. p-1) at TP t:
+def stage_expert_params(arch: Architecture, pp: int, ep: int = 1, etp: int = 1) -> int:
+    """The routed-expert parameters on one GPU of any pipeline stage: (L / p) (E / e) 3 f_e h
+    / u. They are replicated over the D_e = world / (p e u) expert data-parallel ranks only,
+    which is what the distributed optimizer shards their state over."""
+    return arch.layers // pp * expert_layer_params(arch, ep, etp)
 
-        (L / p) layer_params(t)  + [stage 0] V_pad h / t
+
+def stage_params(arch: Architecture, tp: int, pp: int, stage: int, ep: int = 1,
+                 etp: int | None = None) -> int:
+    """Parameters held by one GPU of pipeline stage ``stage`` (0 .. p-1) at TP t (EP e and
+    expert TP u, default t, for an MoE model):
+
+        (L / p) layer_params(t)  + stage_expert_params(e, u)  + [stage 0] V_pad h / t
         + [stage p-1] (h + V_pad h / t)    (output layer: untied, or tied with p > 1, where
                                             Megatron keeps a copy on the last stage)
 
-    with V_pad = padded_vocab(V, t). Needs p | L.
+    with V_pad = padded_vocab(V, t). Needs p | L (and e | E).
     """
     if arch.layers % pp:
         raise ValueError(f"pipeline_parallel {pp} does not divide {arch.layers} layers")
     rows = padded_vocab(arch.vocab, tp)
-    count = arch.layers // pp * layer_params(arch, tp)
+    count = arch.layers // pp * layer_params(arch, tp) \
+        + stage_expert_params(arch, pp, ep, tp if etp is None else etp)
     if stage == 0:
         count += embedding_params(arch, rows, tp)
     if stage == pp - 1:
@@ -252,7 +283,7 @@ def optimizer_bytes(params: int, dp: int, distributed: bool) -> int:
     return 12 * params // (dp if distributed else 1)
 
 
-def activation_elements_per_token_layer(arch: Architecture) -> int:
+def activation_elements_per_token_layer(arch: Architecture, etp: int = 1) -> int:
     """Elements one layer saves for backward per token, without recompute (flash attention,
     no dropout, SwiGLU, RMSNorm; whole, before any TP sharding):
 
@@ -260,28 +291,44 @@ def activation_elements_per_token_layer(arch: Architecture) -> int:
         input] + h [MLP norm input] + h [fc1 input] + 2 f [fc1 out = SwiGLU input] + f [fc2 in]
         = 4 h + 2 a d + 2 g d + 3 f   (= 6 h + 2 g d + 3 f when a d = h)
 
-    The attention's softmax statistics (a fp32 floats per token) and RoPE tables are left out
-    (< 1%).
+    Qwen3's q/k norms add their inputs, a d + g d. An MoE layer has no dense MLP: its h [fc1
+    input] is the router's input, and each token's k routed copies keep, per expert TP group
+    of u ranks, k (u h [the expert's gathered fc1 input] + 3 f_e [fc1 out, fc2 in])
+    (``SequentialMLP`` / ``TEGroupedMLP`` with the probabilities applied in the activation):
+
+        MoE: 4 h + 2 a d + 2 g d + k (u h + 3 f_e)
+
+    Routed counts are the balanced mean (T k tokens per EP rank); without the load-balancing
+    loss a hot expert's rank receives more. The attention's softmax statistics (a fp32 floats
+    per token), the router's fp32 scores (E per token) and RoPE tables are left out (< 1%).
     """
-    return 4 * arch.hidden + 2 * arch.q_dim + 2 * arch.kv_dim + 3 * arch.intermediate
+    attention = 2 * arch.q_dim + 2 * arch.kv_dim + (
+        arch.q_dim + arch.kv_dim if arch.qk_norm else 0)
+    mlp = arch.topk * (etp * arch.hidden + 3 * arch.moe_ffn) if arch.moe \
+        else 3 * arch.intermediate
+    return 4 * arch.hidden + attention + mlp
 
 
-def activation_split(arch: Architecture, sequence_parallel: bool) -> tuple[int, int]:
+def activation_split(arch: Architecture, sequence_parallel: bool, etp: int = 1
+                     ) -> tuple[int, int]:
     """``activation_elements_per_token_layer`` as (whole on every TP rank, sharded over TP):
 
-        sequence parallel:  (0, 4 h + 2 a d + 2 g d + 3 f)     every saved tensor is sharded
-        without it:         (4 h, 2 a d + 2 g d + 3 f)         the two norm inputs and the
-                                                               QKV and fc1 inputs are whole
+        sequence parallel:  (0, E)                    every saved tensor is sharded
+        without it:         (4 h, E - 4 h)            the two norm inputs and the QKV and fc1
+                                                      (router) inputs are whole
+
+    An MoE layer's routed part counts as sharded: each rank routes its own s / t tokens
+    (Megatron needs sequence parallelism for MoE with TP > 1).
     """
-    sharded = 2 * arch.q_dim + 2 * arch.kv_dim + 3 * arch.intermediate
+    total = activation_elements_per_token_layer(arch, etp)
     if sequence_parallel:
-        return 0, 4 * arch.hidden + sharded
-    return 4 * arch.hidden, sharded
+        return 0, total
+    return 4 * arch.hidden, total - 4 * arch.hidden
 
 
 def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: int, tp: int,
                      recompute: bool, dtype_bytes: int = 2, *,
-                     sequence_parallel: bool | None = None) -> int:
+                     sequence_parallel: bool | None = None, etp: int = 1) -> int:
     """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch, with
     (W, S) = ``activation_split`` (W = 0, S = E with sequence parallelism; W = 4 h without):
 
@@ -292,11 +339,12 @@ def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: in
     t' = t with sequence parallelism (the layer inputs are sharded along the sequence), 1
     without. ``sequence_parallel`` defaults to what the trainer runs on a GPU
     (``gpu_config.sequence_parallel``: on whenever t > 1). ``in_flight`` micro-batches are
-    alive at once (1F1B: up to p on stage 0, 1 on the last stage).
+    alive at once (1F1B: up to p on stage 0, 1 on the last stage). ``etp``: expert TP u of an
+    MoE model.
     """
     if sequence_parallel is None:
         sequence_parallel = gpu_sequence_parallel(tp, GPU)
-    whole, sharded = activation_split(arch, sequence_parallel)
+    whole, sharded = activation_split(arch, sequence_parallel, etp)
 
     def one_layer(count: int) -> int:  # bytes of `count` token-layers' full activations
         return count * whole * dtype_bytes + count * sharded * dtype_bytes // tp
@@ -306,6 +354,46 @@ def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: in
     shard = tp if sequence_parallel else 1
     checkpoints = in_flight * layers * tokens * arch.hidden * dtype_bytes // shard
     return checkpoints + one_layer(tokens)
+
+
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""``model.moe_token_dispatcher`` values (``megatron_dgpo.recipe.ModelConfig``)."""
+
+
+def dispatcher_bytes(arch: Architecture, tokens: int, tp: int, ep: int, etp: int,
+                     dispatcher: str = "alltoall", dtype_bytes: int = 2) -> int:
+    """The token dispatcher's buffers of one MoE layer on one GPU (0 for a dense model), with
+    T = tokens / t the rank's tokens (sequence parallel) and u the expert TP:
+
+        alltoall, flex:  T k h b (1 + 2 u)
+        allgather:       T h b (u e + 2 u k)
+
+    They are transient (freed before the next layer runs; the expert MLP's saved input is in
+    the activations), so one layer's worth, forward or backward, is counted. Where they come
+    from in Megatron-Core 0.16 (``megatron/core/transformer/moe/token_dispatcher.py``):
+
+    - ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``: ``permute`` copies each token once
+      per chosen expert, the [T k, h] send buffer; ``token_dispatch``: ``all_to_all`` over the
+      EP group receives [T k, h] (balanced routing); ``dispatch_postprocess``: with expert TP
+      u > 1 ``gather_from_sequence_parallel_region`` makes it [u T k, h], and
+      ``sort_chunks_by_idxs`` (several local experts) copies it again, sorted by expert. Send
+      + gathered receive + sorted copy = T k h (1 + 2 u); the combine path
+      (``combine_preprocess``, ``token_combine``, ``combine_postprocess``'s ``unpermute``) and
+      backward mirror them.
+    - ``MoEAllGatherTokenDispatcher.token_dispatch`` gathers every token of the EP x ETP group,
+      [u e T, h], and ``dispatch_postprocess``'s ``permute`` keeps the local experts' [u T k, h]
+      (plus the mirrored output).
+    - flex (DeepEP / HybridEP) exchanges the same routed tokens as alltoall; its own
+      communication buffers (NVSHMEM) are not counted.
+    """
+    if not arch.moe:
+        return 0
+    local = -(-tokens // tp)
+    if dispatcher == "allgather":
+        copies = etp * ep + 2 * etp * arch.topk
+    else:
+        copies = arch.topk * (1 + 2 * etp)
+    return local * arch.hidden * dtype_bytes * copies
 
 
 def logits_bytes(tokens: int, vocab_rows: int, tp: int, dtype_bytes: int = 2) -> int:
@@ -353,11 +441,19 @@ def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engi
         reductions]  embedding [p > 1 and tied: tied-weight gradient sync]  world [D t p > 1:
         ``comm.any_rank`` at every step boundary, step metrics]  vLLM TP [an engine of
         t_r > 1 GPUs on this GPU: its own PyNccl communicator, kept while it sleeps]
+
+    An MoE layout adds EP [e > 1: the dispatcher's all-to-all], expert-TP [u > 1: the
+    experts' TP collectives] and expert-DP [D_e > 1: the experts' gradient reduce-scatter and
+    parameter all-gather]; Megatron makes them groups of their own even where their ranks are
+    those of TP or DP, so each is a communicator of its own.
     """
     t, p, d = layout.tp, layout.pp, layout.dp
     named = [("TP", t > 1), ("DP", d > 1), ("PP", p > 1), ("model-parallel", t * p > 1),
              ("embedding", p > 1 and tied), ("world", t * p * d > 1),
              ("vLLM TP", has_engine and engine_tp > 1)]
+    if layout.moe:  # Megatron's expert grid: EP (token all-to-all), expert TP, expert DP
+        u, e = layout.expert_tp, layout.ep
+        named[3:3] = [("EP", e > 1), ("expert-TP", u > 1), ("expert-DP", layout.expert_dp > 1)]
     return [name for name, used in named if used]
 
 
@@ -376,8 +472,8 @@ def nccl_bytes(communicators: int, channels: int = 32) -> int:
 
 def allocator_cache_bytes(dynamic: int, slack: float) -> int:
     """What PyTorch's caching allocator holds beyond the live tensors at training's peak:
-    slack x (activations + logits). Those are the tensors freed and re-allocated every
-    micro-batch at sizes that vary with the packed rows, so cached blocks do not fit the next
+    slack x (activations + dispatch + logits). Those are the tensors freed and re-allocated
+    every micro-batch (the MoE dispatcher's every layer) at sizes that vary with the packed rows, so cached blocks do not fit the next
     request exactly (fragmentation); weights, gradients and optimizer state are allocated once.
     ``expandable_segments`` would shrink it but is refused by vLLM's sleep-mode allocator, so
     the trainer leaves it off. The trainer empties the cache before a colocated engine wakes
@@ -437,6 +533,8 @@ class Workload:
     offload_training_state: bool = False
     """``train.offload_training_state``: gradients and optimizer state leave the GPU while a
     sleeping colocated engine is awake, so the peak is max(training, vLLM) over them too."""
+    moe_dispatcher: str = "alltoall"
+    """``model.moe_token_dispatcher`` (``dispatcher_bytes``; allgather needs PP 1)."""
     rollout_dtype_bytes: int = 2
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
@@ -469,6 +567,7 @@ class Workload:
             responses_per_update=run.train.mini_batch_prompts * run.rollout.group_size,
             max_sequence=run.rollout.max_prompt_tokens + run.rollout.max_response_tokens,
             recompute=run.model.recompute_activations,
+            moe_dispatcher=run.model.moe_token_dispatcher,
             distributed_optimizer=True if dist_opt is None else bool(dist_opt),
             dtype_bytes=4 if run.model.dtype == "float32" else 2,
             log_prob_chunk_size=run.train.log_prob_chunk_size,
@@ -496,17 +595,37 @@ class Layout:
     pp: int
     cp: int
     dp: int
+    ep: int = 1
+    """Expert parallel (MoE): each layer's experts split over e ranks of a stage."""
+    etp: int | None = None
+    """Expert TP u (MoE); None for a dense layout (then ``expert_tp`` is TP, as Megatron's
+    default)."""
 
     @property
     def model_parallel(self) -> int:
         return self.tp * self.pp * self.cp
 
+    @property
+    def moe(self) -> bool:
+        return self.etp is not None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """D_e = world / (p e u): the ranks holding the same experts (the expert grid
+        ``etp-ep-edp`` decomposes each pipeline stage's t c D ranks again)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
     def __str__(self) -> str:
-        return f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp}"
+        dense = f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp}"
+        return dense + (f" EP{self.ep} ETP{self.etp}" if self.moe else "")
 
 
-TERMS = ("weights", "grads", "optimizer", "activations", "logits", "cache", "vllm", "graphs",
-         "nccl", "overhead")
+TERMS = ("weights", "grads", "optimizer", "activations", "dispatch", "logits", "cache", "vllm",
+         "graphs", "nccl", "overhead")
 """``Estimate``'s memory terms, in the order the table prints them."""
 
 
@@ -533,6 +652,10 @@ class Estimate:
     the vLLM reserve)."""
     cache: int = 0
     """The allocator's cached memory at training's peak (``allocator_cache_bytes``)."""
+    dispatch: int = 0
+    """The MoE token dispatcher's buffers of one layer (``dispatcher_bytes``); 0 when dense."""
+    expert_params: int = 0
+    """The routed-expert parameters among this GPU's (``stage_expert_params``)."""
     notes: list[str] = field(default_factory=list)
     vllm_sleeps: bool = False
     """vLLM is asleep while training runs: the peak holds max(vllm, activations + logits)."""
@@ -547,11 +670,11 @@ class Estimate:
     @property
     def total(self) -> int:
         """weights + NCCL + overhead + the larger of the two phases when vLLM sleeps during
-        training (training: grads + optimizer + activations + logits + cache + the sleeping
-        engine's graphs; rollout: vLLM, + grads + optimizer unless offloaded), else everything
+        training (training: grads + optimizer + activations + dispatch + logits + cache + the
+        sleeping engine's graphs; rollout: vLLM, + grads + optimizer unless offloaded), else everything
         at once."""
         state = self.grads + self.optimizer
-        training = self.activations + self.logits + self.cache
+        training = self.activations + self.dispatch + self.logits + self.cache
         if self.vllm_sleeps:
             phases = max(state + training + self.graphs,
                          self.vllm + (0 if self.offloaded else state))
@@ -569,7 +692,10 @@ class Estimate:
 
     def as_dict(self) -> dict:
         terms = {k: getattr(self, k) / GIB for k in TERMS}
-        return dict(layout=asdict(self.layout), peak_stage=self.stage,
+        layout = asdict(self.layout)
+        if not self.layout.moe:  # a dense layout has no expert grid
+            del layout["ep"], layout["etp"]
+        return dict(layout=layout, peak_stage=self.stage,
                     gib={**terms, "total": self.total / GIB, "gpu": self.gpu_bytes / GIB},
                     fits=self.fits, notes=list(self.notes), vllm_sleeps=self.vllm_sleeps,
                     offloaded=self.offloaded, engines=self.engines,
@@ -600,8 +726,10 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
 
     The KV cache that ``max_num_seqs`` full-length sequences need is
     max_num_seqs (prompt + response) kv_cache_bytes_per_token / t_r; when the reserve holds
-    less, vLLM decodes fewer sequences at once (slower, not out of memory). ``work.rollout_tp``
-    must be resolved (``engine_tp``).
+    less, vLLM decodes fewer sequences at once (slower, not out of memory). When it holds
+    less than one, vLLM does not start: the share is then counted as N b_r / t_r + one
+    sequence's KV cache, the least that would run (an MoE engine holds every expert, so this
+    is where a too-small engine TP shows). ``work.rollout_tp`` must be resolved (``engine_tp``).
     """
     if not work.colocated_rollout:
         return 0, []
@@ -617,9 +745,16 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
         kv = reserve - weights
         how = f"rollout.gpu_memory_utilization={work.gpu_memory_utilization:g}"
     notes = []
-    if kv <= 0:
-        notes.append(f"vLLM: {how} leaves no room for the KV cache after {weights / GIB:.1f} "
-                     f"GiB of weights per GPU (raise it or rollout.tensor_parallel_size)")
+    if kv < per_seq:
+        # vLLM refuses to start without room for one max-length sequence: count the least it
+        # needs, so a layout "fits" only where a larger reserve would
+        notes.append(f"vLLM: {how} leaves {max(kv, 0) / GIB:.1f} GiB for the KV cache after "
+                     f"{weights / GIB:.1f} GiB of weights per GPU, less than one full-length "
+                     f"sequence ({per_seq / GIB:.2f} GiB), so the engine would not start; counted "
+                     f"at the {(weights + per_seq) / GIB:.1f} GiB it needs (raise "
+                     f"gpu_memory_utilization / kv_cache_memory_bytes or "
+                     f"rollout.tensor_parallel_size)")
+        reserve = max(reserve, weights + per_seq)
     elif kv < needed:
         notes.append(f"vLLM: KV cache {kv / GIB:.1f} GiB holds ~{kv // per_seq} full-length "
                      f"sequences at once, not max_num_seqs={work.max_num_seqs} "
@@ -636,8 +771,14 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
     in every rank, on every stage, asleep during training with ``sleep_mode`` (then the stage
     holds max(vLLM, activations + logits), not their sum); separate, the stages of global
     ranks 0 .. t_r - 1 (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is
-    Megatron's outermost)."""
+    Megatron's outermost). An MoE model's layout carries EP e and expert TP u: the experts
+    (``stage_expert_params``) have their optimizer state sharded over D_e, not D, and the
+    dispatcher's buffers (``dispatcher_bytes``) join training's terms."""
+    if arch.moe != layout.moe:
+        raise ValueError(f"layout {layout} is {'an MoE' if layout.moe else 'a dense'} layout "
+                         f"but {arch.name} is {'an MoE' if arch.moe else 'a dense'} model")
     t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
+    e, u = layout.ep, layout.expert_tp
     tokens = -(-work.micro_batch_tokens // c)
     rows = padded_vocab(arch.vocab, t)
     micro_batches = micro_batches_per_update(work, d)
@@ -650,13 +791,15 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
     engines = (cluster.world // t_r if colocated else d if work.colocated_rollout else 0)
 
     def stage_estimate(stage: int) -> Estimate:
-        params = stage_params(arch, t, p, stage)
+        params = stage_params(arch, t, p, stage, e, u)
+        experts = stage_expert_params(arch, p, e, u)
         last = stage == p - 1
         has_vllm = work.colocated_rollout and (colocated or stage * gpus_per_stage < t_r)
         name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
         activations = activation_bytes(arch, tokens, arch.layers // p,
                                        min(p - stage, micro_batches), t, work.recompute,
-                                       work.dtype_bytes)
+                                       work.dtype_bytes, etp=u)
+        dispatch = dispatcher_bytes(arch, tokens, t, e, u, work.moe_dispatcher, work.dtype_bytes)
         logits = (logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
                   + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
                   if last else 0)
@@ -666,15 +809,17 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
             layout=layout, stage=name,
             weights=weight_bytes(params, work.dtype_bytes),
             grads=grad_bytes(params, work.grad_dtype_bytes),
-            # CP ranks hold the same weights: Megatron shards the optimizer over DP x CP
-            optimizer=optimizer_bytes(params, d * c, work.distributed_optimizer),
-            activations=activations, logits=logits,
+            # CP ranks hold the same weights: Megatron shards the optimizer over DP x CP;
+            # expert DP already counts CP in
+            optimizer=(optimizer_bytes(params - experts, d * c, work.distributed_optimizer)
+                       + optimizer_bytes(experts, layout.expert_dp, work.distributed_optimizer)),
+            activations=activations, dispatch=dispatch, expert_params=experts, logits=logits,
             vllm=vllm if has_vllm else 0,
             overhead=work.overhead_bytes, gpu_bytes=cluster.gpu_bytes,
             nccl=nccl_bytes(len(communicators), work.nccl_channels),
             graphs=(work.cuda_graph_bytes if has_vllm and sleeps and not work.enforce_eager
                     else 0),
-            cache=allocator_cache_bytes(activations + logits, work.allocator_slack),
+            cache=allocator_cache_bytes(activations + dispatch + logits, work.allocator_slack),
             notes=list(vllm_notes) if has_vllm else [], vllm_sleeps=sleeps, engines=engines,
             offloaded=sleeps and work.offload_training_state, communicators=communicators)
 

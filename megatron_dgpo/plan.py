@@ -1,10 +1,11 @@
-"""``dgpo-plan``: which TP x PP x DP layout fits a recipe's model on a given cluster.
+"""``dgpo-plan``: which TP x PP x DP (x EP for MoE) layout fits a recipe's model on a cluster.
 
     python -m megatron_dgpo.plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 1 \\
         --gpu-memory-gb 80 [key=value overrides] [--json]
 
 For every layout the trainer can run (TP within a node, TP | heads, KV groups and FFN width,
-PP | layers, DP = world / (TP PP); no context parallelism, which the trainer does not have) it
+PP | layers, DP = world / (TP PP); for an MoE model EP | experts and EP x expert TP | the ranks
+of a stage; no context parallelism, which the trainer does not have) it
 estimates the peak memory of one GPU, term by term (``megatron_dgpo.memory``), prints them all
 in a table, marks which fit and picks one, saying why. The formulas and their checks are in
 ``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB" A100/H100 has ~80 GiB).
@@ -24,29 +25,63 @@ from megatron_dgpo.memory import (GIB, PUBLISHED, TERMS, Architecture, Cluster, 
                                   estimate, padded_vocab, param_count, stage_params)
 
 
-def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload) -> list[Layout]:
-    """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f; p | L;
-    t p | world; c = 1 (the trainer has no context parallelism); and D = world / (t p) <=
-    responses per update (every DP rank gets at least one response)."""
+def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
+                      expert_parallel: int | None = None,
+                      expert_tensor_parallel: int | None = None) -> list[Layout]:
+    """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f (a dense
+    model's MLP); p | L; t p | world; c = 1 (the trainer has no context parallelism); and
+    D = world / (t p) <= responses per update (every DP rank gets at least one response).
+
+    An MoE model's layouts add EP e and expert TP u (``expert_parallel`` /
+    ``expert_tensor_parallel`` fix them, else they are searched): e | E, u | f_e, u e | world
+    / p (Megatron's expert grid decomposes each stage's ranks again), u in {1, t} unless
+    fixed (whole experts per rank, or experts split like the dense layers: the two settings
+    Megatron users run); the allgather dispatcher needs p = 1. A colocated engine of a set
+    ``rollout.tensor_parallel_size`` t_r must lie in one replica's model-parallel group, as
+    the trainer requires (``rollout.placement.rollout_role``): t_r | t, or t_r | t p with
+    D = 1."""
     out = []
     for t in range(1, cluster.gpus_per_node + 1):
         if cluster.gpus_per_node % t or arch.heads % t or arch.kv_heads % t \
-                or arch.intermediate % t:
+                or (not arch.moe and arch.intermediate % t):
             continue
         for p in range(1, arch.layers + 1):
             if arch.layers % p or cluster.world % (t * p):
                 continue
+            if arch.moe and work.moe_dispatcher == "allgather" and p > 1:
+                continue
             d = cluster.world // (t * p)
-            if d <= work.responses_per_update:
+            if d > work.responses_per_update or not _engine_fits(work, t, p, d):
+                continue
+            if not arch.moe:
                 out.append(Layout(t, p, 1, d))
+                continue
+            per_stage = cluster.world // p
+            etps = [expert_tensor_parallel] if expert_tensor_parallel else sorted({1, t})
+            eps = [expert_parallel] if expert_parallel else range(1, arch.experts + 1)
+            out += [Layout(t, p, 1, d, e, u) for u in etps for e in eps
+                    if arch.experts % e == 0 and arch.moe_ffn % u == 0
+                    and per_stage % (u * e) == 0]
     return out
+
+
+def _engine_fits(work: Workload, t: int, p: int, d: int) -> bool:
+    """Whether colocated engines of ``rollout.tensor_parallel_size`` GPUs each lie in one DP
+    replica's TP x PP ranks (Megatron orders ranks TP innermost, PP outermost)."""
+    t_r = work.rollout_tp
+    if t_r is None or not work.colocated_rollout or work.rollout_placement != "colocated":
+        return True
+    return t % t_r == 0 or (d == 1 and (t * p) % t_r == 0)
 
 
 def _preference(e: Estimate) -> tuple:
     """Smallest model-parallel size first; then PP after TP (TP stays on NVLink; PP adds
-    bubbles and holds p micro-batches on stage 0); then the lowest peak."""
+    bubbles and holds p micro-batches on stage 0); for MoE then the smallest expert-parallel
+    group e u (fewer all-to-all peers, more tokens per expert GEMM; a group within a node
+    comes first as the smallest), at equal size whole experts first (smaller u: no expert-TP
+    collectives around GEMMs of f_e / u columns), then the lowest peak."""
     lay = e.layout
-    return (lay.model_parallel, lay.pp, e.total)
+    return (lay.model_parallel, lay.pp, lay.ep * lay.expert_tp, lay.expert_tp, e.total)
 
 
 def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None, str]:
@@ -63,6 +98,8 @@ def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None,
            f"replica{'s' if lay.dp > 1 else ''}) peaks at {pick.total / GIB:.1f} of "
            f"{pick.gpu_bytes / GIB:.0f} GiB on "
            f"the {pick.stage} pipeline stage GPU."]
+    if lay.moe:
+        why.append(_experts_text(pick, estimates, headroom))
     if roomy:
         why.append(f"It is the smallest model-parallel size that leaves {headroom:.0%} "
                    f"headroom;")
@@ -93,6 +130,23 @@ def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None,
                       "added" + ("; gradients and optimizer state are offloaded while it is awake"
                                  if pick.offloaded else "") + ")." if pick.vllm_sleeps else "."))
     return pick, " ".join(why)
+
+
+def _experts_text(pick: Estimate, estimates: list[Estimate], headroom: float) -> str:
+    """Why this expert layout: what each GPU holds of the experts, and what the smaller
+    expert-parallel groups of the same TP x PP would need."""
+    lay = pick.layout
+    text = (f"Experts: EP {lay.ep} x expert TP {lay.expert_tp}, "
+            f"{pick.expert_params / 1e9:.2f}B expert parameters per GPU "
+            f"({lay.expert_dp} expert data-parallel replica{'s' if lay.expert_dp > 1 else ''} "
+            f"shard their optimizer state); the smallest expert-parallel group that leaves "
+            f"{headroom:.0%} headroom at this TP x PP")
+    smaller = [e for e in estimates if (e.layout.tp, e.layout.pp) == (lay.tp, lay.pp)
+               and e.layout.ep * e.layout.expert_tp < lay.ep * lay.expert_tp]
+    if smaller:
+        best = min(smaller, key=lambda e: e.total)
+        text += f" (the best smaller one, {best.layout}, needs {best.total / GIB:.1f} GiB)"
+    return text + "."
 
 
 # --------------------------------------------------------------------------- recipe & CLI
@@ -163,22 +217,30 @@ class Plan:
 
 
 def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
-              recipe_tp: int = 1, recipe_pp: int = 1) -> Plan:
+              recipe_tp: int = 1, recipe_pp: int = 1, recipe_ep: int = 1,
+              recipe_etp: int | None = None, expert_parallel: int | None = None,
+              expert_tensor_parallel: int | None = None) -> Plan:
     """Estimate every candidate layout and choose one (``choose``). When nothing fits and the
     recipe does not recompute activations, plan again with full recompute: if a layout fits
-    then, that plan is returned with ``required_overrides`` naming the switch."""
-    layouts = candidate_layouts(arch, cluster, work)
+    then, that plan is returned with ``required_overrides`` naming the switch.
+    ``expert_parallel`` / ``expert_tensor_parallel`` fix an MoE model's EP / expert TP (None:
+    searched); ``recipe_*`` name the recipe's own layout (``recipe_etp`` None = its TP)."""
+    layouts = candidate_layouts(arch, cluster, work, expert_parallel=expert_parallel,
+                                expert_tensor_parallel=expert_tensor_parallel)
     estimates = [estimate(arch, cluster, lay, work) for lay in layouts]
     pick, why = choose(estimates, headroom)
-    own = next((e for e in estimates if (e.layout.tp, e.layout.pp) == (recipe_tp, recipe_pp)),
-               None)
+    recipe = (recipe_tp, recipe_pp) + ((recipe_ep, recipe_etp or recipe_tp) if arch.moe else ())
+    own = next((e for e in estimates if (e.layout.tp, e.layout.pp) + (
+        (e.layout.ep, e.layout.expert_tp) if arch.moe else ()) == recipe), None)
     plan = Plan(arch, cluster, work, estimates, pick, why, own)
     if pick is not None:
         return plan
     plan.hint = _no_fit_text(arch, cluster, estimates)
     if not work.recompute and estimates:
         retry = make_plan(arch, cluster, replace(work, recompute=True), headroom=headroom,
-                          recipe_tp=recipe_tp, recipe_pp=recipe_pp)
+                          recipe_tp=recipe_tp, recipe_pp=recipe_pp, recipe_ep=recipe_ep,
+                          recipe_etp=recipe_etp, expert_parallel=expert_parallel,
+                          expert_tensor_parallel=expert_tensor_parallel)
         if retry.pick is not None:
             retry.required_overrides = ["model.recompute_activations=true"]
             retry.as_configured = plan.hint
@@ -203,30 +265,49 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     e = e or plan.pick
     arch, work, lay = plan.architecture, plan.workload, e.layout
     t, p, d = lay.tp, lay.pp, lay.dp
-    n = stage_params(arch, t, p, _stage_index(e))
+    n = stage_params(arch, t, p, _stage_index(e), lay.ep, lay.expert_tp)
+    n_e = e.expert_params
     rows = padded_vocab(arch.vocab, t)
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     recompute = "full recompute: each layer's input kept, one layer recomputed" \
         if work.recompute else "no recompute"
     lines = [f"{lay}, {e.stage} pipeline stage GPU: {gib(e.total)} of {gib(e.gpu_bytes)}",
              f"  weights      b N = {work.dtype_bytes} x {n:,} = {gib(e.weights)}"
-             f"   (N: this stage's parameters, V_pad = {rows})",
+             f"   (N: this stage's parameters, V_pad = {rows}"
+             + (f"; of them N_e = {n_e:,} routed-expert parameters: (L / p) (E / EP) 3 f_e h / "
+                f"ETP, {arch.experts // lay.ep} of {arch.experts} experts per layer at EP "
+                f"{lay.ep}, ETP {lay.expert_tp})" if lay.moe else ")"),
              f"  grads        4 N = {gib(e.grads)}   (fp32 main_grad for every local "
              f"parameter: grad_reduce_in_fp32)",
-             f"  optimizer    12 N / {d if work.distributed_optimizer else 1} = "
-             f"{gib(e.optimizer)}   (fp32 master + Adam m, v"
-             + (", sharded over DP by the distributed optimizer)" if work.distributed_optimizer
-                else ", not sharded)"),
+             (f"  optimizer    12 (N - N_e) / {d if work.distributed_optimizer else 1} + "
+              f"12 N_e / {lay.expert_dp if work.distributed_optimizer else 1} = "
+              if lay.moe else
+              f"  optimizer    12 N / {d if work.distributed_optimizer else 1} = ")
+             + f"{gib(e.optimizer)}   (fp32 master + Adam m, v"
+             + ((", the dense parameters sharded over DP, the experts over expert DP = "
+                 "world / (PP EP ETP) by the distributed optimizer)" if lay.moe else
+                 ", sharded over DP by the distributed optimizer)")
+                if work.distributed_optimizer else ", not sharded)"),
              f"  activations  m (L / p) s E b / t = {gib(e.activations)}   (s = "
              f"{work.micro_batch_tokens} tokens, E = "
-             f"{activation_elements_per_token_layer(arch):,} elements per token and layer, "
-             f"sequence parallel over TP {t}; {recompute})",
+             f"{activation_elements_per_token_layer(arch, lay.expert_tp):,} elements per "
+             f"token and layer"
+             + (f" incl. the routed copies' k (ETP h + 3 f_e) = {arch.topk} x ({lay.expert_tp} x "
+                f"{arch.hidden} + 3 x {arch.moe_ffn})" if lay.moe else "")
+             + f", sequence parallel over TP {t}; {recompute})",
+             (f"  dispatch     {_dispatch_formula(work.moe_dispatcher)} = {gib(e.dispatch)}   "
+              f"({work.moe_dispatcher} token dispatcher, one MoE layer's transient buffers: "
+              f"T = s / t = {-(-work.micro_batch_tokens // t)} tokens, k = {arch.topk}, EP "
+              f"{lay.ep}, ETP {lay.expert_tp}; megatron/core/transformer/moe/"
+              f"token_dispatcher.py)" if lay.moe else
+              f"  dispatch     0 = {gib(0)}   (dense model: no token dispatcher)"),
              f"  logits       2 s (V_pad / t) b + 2 chunk (V_pad / t) 4 = {gib(e.logits)}   "
              + ("(last stage: the logits the log-prob kernel saves and their gradient, plus "
                 "its float32 chunks; no third copy: the logits leave Float16Module in bf16 and "
                 "packed rows are one sequence, so GPTModel's transpose copies nothing "
                 "(benchmarks/bench_logits_copies.py))" if e.logits else "(not on this stage)"),
-             f"  cache        {work.allocator_slack:g} (activations + logits) = {gib(e.cache)}   "
+             f"  cache        {work.allocator_slack:g} (activations + dispatch + logits) = "
+             f"{gib(e.cache)}   "
              f"(PyTorch's caching allocator: blocks freed by one micro-batch that the next "
              f"cannot reuse; --allocator-slack)",
              ]
@@ -252,11 +333,11 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     lines.append(f"  overhead     --overhead-gb = {gib(e.overhead)}   (CUDA context, cuBLAS "
                  f"and TE workspaces)")
     state = e.grads + e.optimizer
-    training = state + e.activations + e.logits + e.cache
+    training = state + e.activations + e.dispatch + e.logits + e.cache
     if e.vllm_sleeps:
         rollout = e.vllm + (0 if e.offloaded else state)
         lines.append(f"  total        weights + nccl + overhead + max(training {gib(training + e.graphs)}"
-                     f" = grads + optimizer + activations + logits + cache + graphs, "
+                     f" = grads + optimizer + activations + dispatch + logits + cache + graphs, "
                      f"rollout {gib(rollout)} = vllm"
                      + (" (grads and optimizer offloaded)" if e.offloaded else
                         " + grads + optimizer") + f") = {gib(e.total)}")
@@ -265,13 +346,20 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     return "\n".join(lines)
 
 
+def _dispatch_formula(dispatcher: str) -> str:
+    """``memory.dispatcher_bytes``'s formula for ``dispatcher``."""
+    return "T h b (ETP EP + 2 ETP k)" if dispatcher == "allgather" else "T k h b (1 + 2 ETP)"
+
+
 def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate]) -> str:
     where = (f"{arch.name} on {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
              f"{cluster.gpu_memory_gb:g} GiB")
     if not estimates:
         return (f"no layout of {where} is possible: TP must divide {cluster.gpus_per_node} "
                 f"GPUs per node, {arch.heads} heads and {arch.kv_heads} KV groups, PP must "
-                f"divide {arch.layers} layers, and TP x PP the world size")
+                f"divide {arch.layers} layers, and TP x PP the world size"
+                + (f"; EP must divide {arch.experts} experts and EP x ETP the GPUs per "
+                   f"pipeline stage" if arch.moe else ""))
     least = min(estimates, key=lambda e: e.total)
     return (f"no layout fits {where}: the smallest peak is {least.total / GIB:.1f} GiB "
             f"({least.layout}).")
@@ -282,7 +370,9 @@ def format_table(plan: Plan, headroom: float) -> str:
     arch, cl, work = plan.architecture, plan.cluster, plan.workload
     lines = [f"{arch.name}: {param_count(arch) / 1e9:.2f}B parameters (h={arch.hidden}, "
              f"L={arch.layers}, heads={arch.heads}, kv={arch.kv_heads}, f={arch.intermediate}, "
-             f"V={arch.vocab}, tied={arch.tie_word_embeddings})",
+             f"V={arch.vocab}, tied={arch.tie_word_embeddings}"
+             + (f", {arch.experts} experts of f_e={arch.moe_ffn}, top-{arch.topk}, "
+                f"{work.moe_dispatcher} dispatcher" if arch.moe else "") + ")",
              f"cluster: {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_memory_gb:g} GiB; "
              f"micro-batch {work.micro_batch_tokens} tokens, recompute={work.recompute}, "
              f"distributed optimizer={work.distributed_optimizer}, "
@@ -309,6 +399,8 @@ def format_table(plan: Plan, headroom: float) -> str:
         lines.append("pick: " + plan.explanation)
         lay = plan.pick.layout
         lines.append(f"set: parallel.tensor_parallel={lay.tp} parallel.pipeline_parallel={lay.pp}"
+                     + (f" parallel.expert_parallel={lay.ep} parallel.expert_tensor_parallel="
+                        f"{lay.expert_tp}" if lay.moe else "")
                      + "".join(f" {o}" for o in plan.required_overrides))
         engine_gpus = (cl.world // max(plan.pick.engines, 1)
                        if work.rollout_placement == "colocated" else work.rollout_tp or 1)
@@ -381,6 +473,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--allocator-slack", default=0.1,
                     type=_float_in("--allocator-slack", 0.0, 1.0, "in [0, 1)"),
                     help="the caching allocator's share on top of activations + logits")
+    ap.add_argument("--expert-parallel", type=_positive_int("--expert-parallel"),
+                    help="MoE: plan only this expert-parallel size (default: search the sizes "
+                         "that divide the experts and the GPUs per pipeline stage)")
+    ap.add_argument("--expert-tensor-parallel", type=_positive_int("--expert-tensor-parallel"),
+                    help="MoE: plan only this expert tensor-parallel size (default: search 1 "
+                         "and the layout's TP)")
     ap.add_argument("--explain", action="store_true",
                     help="after the table, every term of the pick with its formula")
     ap.add_argument("--hf-config", help="config.json (or its folder) giving the architecture, "
@@ -410,8 +508,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
         return 2
+    if not arch.moe and (args.expert_parallel or args.expert_tensor_parallel):
+        print(f"dgpo-plan: error: --expert-parallel / --expert-tensor-parallel need an MoE "
+              f"model; {arch.name} is dense", file=sys.stderr)
+        return 2
     plan = make_plan(arch, cluster, work, headroom=args.headroom, recipe_tp=run.parallel.tensor_parallel,
-                     recipe_pp=run.parallel.pipeline_parallel)
+                     recipe_pp=run.parallel.pipeline_parallel,
+                     recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
+                     expert_parallel=args.expert_parallel,
+                     expert_tensor_parallel=args.expert_tensor_parallel)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:

@@ -16,6 +16,7 @@ from megatron_dgpo.convert import load_model
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.gpu_config import Platform, ddp_flags, require_gpu_stack
 from megatron_dgpo.model import dtype_named, wrap_ddp
+from megatron_dgpo.models import describe
 
 
 def initial_model(config, run_dir, seed: int):
@@ -57,13 +58,20 @@ def _materialise_model(config, run_dir, seed: int):
                                                                 "*.model", "*.txt", "*.jinja"]))
 
 
-def model_overrides(config) -> dict:
+def model_overrides(config, hf_config=None) -> dict:
     """``TransformerConfig`` overrides that ``config`` (a recipe's ``ModelConfig``) asks for:
-    bf16, and full-layer recomputation (uniform, one layer per checkpoint)."""
+    bf16, full-layer recomputation (uniform, one layer per checkpoint) and, when ``hf_config``
+    (a dict, config.json or its folder) is an MoE model, the token dispatcher and the
+    load-balancing loss weight (``model.moe_token_dispatcher``, ``model.moe_aux_loss_coeff``).
+    A dense model gets neither: its config keeps the alltoall dispatcher that
+    ``variable_seq_lengths`` needs, which ``allgather`` would break."""
     overrides = {"bf16": True} if dtype_named(config.dtype) == torch.bfloat16 else {}
     if config.recompute_activations:
         overrides.update(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1)
+    if hf_config is not None and describe(hf_config).dims.moe:
+        overrides.update(moe_token_dispatcher_type=config.moe_token_dispatcher,
+                         moe_aux_loss_coeff=float(config.moe_aux_loss_coeff))
     return overrides
 
 
@@ -96,10 +104,12 @@ def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
     require_gpu_stack(platform, dtype=dtype, without_transformer_engine=config.without_transformer_engine)
     if config.without_transformer_engine:
         platform = replace(platform, transformer_engine=False)
-    chunks = load_model(str(hf_dir), dtype=dtype, platform=platform, **model_overrides(config))
+    hf_config = read_hf_config(str(hf_dir))
+    chunks = load_model(str(hf_dir), dtype=dtype, platform=platform,
+                        **model_overrides(config, hf_config))
     models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer,
                          platform=platform)
-    return models, read_hf_config(str(hf_dir)), dtype
+    return models, hf_config, dtype
 
 
 def count_parameters(hf_dir) -> float:

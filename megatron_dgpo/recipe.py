@@ -54,6 +54,24 @@ class ModelConfig:
     at start when TE does not import, because the local spec builds a dense [S, S] attention
     mask per layer (~10 GB of scores per layer at 16k tokens, TP 4); set this only for short
     sequences (and to train in float32 on a GPU). No effect on CPU."""
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """MoE models (Qwen3-MoE): how tokens reach their experts across expert-parallel ranks
+    (Megatron's ``moe_token_dispatcher_type``). ``alltoall``: routed tokens only, any layout;
+    ``allgather``: every rank gathers all tokens of its EP group, needs
+    ``parallel.pipeline_parallel: 1`` (it refuses the variable sequence lengths pipelining
+    uses); ``flex``: DeepEP / HybridEP kernels, a GPU with DeepEP installed only. Dense models
+    ignore it."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: weight of Megatron's load-balancing loss (``moe_aux_loss_coeff``; > 0 turns
+    on ``aux_loss`` balancing). 0 (off) by default: RL fine-tunes a pre-trained router, and the
+    extra loss term would change the policy gradient (HF's ``router_aux_loss_coef`` is the
+    pre-training value). Dense models ignore it."""
+
+    def __post_init__(self):
+        coeff = self.moe_aux_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
+                math.isfinite(coeff) and coeff >= 0):
+            raise ValueError(f"moe_aux_loss_coeff must be a finite number >= 0, got {coeff!r}")
 
     def require_source(self) -> None:
         """Raise unless the policy has a source (``path`` or ``tiny``); called by the run

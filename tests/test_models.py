@@ -6,6 +6,8 @@ added to the registry alone (a Mistral-like entry) reaches all three."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,22 +22,67 @@ TINY_LLAMA_GQA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vo
                       hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       attention_bias=False, tie_word_embeddings=True)
+# head_dim 64 != hidden / heads on purpose (as Qwen3-32B's 128 != 5120 / 64)
+TINY_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=300,
+                  hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  attention_bias=False, tie_word_embeddings=False)
+TINY_QWEN3_MOE = dict(TINY_QWEN3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 CONFIGS = {"tiny_qwen2": TINY_QWEN2, "tiny_qwen2_tied": dict(TINY_QWEN2, tie_word_embeddings=True),
-           "tiny_llama_gqa_head_dim": TINY_LLAMA_GQA}
+           "tiny_llama_gqa_head_dim": TINY_LLAMA_GQA, "tiny_qwen3": TINY_QWEN3,
+           "tiny_qwen3_tied": dict(TINY_QWEN3, tie_word_embeddings=True),
+           "tiny_qwen3_moe": TINY_QWEN3_MOE}
 for _hub_id in ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-                "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "meta-llama/Llama-3.1-70B"):
+                "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "meta-llama/Llama-3.1-70B",
+                "Qwen/Qwen3-8B", "Qwen/Qwen3-32B"):
     CONFIGS[_hub_id] = PUBLISHED_CONFIGS[_hub_id]
 
 
-def _transformers_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of transformers' model of ``cfg`` (tied weights once)."""
+def _transformers_model(cfg: dict, device: str = "meta"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"],
-                                                                      **fields))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"],
+                                                                     **fields))
+
+
+def _transformers_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of transformers' model of ``cfg`` as its checkpoint holds them
+    (tied weights once). Dense models: the parameters of the model built on the meta device.
+    MoE models: transformers 5 holds each layer's experts fused in memory
+    (``mlp.experts.gate_up_proj`` [E, 2 f_e, h]) but ``save_pretrained`` writes them one per
+    expert, the names the converter reads and writes: so the (tiny) model is saved and the
+    safetensors headers are read."""
+    if cfg["model_type"] != "qwen3_moe":
+        return {name: tuple(p.shape) for name, p in _transformers_model(cfg).named_parameters()}
+    import tempfile
+
+    from safetensors import safe_open
+
+    with tempfile.TemporaryDirectory() as folder:
+        _transformers_model(cfg, "cpu").save_pretrained(folder)
+        shapes = {}
+        for file in sorted(os.listdir(folder)):
+            if file.endswith(".safetensors"):
+                with safe_open(os.path.join(folder, file), "pt") as handle:
+                    shapes.update({name: tuple(handle.get_slice(name).get_shape())
+                                   for name in handle.keys()})
+    return shapes
+
+
+@pytest.mark.parametrize("hub_id", ["Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-235B-A22B"])
+def test_planner_counts_published_moe_models_as_transformers_does(hub_id):
+    """The published MoE configs: the planner's count (router, every expert, q/k norms) equals
+    the parameters of transformers' model of the config (meta device: fused experts, same
+    count), and the model card's size."""
+    cfg = PUBLISHED_CONFIGS[hub_id]
+    ours = param_count(Architecture.from_hf_config(cfg))
+    assert ours == sum(p.numel() for p in _transformers_model(cfg).parameters())
+    assert f"{ours / 1e9:.1f}" == {"Qwen/Qwen3-30B-A3B": "30.5",
+                                   "Qwen/Qwen3-235B-A22B": "235.1"}[hub_id]
 
 
 def _check_one_description(cfg: dict, tp: int = 2) -> None:

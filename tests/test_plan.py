@@ -422,8 +422,9 @@ def test_offloaded_training_state_is_counted_only_while_vllm_is_awake():
     sep = replace(work, rollout_placement="separate", offload_training_state=True)
     assert not estimate(arch, cluster, lay, sep).offloaded
     # the planner then picks a smaller model-parallel layout for the 14B recipe on 4 nodes
-    picks = [make_plan(arch, cluster, replace(work, offload_training_state=o)).pick.layout.model_parallel
-             for o in (False, True)]
+    # (engines of the trainer's TP x PP: a 4-GPU engine cannot run in a TP 2 replica)
+    picks = [make_plan(arch, cluster, replace(work, offload_training_state=o, rollout_tp=None)
+                       ).pick.layout.model_parallel for o in (False, True)]
     assert picks[1] < picks[0]
 
 
@@ -459,3 +460,114 @@ def test_explain_prints_every_term_with_its_value(capsys):
     doc = (Path(__file__).parent.parent / "docs" / "planner.md").read_text()
     rows = set(re.findall(r"^\| (\w+) \|", doc, re.M))
     assert set(TERMS) <= rows, set(TERMS) - rows
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+# h=64, L=4, a=4 of d=16, g=2, E=8 experts of f_e=32, top-2, untied, q/k norms, no QKV bias
+SMALL_MOE = Architecture("small_moe", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=96,
+                         vocab=1000, tie_word_embeddings=False, qkv_bias=False, qk_norm=True,
+                         experts=8, moe_ffn=32, topk=2)
+
+
+def test_moe_parameter_counts_by_hand():
+    """An MoE layer: attention + norms + q/k norms + the router [E, h] (replicated over TP),
+    no dense MLP; the experts (E x 3 f_e h) split over EP x expert TP."""
+    from megatron_dgpo.memory import stage_expert_params
+
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64
+    replicated = 2 * 64 + 2 * 16 + 8 * 64
+    experts = 8 * 3 * 32 * 64
+    assert param_count(SMALL_MOE) == 2 * 1000 * 64 + 4 * (attention + replicated + experts) + 64
+    for ep, etp in ((1, 1), (2, 1), (4, 1), (2, 2), (8, 2)):
+        assert stage_expert_params(SMALL_MOE, 2, ep, etp) == 2 * experts // (ep * etp)
+        assert stage_params(SMALL_MOE, 2, 2, 0, ep, etp) == \
+            2 * (attention // 2 + replicated) + 2 * experts // (ep * etp) + 1024 * 64 // 2
+    with pytest.raises(ValueError, match="expert_parallel 3 does not divide 8 experts"):
+        stage_expert_params(SMALL_MOE, 1, 3)
+
+
+def _moe_estimate(layout: Layout, **work):
+    return estimate(SMALL_MOE, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80), layout,
+                    _small_work(colocated_rollout=False, **work))
+
+
+def test_moe_memory_terms_follow_expert_parallelism():
+    """Doubling EP halves the expert parameters per GPU and their weights, gradients and
+    optimizer state (sharded over expert DP = world / (PP EP ETP)); the dense part stays."""
+    from megatron_dgpo.memory import stage_expert_params
+
+    small, large = (_moe_estimate(Layout(tp=2, pp=1, cp=1, dp=8, ep=e, etp=1)) for e in (2, 4))
+    assert small.expert_params == 2 * large.expert_params == stage_expert_params(SMALL_MOE, 1, 2)
+    dense = stage_params(SMALL_MOE, 2, 1, 0, 2, 1) - small.expert_params
+    assert small.weights - large.weights == 2 * large.expert_params
+    assert small.grads - large.grads == 4 * large.expert_params
+    # expert DP: 16 GPUs / (EP 2) = 8 and / (EP 4) = 4 replicas, dense DP 8
+    assert small.optimizer == 12 * dense // 8 + 12 * small.expert_params // 8
+    assert large.optimizer == 12 * dense // 8 + 12 * large.expert_params // 4
+    assert "EP" in small.communicators and "expert-DP" in small.communicators
+
+
+def test_moe_dispatcher_buffers_and_expert_activations():
+    """alltoall: T k h b (1 + 2 ETP) with T = s / TP, linear in top-k; allgather gathers the EP
+    group's tokens; the routed copies' MLP activations are k (ETP h + 3 f_e) per token."""
+    from dataclasses import replace
+
+    from megatron_dgpo.memory import activation_elements_per_token_layer, dispatcher_bytes
+
+    lay = Layout(tp=2, pp=1, cp=1, dp=8, ep=4, etp=1)
+    one = _moe_estimate(lay)
+    assert one.dispatch == 4096 // 2 * 2 * 64 * 2 * (1 + 2)
+    top4 = replace(SMALL_MOE, topk=4)
+    assert dispatcher_bytes(top4, 4096, 2, 4, 1) == 2 * one.dispatch
+    assert dispatcher_bytes(SMALL_MOE, 4096, 2, 4, 2) == 4096 // 2 * 2 * 64 * 2 * (1 + 4)
+    assert dispatcher_bytes(SMALL_MOE, 4096, 2, 4, 1, "allgather") == \
+        4096 // 2 * 64 * 2 * (4 + 2 * 2)
+    assert dispatcher_bytes(replace(SMALL_MOE, experts=0, moe_ffn=0, topk=0), 4096, 2, 1, 1) == 0
+    # attention (4 h + 2 a d + 2 g d) + q/k norm inputs (a d + g d) + k (ETP h + 3 f_e)
+    assert activation_elements_per_token_layer(SMALL_MOE) == \
+        4 * 64 + 2 * 64 + 2 * 32 + (64 + 32) + 2 * (64 + 3 * 32)
+    assert one.activations == 1 * 4 * 4096 * activation_elements_per_token_layer(SMALL_MOE) * 2 // 2
+    assert one.total > _moe_estimate(lay, micro_batch_tokens=2048).total
+
+
+def test_moe_engine_holds_every_expert_and_too_small_an_engine_does_not_fit():
+    """A colocated engine holds the whole model (every expert) / its TP; a reserve that cannot
+    hold one full-length sequence beside the weights is counted at what vLLM would need."""
+    cluster = Cluster(gpus_per_node=8, nodes=1, gpu_memory_gb=80)
+    work = _small_work(kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
+    reserve, notes = vllm_bytes(SMALL_MOE, cluster, work)
+    assert reserve == 40 * GIB and not notes
+    huge = PUBLISHED["Qwen/Qwen3-235B-A22B"]
+    reserve, notes = vllm_bytes(huge, cluster, replace_work(work, rollout_tp=4,
+                                                            gpu_memory_utilization=0.75))
+    weights = param_count(huge) * 2 // 4
+    assert reserve > weights > 60 * GIB and "would not start" in notes[0]
+
+
+def replace_work(work: Workload, **changes) -> Workload:
+    from dataclasses import replace
+
+    return replace(work, **changes)
+
+
+def test_moe_plan_searches_expert_parallelism_and_the_cli_fixes_it(capsys):
+    """Every MoE candidate has EP | experts and EP x ETP | GPUs per stage; --expert-parallel
+    fixes EP; the published 30B-A3B needs EP to fit 80 GB; dense models refuse the flags."""
+    from megatron_dgpo.plan import candidate_layouts
+
+    arch = PUBLISHED["Qwen/Qwen3-30B-A3B"]
+    cluster = Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80)
+    work = _small_work(rollout_tp=None)
+    layouts = candidate_layouts(arch, cluster, work)
+    assert layouts and all(arch.experts % lay.ep == 0 and (16 // lay.pp) % (lay.ep * lay.etp) == 0
+                           and lay.etp in (1, lay.tp) for lay in layouts)
+    assert {lay.ep for lay in candidate_layouts(arch, cluster, work, expert_parallel=4)} == {4}
+    recipe = os.path.join(ROOT, "recipes", "qwen3_30b_a3b.yaml")
+    code, out, _ = _run_main(capsys, [recipe, "--gpus-per-node", "8", "--nodes", "2",
+                                      "--gpu-memory-gb", "80", "--expert-parallel", "4",
+                                      "--json"])
+    assert {lay["layout"]["ep"] for lay in json.loads(out)["layouts"]} == {4}
+    code, _, err = _run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--gpu-memory-gb",
+                                      "80", "--expert-parallel", "2"])
+    assert code == 2 and "need an MoE model" in err

@@ -175,3 +175,69 @@ def test_arithmetic_recipes_chain_task_warm_start_and_rl():
     assert Path(rl.data.source) == task / "train.jsonl"
     assert rl.train.rollout_batch_prompts // rl.train.mini_batch_prompts == 16
     assert rl.optimizer.lr == "auto" and rl.optimizer.lr_reference == 1e-6
+
+
+# Qwen3 recipes beyond the paper: name -> (hub id, layers, heads, KV heads, experts or 0)
+QWEN3 = {"qwen3_8b": ("Qwen/Qwen3-8B", 36, 32, 8, 0),
+         "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", 48, 32, 4, 128)}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3))
+def test_qwen3_recipe_loads_launches_and_is_what_dgpo_plan_picks(name, capsys):
+    """The Qwen3 recipes keep the paper's loss settings, say how to launch, and at the header's
+    node count on 8 x 80 GB nodes dgpo-plan picks exactly their TP x PP (x EP x expert TP)."""
+    import json
+
+    from megatron_dgpo import plan
+
+    hub, layers, heads, kv_heads, experts = QWEN3[name]
+    cfg = load_recipe(_path(name))
+    assert cfg.model.path == hub and cfg.model.dtype == "bfloat16"
+    loss = cfg.algorithm.loss
+    assert (loss.eps_low, loss.eps_high, loss.n, loss.m) == (0.2, 0.2, 1, 2)
+    assert (cfg.train.rollout_batch_prompts, cfg.train.mini_batch_prompts) == (512, 32)
+    text = _path(name).read_text()
+    header = text.split("\n\n")[0]
+    assert f"RECIPE=recipes/{name}.yaml sbatch" in header and "tools/launch.py" in header
+    assert "torchrun" in header and "algorithm.method=grpo" in header
+    par = cfg.parallel
+    assert heads % par.tensor_parallel == 0 and kv_heads % par.tensor_parallel == 0
+    assert layers % par.pipeline_parallel == 0
+    if experts:
+        assert experts % par.expert_parallel == 0 and par.expert_parallel > 1
+        assert cfg.model.moe_token_dispatcher == "alltoall" and cfg.model.moe_aux_loss_coeff == 0
+    nodes = int(re.search(r"sbatch --nodes=(\d+)", text).group(1))
+    assert plan.main([str(_path(name)), "--gpus-per-node", str(GPUS_PER_NODE), "--nodes",
+                      str(nodes), "--gpu-memory-gb", "80", "--json"]) == 0
+    pick = json.loads(capsys.readouterr().out)["pick"]
+    assert pick["fits"] and pick["gib"]["total"] <= 0.9 * 80
+    lay = pick["layout"]
+    assert (lay["tp"], lay["pp"], lay["cp"]) == (par.tensor_parallel, par.pipeline_parallel, 1)
+    if experts:
+        assert (lay["ep"], lay["etp"]) == (par.expert_parallel, par.etp)
+
+
+def test_moe_model_keys_are_checked_and_reach_only_moe_models():
+    """model.moe_token_dispatcher / moe_aux_loss_coeff: a bad value names the key; the policy
+    passes them as TransformerConfig overrides for an MoE config only (a dense model keeps the
+    alltoall dispatcher its variable sequence lengths need, and still builds)."""
+    from megatron_dgpo.config import ConfigError
+    from megatron_dgpo.model import transformer_config_from_hf
+    from megatron_dgpo.policy import model_overrides
+    from tests.test_models import TINY_QWEN3_MOE
+    from tests._rank_fns_model import TINY_QWEN2
+
+    for bad in ("model.moe_token_dispatcher=ring", "model.moe_aux_loss_coeff=-1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
+            load_recipe(_path("qwen3_30b_a3b"), [bad])
+    cfg = load_recipe(_path("qwen3_30b_a3b"), ["model.moe_token_dispatcher=allgather",
+                                               "model.moe_aux_loss_coeff=0.01"]).model
+    moe = model_overrides(cfg, TINY_QWEN3_MOE)
+    assert (moe["moe_token_dispatcher_type"], moe["moe_aux_loss_coeff"]) == ("allgather", 0.01)
+    dense = model_overrides(cfg, TINY_QWEN2)
+    assert not any(key.startswith("moe_") for key in dense)
+    tc, _ = transformer_config_from_hf(TINY_QWEN2, **dense)
+    assert tc.num_moe_experts is None and tc.moe_token_dispatcher_type == "alltoall"
+    tc, _ = transformer_config_from_hf(TINY_QWEN3_MOE, **moe)
+    assert (tc.moe_token_dispatcher_type, tc.moe_aux_loss_coeff) == ("allgather", 0.01)
+    assert tc.moe_router_load_balancing_type == "aux_loss"
