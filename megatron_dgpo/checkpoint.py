@@ -74,7 +74,8 @@ def current_layout() -> dict:
 
     return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
             "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-            "data_parallel": ps.get_data_parallel_world_size()}
+            "data_parallel": ps.get_data_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size()}
 
 
 def _rng_layout(layout: dict) -> tuple:

@@ -21,6 +21,8 @@ Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
     load balancing: none with ``moe_aux_loss_coeff`` 0 (RL's default), else aux_loss
     expert parallelism / expert TP: from Megatron's parallel state (``ParallelConfig``)
     experts: TEGroupedMLP (``moe_grouped_gemm``) with Transformer-Engine, else SequentialMLP
+    optimizer: experts always in their own (chained) optimizer, at EP = 1 too, so that the
+        optimizer checkpoint is the same at every EP (``_experts_in_their_own_optimizer``)
     token dispatcher: ``moe_token_dispatcher_type`` (alltoall by default; allgather needs
         fixed sequence lengths, which only PP = 1 affords)
 
@@ -224,7 +226,15 @@ def layer_spec(config=None, *, platform: Platform | None = None):
                  qk_layernorm=bool(getattr(config, "qk_layernorm", False)))
     if platform.transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**shape)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **shape)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **shape)
+    if shape["num_experts"]:
+        # The local spec stores the pre-MLP norm under TE's fused name even when it precedes
+        # a router (mlp.linear_fc1.layer_norm_weight), the TE spec as pre_mlp_layernorm.weight:
+        # keep TE's, so that an MoE checkpoint is the same whichever spec wrote it.
+        keys = dict(spec.submodules.sharded_state_dict_keys_map)
+        keys.pop("pre_mlp_layernorm.", None)
+        spec.submodules.sharded_state_dict_keys_map = keys
+    return spec
 
 
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
@@ -282,6 +292,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         )
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
+        if config.num_moe_experts:
+            _experts_in_their_own_optimizer(model)
         model.hf_spec = spec
         # the spec decides how packed rows reach attention (train_step): THD with TE,
         # a block-diagonal mask with the local spec
@@ -289,6 +301,19 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
         chunks.append(model)
     return chunks
 
+
+
+def _experts_in_their_own_optimizer(model) -> None:
+    """Mark routed-expert weights expert-parallel (``allreduce=False``) at EP = 1 too.
+
+    Megatron gives them their own optimizer (a ``ChainedOptimizer`` of dense + experts, whose
+    checkpoint keys carry ``chained_0.`` / ``chained_1.``) only when EP > 1; at EP = 1 they join
+    the dense one. The optimizer state saved at EP = 2 would then not load at EP = 1 or back.
+    With the mark, every EP has the same two optimizers; at EP = 1 the experts' gradients are
+    reduced over the expert-DP group, which then is the DP group."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 # ------------------------------------------------------------------ the policy of a training job

@@ -67,7 +67,7 @@ def test_offload_keeps_storages_the_model_shares():
     assert model.weight.untyped_storage().data_ptr() not in found
 
 
-LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1}
+LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1, "expert_parallel": 1}
 
 
 def test_async_save_is_refused_on_cpu():

@@ -1,0 +1,158 @@
+"""Qwen3 dense and Qwen3-MoE in Megatron-Core against transformers: logits, gradients, the
+converter at TP/EP layouts, and training split over expert parallelism (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests._rank_fns_moe import (LR, QWEN3_MOE, hf_reference, parity_fn, read_safetensors,
+                                 save_models, train_fn, convert_fn)
+from tests.distributed import run_ranks
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    dirs = save_models(str(root))
+    references = {name: [hf_reference(path, index) for index in (0, 1)]
+                  for name, path in dirs.items()}
+    return dirs, references
+
+
+def test_logits_and_gradients_equal_transformers_at_ep1_ep2_both_dispatchers(models):
+    dirs, references = models
+    results = run_ranks(parity_fn, 2, dirs, references)
+    for rank_results in results:
+        for r in rank_results:
+            label = f"{r['name']} tp={r['tp']} ep={r['ep']} {r['overrides']}"
+            assert r["names_equal"], label
+            if "moe_router_pre_softmax" in r["overrides"]:  # the wrong router
+                assert r["logits_err"] > 1e-2, label
+                continue
+            assert r["logits_err"] < 1e-5, label  # measured: 0.0 dense, <= 4e-7 MoE
+            assert r["grad_rel"] < 1e-5, label
+            if "moe" in r["name"]:
+                assert r["expert_grad_rel"] < 1e-5, label
+                # 2 layers x (fc1, fc2) x this rank's experts
+                assert r["local_experts"] == 2 * 2 * 8 // r["ep"], label
+        dispatchers = {(r["name"], r["ep"]): r["dispatcher"] for r in rank_results}
+        assert "allgather" in set(dispatchers.values()) and "alltoall" in set(dispatchers.values())
+
+
+def test_converter_round_trips_bitwise_at_tp_and_ep_layouts(models, tmp_path):
+    from megatron_dgpo.convert import megatron_to_hf
+
+    dirs, _ = models
+    results = run_ranks(convert_fn, 2, dirs, str(tmp_path))
+    for rank_results in results:
+        assert len(rank_results) == 8
+        assert all(rank_results.values()), [k for k, ok in rank_results.items() if not ok]
+    for name in ("qwen3_moe", "qwen3"):  # and back to HF files, in one process
+        out = megatron_to_hf(str(tmp_path / f"{name}_mcore"), str(tmp_path / f"{name}_hf"))
+        back, original = read_safetensors(out), read_safetensors(dirs[name])
+        assert set(back) == set(original)
+        assert all(torch.equal(back[k], v) for k, v in original.items()), name
+
+
+def test_training_split_over_expert_parallelism_and_resumed_across_ep(models, tmp_path):
+    """MoE: three steps, EP=2 x DP=2, resumed at EP=1 x DP=2, resumed at EP=2, each from the
+    last checkpoint; dense Qwen3: one step at TP=2. Against the same steps on one rank."""
+    dirs, _ = models
+    single = run_ranks(train_fn, 1, dirs, str(tmp_path / "one"))[0]
+    split = run_ranks(train_fn, 2, dirs, str(tmp_path / "two"))
+    for rank_result in split:
+        assert len(rank_result["steps"]) == len(single["steps"]) == 4
+        for (loss, norm), (want_loss, want_norm) in zip(rank_result["steps"], single["steps"]):
+            assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+        # Adam's first steps are nearly sign(g) * lr: an element whose gradient is ~0 moves by
+        # up to lr on float noise alone, so the bound is per element a share of lr, and on
+        # average far below what a lost optimizer state would give (~lr / 3 per element).
+        # Measured: max 1.6e-5 (lr 1e-3), mean 2e-9.
+        for model, want_weights in single["weights"].items():
+            total, count = 0.0, 0
+            for name, want in want_weights.items():
+                diff = (rank_result["weights"][model][name] - want).abs()
+                assert float(diff.max()) < 0.05 * LR, (model, name)
+                total, count = total + float(diff.sum()), count + diff.numel()
+            assert total / count < 1e-3 * LR, model
+    # the steps did move the experts and the q/k norms (else the comparison would be vacuous)
+    for model, mark in (("qwen3_moe", ".experts."), ("qwen3", "_norm.")):
+        original = read_safetensors(dirs[model])
+        marked = [k for k in original if mark in k]
+        moved = [k for k in marked
+                 if not torch.allclose(single["weights"][model][k], original[k], atol=1e-4)]
+        assert len(moved) > len(marked) // 2, model
+
+
+def test_describe_refuses_what_megatron_cannot_build():
+    from megatron_dgpo.models import describe
+
+    desc = describe(QWEN3_MOE)
+    assert (desc.dims.experts, desc.dims.topk, desc.dims.moe_ffn, desc.qk_norm) == (8, 2, 64, True)
+    assert desc.router.norm_topk_prob
+    renamed = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    assert describe(dict(renamed, num_local_experts=8)).dims.experts == 8  # transformers 5
+    for field, value, message in (("mlp_only_layers", [1], "mlp_only_layers"),
+                                  ("decoder_sparse_step", 2, "decoder_sparse_step"),
+                                  ("num_experts_per_tok", 9, "num_experts_per_tok"),
+                                  ("attention_bias", True, "attention_bias")):
+        with pytest.raises(ValueError, match=message):
+            describe(dict(QWEN3_MOE, **{field: value}))
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        describe({k: v for k, v in QWEN3_MOE.items() if k != "moe_intermediate_size"})
+
+
+def test_moe_transformer_config_choices():
+    from megatron_dgpo.gpu_config import Platform
+    from megatron_dgpo.model import transformer_kwargs
+
+    cpu, gpu = Platform(cuda=False), Platform(cuda=True, transformer_engine=True)
+    kwargs = transformer_kwargs(QWEN3_MOE, platform=cpu)
+    assert (kwargs["num_moe_experts"], kwargs["moe_router_topk"], kwargs["moe_ffn_hidden_size"],
+            kwargs["moe_router_pre_softmax"], kwargs["moe_router_load_balancing_type"],
+            kwargs["qk_layernorm"], kwargs["moe_grouped_gemm"]) == (8, 2, 64, False, "none",
+                                                                   True, False)
+    assert transformer_kwargs(dict(QWEN3_MOE, norm_topk_prob=False),
+                              platform=cpu)["moe_router_pre_softmax"] is True
+    assert transformer_kwargs(QWEN3_MOE, platform=gpu)["moe_grouped_gemm"] is True
+    aux = transformer_kwargs(QWEN3_MOE, platform=cpu, moe_aux_loss_coeff=1e-3)
+    assert aux["moe_router_load_balancing_type"] == "aux_loss"
+    allgather = transformer_kwargs(QWEN3_MOE, platform=cpu,
+                                   moe_token_dispatcher_type="allgather")
+    assert allgather["variable_seq_lengths"] is False
+    with pytest.raises(ValueError, match="pipeline_parallel 1"):
+        transformer_kwargs(QWEN3_MOE, platform=cpu, moe_token_dispatcher_type="allgather",
+                           pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        transformer_kwargs(QWEN3_MOE, platform=cpu, moe_token_dispatcher_type="flex")
+    with pytest.raises(ValueError, match="moe_token_dispatcher"):
+        transformer_kwargs(QWEN3_MOE, platform=cpu, moe_token_dispatcher_type="deepep")
+    dense = transformer_kwargs({k: v for k, v in QWEN3_MOE.items()
+                                if k not in ("num_experts",)} | {"model_type": "qwen3",
+                                                                 "architectures": []},
+                               platform=cpu)
+    assert "num_moe_experts" not in dense and dense["qk_layernorm"] is True
+
+
+def test_parallel_config_expert_sizes():
+    from megatron_dgpo.parallel import ParallelConfig
+
+    assert ParallelConfig(tensor_parallel=2).etp == 2
+    assert ParallelConfig(tensor_parallel=2, expert_tensor_parallel=1).etp == 1
+    for bad in (dict(expert_parallel=0), dict(expert_tensor_parallel=0),
+                dict(expert_parallel="2")):
+        with pytest.raises(ValueError, match="expert"):
+            ParallelConfig(**bad)
+
+
+def test_hf_to_megatron_refuses_an_ep_that_does_not_divide_the_experts(models, tmp_path):
+    from megatron_dgpo.convert import hf_to_megatron
+
+    dirs, _ = models
+    with pytest.raises(ValueError, match="ep=3 must divide"):
+        hf_to_megatron(dirs["qwen3_moe"], str(tmp_path / "x"), ep=3)
+    assert not os.path.exists(tmp_path / "x")
