@@ -146,7 +146,10 @@ def make_tiny_model(
         raise ValueError(f"model.tiny.family must be one of {sorted(_CLASSES)}, got {family!r}")
     config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
     defaults = {**TINY_CONFIG, **(TINY_MOE if family == "qwen3_moe" else {})}
-    unknown = set(config_overrides) - set(config_class().to_dict()) - set(defaults)
+    # head_dim is read by every Qwen family's attention; Qwen3-MoE's config class declares no
+    # such field but keeps it as an extra attribute
+    known = set(config_class().to_dict()) | {"head_dim"}
+    unknown = set(config_overrides) - known - set(defaults)
     if unknown:
         raise ValueError(f"unknown {config_class.__name__} fields: {sorted(unknown)}")
     if "vocab_size" in config_overrides:

@@ -28,6 +28,7 @@ from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_re
                                       load_checkpoint, save_checkpoint)
 from megatron_dgpo.config import to_dict
 from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_stats, rollout_metrics
+from megatron_dgpo.expert_load import ExpertLoad
 from megatron_dgpo.gpu_config import pad_multiple
 from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
@@ -58,6 +59,7 @@ def train(cfg: RunConfig) -> int:
         cfg.model, hf_dir, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))
     lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
+    expert_load = ExpertLoad(models)  # MoE routing statistics of the updates (none if dense)
     saver = AsyncSaver() if cfg.checkpoint.async_save else None  # refused on CPU
     offload = TrainingStateOffload(models, optimizer, enabled=cfg.train.offload_training_state)
     state = TrainerState(extra=_run_record(cfg, lr))
@@ -131,7 +133,7 @@ def train(cfg: RunConfig) -> int:
                         row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
                     mismatch = mismatch_metrics(rows, dp_group).as_dict()
 
-                with timer("update"):
+                with timer("update"), expert_load.recording():
                     offload.restore()
                     parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
                     for rows_u in updates:
@@ -162,7 +164,7 @@ def train(cfg: RunConfig) -> int:
                 metrics = {**sampled, **reduce_group_stats(group_stats, dp_group), **mismatch,
                            **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                            "train/skipped_updates_total": float(state.skipped_updates),
-                           **engine_stats, **refit_stats, **eval_metrics,
+                           **expert_load.metrics(), **engine_stats, **refit_stats, **eval_metrics,
                            **timer.metrics(generated, trained_tokens, dp_size), **save_time}
                 logger.log(step, metrics)
                 bar.advance(metrics)
