@@ -25,6 +25,8 @@ Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
         optimizer checkpoint is the same at every EP (``_experts_in_their_own_optimizer``)
     token dispatcher: ``moe_token_dispatcher_type`` (alltoall by default; allgather needs
         fixed sequence lengths, which only PP = 1 affords)
+    TP > 1: Megatron requires sequence parallelism with MoE, on here only with CUDA (gloo has
+        no reduce-scatter), so an MoE model on CPU runs at TP 1 (EP and DP instead)
 
 The model is built with ``parallel_output=True``: the last pipeline stage returns logits
 [B, S, V_padded / TP], this rank's contiguous vocab shard. Padded columns (global index >=
@@ -50,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_dgpo.gpu_config import Platform, transformer_flags
+from megatron_dgpo.gpu_config import Platform, sequence_parallel, transformer_flags
 from megatron_dgpo.models import describe, hf_config_dict, padded_vocab_size
 
 
@@ -129,7 +131,7 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         vpp = vpp or parallel_state.get_virtual_pipeline_model_parallel_world_size()
 
     dtype = overrides.get("params_dtype", torch.float32)
-    moe = moe_kwargs(desc, platform, pp=pp or 1, **overrides) if dims.moe else {}
+    moe = moe_kwargs(desc, platform, tp=tp or 1, pp=pp or 1, **overrides) if dims.moe else {}
     kwargs = dict(
         num_layers=dims.layers,
         hidden_size=dims.hidden,
@@ -170,7 +172,7 @@ MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 needs fixed sequence lengths), flex (DeepEP / HybridEP kernels, GPU only)."""
 
 
-def moe_kwargs(desc, platform: Platform, *, pp: int, **overrides) -> dict:
+def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> dict:
     """The MoE fields of ``TransformerConfig`` for an MoE description (module docstring).
     Expert-parallel sizes come from Megatron's parallel state when it is initialised."""
     from megatron.core import parallel_state
@@ -186,6 +188,11 @@ def moe_kwargs(desc, platform: Platform, *, pp: int, **overrides) -> dict:
                          "use 'alltoall'")
     if dispatcher == "flex" and not platform.cuda:
         raise ValueError("model.moe_token_dispatcher 'flex' needs a GPU (DeepEP / HybridEP)")
+    if tp > 1 and not sequence_parallel(tp, platform):
+        raise ValueError(f"an MoE model at tensor_parallel={tp} needs Megatron's sequence "
+                         f"parallelism, which runs on GPUs only here (gloo has no "
+                         f"reduce-scatter): on CPU use tensor_parallel 1 with expert_parallel "
+                         f"and data parallelism")
     coeff = float(overrides.get("moe_aux_loss_coeff", 0.0))
     kwargs = dict(
         num_moe_experts=dims.experts,

@@ -151,12 +151,13 @@ def parity_fn(rank, world_size, dirs: dict, references: dict):
 
 def convert_fn(rank, world_size, dirs: dict, out_root: str):
     """Converter round trips: HF -> torch_dist written at EP=2 (MoE) and TP=2 (Qwen3), loaded
-    at EP=2 and EP=1 / TP=2 and TP=1, exported back: each export vs the HF files, bitwise."""
+    at EP=2, EP=1 and PP=2 / TP=2 and TP=1, exported back: each export vs the HF files,
+    bitwise. (MoE at TP > 1 needs sequence parallelism: GPU only.)"""
     from megatron_dgpo.convert import export_hf_weights, hf_to_megatron, load_model
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     cases = [("qwen3_moe", dict(ep=2), [dict(expert_parallel=2, expert_tensor_parallel=1),
-                                        dict(expert_parallel=1)]),
+                                        dict(expert_parallel=1), dict(pipeline_parallel=2)]),
              ("qwen3", dict(tp=2), [dict(tensor_parallel=2), dict(tensor_parallel=1)])]
     out = {}
     for name, write_layout, read_layouts in cases:

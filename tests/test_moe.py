@@ -48,7 +48,7 @@ def test_converter_round_trips_bitwise_at_tp_and_ep_layouts(models, tmp_path):
     dirs, _ = models
     results = run_ranks(convert_fn, 2, dirs, str(tmp_path))
     for rank_results in results:
-        assert len(rank_results) == 8
+        assert len(rank_results) == 10
         assert all(rank_results.values()), [k for k, ok in rank_results.items() if not ok]
     for name in ("qwen3_moe", "qwen3"):  # and back to HF files, in one process
         out = megatron_to_hf(str(tmp_path / f"{name}_mcore"), str(tmp_path / f"{name}_hf"))
@@ -127,6 +127,10 @@ def test_moe_transformer_config_choices():
     with pytest.raises(ValueError, match="pipeline_parallel 1"):
         transformer_kwargs(QWEN3_MOE, platform=cpu, moe_token_dispatcher_type="allgather",
                            pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        transformer_kwargs(QWEN3_MOE, platform=cpu, tensor_model_parallel_size=2)
+    gpu_tp2 = transformer_kwargs(QWEN3_MOE, platform=gpu, tensor_model_parallel_size=2)
+    assert gpu_tp2["sequence_parallel"] is True
     with pytest.raises(ValueError, match="needs a GPU"):
         transformer_kwargs(QWEN3_MOE, platform=cpu, moe_token_dispatcher_type="flex")
     with pytest.raises(ValueError, match="moe_token_dispatcher"):
