@@ -41,6 +41,11 @@ allgather and the alltoall token dispatcher over gloo):
 9. The same dispatcher hands its split sizes to ``all_to_all_single`` as numpy arrays through
    ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts CUDA tensors only (gloo then
    gets tensors: ``TypeError``): the module's copy also converts CPU tensors.
+
+10. Activation recomputation (``model.recompute_activations``): Megatron's checkpoint function
+    saves and restores the CUDA generator's state around each recomputed layer ("Torch not
+    compiled with CUDA enabled"); without CUDA there is none, and the CPU generator's state,
+    which it restores too, is all there is.
 """
 
 from __future__ import annotations
@@ -144,6 +149,10 @@ def _to_host(move):
     return wrapper
 
 
+def _no_cuda_rng_state(*args, **kwargs):
+    return None
+
+
 def _apply_moe_compat() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -212,6 +221,10 @@ def apply_cpu_compat() -> bool:
     if not getattr(setup, "_dgpo_cpu_compat", False):
         LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(setup)
     _apply_moe_compat()
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = _no_cuda_rng_state
+    tp_random._set_cuda_rng_state = _no_cuda_rng_state
     _APPLIED = True
     return True
 

@@ -121,6 +121,10 @@ def parity_fn(rank, world_size, dirs: dict, references: dict):
         ("qwen3_moe", 1, 2, {}),
         ("qwen3_moe", 1, 2, {"moe_token_dispatcher_type": "allgather"}),
         ("qwen3_moe_unnormed", 1, 2, {}),
+        # activation recomputation (each layer's forward re-run in the backward; on CPU with
+        # cpu.py's RNG-state patch)
+        ("qwen3_moe", 1, 2, {"recompute_granularity": "full", "recompute_method": "uniform",
+                             "recompute_num_layers": 1}),
         # a router that renormalises where HF does not: must fail the comparison
         ("qwen3_moe_unnormed", 1, 2, {"moe_router_pre_softmax": False}),
     ]
