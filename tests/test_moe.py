@@ -171,3 +171,26 @@ def test_dgpo_convert_command_writes_and_reads_an_expert_parallel_layout(models,
     back, original = read_safetensors(str(tmp_path / "hf")), read_safetensors(dirs["qwen3_moe"])
     assert set(back) == set(original)
     assert all(torch.equal(back[k], v) for k, v in original.items())
+
+
+def test_live_parameter_names_of_both_specs_map_to_one_checkpoint_key():
+    """SequentialMLP (CPU) numbers experts in the module path, TE's grouped GEMM (GPU) in the
+    parameter name: both resolve to the same map, layer and local expert."""
+    from megatron_dgpo.models import FAMILIES, megatron_param_key
+
+    family = FAMILIES["qwen3_moe"]
+    local = megatron_param_key(family,
+                               "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight")
+    grouped = megatron_param_key(family, "decoder.layers.1.mlp.experts.linear_fc1.weight3")
+    assert local == grouped
+    assert (local.map.key(), local.layer, local.expert) == (
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight", 1, 3)
+    router = megatron_param_key(family, "decoder.layers.0.mlp.router.weight")
+    assert (router.map.hf_names(0), router.expert) == (("model.layers.0.mlp.gate.weight",), None)
+    norm = megatron_param_key(family, "decoder.layers.0.pre_mlp_layernorm.weight")
+    assert norm.map.hf_names(0) == ("model.layers.0.post_attention_layernorm.weight",)
+    q_norm = megatron_param_key(FAMILIES["qwen3"],
+                                "decoder.layers.0.self_attention.q_layernorm.weight")
+    assert q_norm.map.hf_names(0) == ("model.layers.0.self_attn.q_norm.weight",)
+    assert megatron_param_key(family,
+                              "decoder.layers.0.mlp.experts.linear_fc1._extra_state") is None

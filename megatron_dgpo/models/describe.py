@@ -203,7 +203,8 @@ def describe(hf_config: Any, *, tp: int = 1, padded_vocab: int | None = None) ->
 
 
 def _moe_of(cfg: dict, family: Family) -> tuple[dict, Router]:
-    """(MoE fields of ``ModelDims``, ``Router``) of an MoE family's config; errors name the field."""
+    """(MoE fields of ``ModelDims``, ``Router``) of an MoE family's config; errors name the
+    field."""
     if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
         raise ValueError(f"decoder_sparse_step={cfg.get('decoder_sparse_step')!r} / "
                          f"mlp_only_layers={cfg.get('mlp_only_layers')!r} is not supported: "

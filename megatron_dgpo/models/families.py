@@ -110,8 +110,9 @@ _LAYER = "model.layers.{i}."
 def _attention(qkv_bias: Callable[[dict], bool], qk_norm: bool) -> tuple[ParamMap, ...]:
     attn = _LAYER + "self_attn."
     maps = (
-        ParamMap("self_attention.linear_qkv.layer_norm_weight", (_LAYER + "input_layernorm.weight",),
-                 "copy", None, per_layer=True, local_name="input_layernorm.weight"),
+        ParamMap("self_attention.linear_qkv.layer_norm_weight",
+                 (_LAYER + "input_layernorm.weight",), "copy", None, per_layer=True,
+                 local_name="input_layernorm.weight"),
         ParamMap("self_attention.linear_qkv.weight",
                  (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                  "qkv", 0, per_layer=True),
