@@ -20,7 +20,8 @@ Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
         softmax, router in fp32 (HF's semantics; a wrong setting moves logits by ~0.4)
     load balancing: none with ``moe_aux_loss_coeff`` 0 (RL's default), else aux_loss
     expert parallelism / expert TP: from Megatron's parallel state (``ParallelConfig``)
-    experts: TEGroupedMLP (``moe_grouped_gemm``) with Transformer-Engine, else SequentialMLP
+    experts: TEGroupedMLP (``moe_grouped_gemm``, fused permutation ``moe_permute_fusion``) with
+        Transformer-Engine, else SequentialMLP
     optimizer: experts always in their own (chained) optimizer, at EP = 1 too, so that the
         optimizer checkpoint is the same at every EP (``_experts_in_their_own_optimizer``)
     token dispatcher: ``moe_token_dispatcher_type`` (alltoall by default; allgather needs
@@ -205,6 +206,8 @@ def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> di
         moe_aux_loss_coeff=coeff,
         moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=platform.transformer_engine,
+        # TE's fused token permute / unpermute, as Megatron-LM's MoE recipes enable on GPUs
+        moe_permute_fusion=platform.transformer_engine,
         variable_seq_lengths=dispatcher != "allgather",
     )
     if parallel_state.model_parallel_is_initialized():

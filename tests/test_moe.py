@@ -117,7 +117,9 @@ def test_moe_transformer_config_choices():
                                                                    True, False)
     assert transformer_kwargs(dict(QWEN3_MOE, norm_topk_prob=False),
                               platform=cpu)["moe_router_pre_softmax"] is True
-    assert transformer_kwargs(QWEN3_MOE, platform=gpu)["moe_grouped_gemm"] is True
+    on_gpu = transformer_kwargs(QWEN3_MOE, platform=gpu)
+    assert on_gpu["moe_grouped_gemm"] is True and on_gpu["moe_permute_fusion"] is True
+    assert kwargs["moe_permute_fusion"] is False
     aux = transformer_kwargs(QWEN3_MOE, platform=cpu, moe_aux_loss_coeff=1e-3)
     assert aux["moe_router_load_balancing_type"] == "aux_loss"
     allgather = transformer_kwargs(QWEN3_MOE, platform=cpu,
