@@ -46,7 +46,9 @@ class Experience:
     engine's log-probs of those tokens; rewards: [N]; truncated: [N] bool (finish "length").
     advantages ([N]) are filled by the trainer (per group, so on the replica that holds it),
     and so are loss_weights ([N] float64 per-sample aggregation weights,
-    ``losses.sample_loss_weights``; None: all 1).
+    ``losses.sample_loss_weights``; None: all 1). routed_experts[i] ([P_i + R_i - 1, layers,
+    topk] int16, routing replay): the engine's global expert ids per input position (prompt and
+    response but the last token) and layer; None when the engine recorded none.
     """
 
     prompt_tokens: list[list[int]]
@@ -56,6 +58,7 @@ class Experience:
     truncated: list[bool]
     advantages: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_tokens)
@@ -64,14 +67,23 @@ class Experience:
     def join(pieces: list[Experience | None]) -> Experience:
         """The pieces (None ones skipped) concatenated in order."""
         pieces = [p for p in pieces if p is not None]
-        return Experience(*(sum((getattr(p, name) for p in pieces), [])
-                            for name in ("prompt_tokens", "response_tokens", "rollout_logprobs",
-                                         "rewards", "truncated")))
+        joined = Experience(*(sum((getattr(p, name) for p in pieces), [])
+                              for name in ("prompt_tokens", "response_tokens", "rollout_logprobs",
+                                           "rewards", "truncated")))
+        # routing replay: every sample's routing or none (an empty piece carries nothing)
+        recorded = {p.routed_experts is not None for p in pieces if len(p)}
+        if len(recorded) > 1:
+            raise ValueError("Experience.join: some pieces carry routed_experts and some do not")
+        if recorded == {True}:
+            joined.routed_experts = sum((p.routed_experts for p in pieces if len(p)), [])
+        return joined
 
     def replace_groups(self, groups: list[int], other: Experience, group_size: int) -> Experience:
         """A copy in which group ``groups[k]`` (samples ``groups[k] * group_size`` onwards) is
         ``other``'s k-th group (DAPO refill: a degenerate group sampled again)."""
         fields = ("prompt_tokens", "response_tokens", "rollout_logprobs", "rewards", "truncated")
+        if self.routed_experts is not None:
+            fields += ("routed_experts",)
         out = {name: list(getattr(self, name)) for name in fields}
         for k, g in enumerate(groups):
             mine, theirs = slice(g * group_size, (g + 1) * group_size), \
@@ -99,7 +111,9 @@ class Experience:
             per_token["loss_weights"] = torch.full((n,), float(self.loss_weights[i]),
                                                    dtype=torch.float64)
         return Sample(tokens=torch.tensor(prompt + response, dtype=torch.long),
-                      response_start=len(prompt), per_token=per_token)
+                      response_start=len(prompt), per_token=per_token,
+                      routed_experts=(self.routed_experts[i] if self.routed_experts is not None
+                                      else None))
 
 
 def plan_updates(first_prompt: int, num_prompts: int, group_size: int, num_updates: int,

@@ -12,6 +12,13 @@ Shapes: a sample is 1-D ``tokens`` [L_i] with ``response_start`` (index of its f
 token) and per-response-token tensors [L_i - response_start]; a packed row, the ``MicroBatch``
 that goes unchanged into ``train_step``, is [S] with S = sum of the padded lengths and carries
 its boundaries as host ``cu_seqlens``.
+
+Routing replay (``algorithm.routing_replay: r3``, ``megatron_dgpo.routing_replay``): a sample
+may carry the rollout engine's expert choices, ``routed_experts`` [L - 1, layers, topk] (the
+input positions whose output is read: every token but the last); its row then carries
+[S, layers, topk] aligned with ``tokens``, where padding and each sample's last position hold
+the valid filler ids 0..topk-1 (nothing reads their outputs, and packed attention keeps them
+from the other samples). Rows without it carry None.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ class Sample:
     """Index in ``tokens`` of the first response token (= prompt length)."""
     per_token: dict[str, Tensor]
     """Per response token [L - response_start] tensors, e.g. old_logprobs, advantages."""
+    routed_experts: Tensor | None = None
+    """[L - 1, layers, topk] integer global expert ids the rollout engine routed input
+    position t (token t) to, per layer (routing replay; module docstring). None: not recorded."""
 
 
 LOSS_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "loss_weights")
@@ -69,6 +79,9 @@ class MicroBatch:
     left out of the update). None: every weight 1 (``token_mean``)."""
     sample_indices: list[int] = field(default_factory=list)
     """Which samples (indices into the packed list) this row holds, in order."""
+    routed_experts: Tensor | None = None
+    """[S, layers, topk] int16 on the host: the engine's expert ids per input position and
+    layer, replayed by ``routing_replay.RoutingReplay`` (module docstring); None without replay."""
 
     def __post_init__(self):
         if self.tokens.dim() != 1:
@@ -78,12 +91,17 @@ class MicroBatch:
             if value is not None and value.shape != self.tokens.shape:
                 raise ValueError(f"MicroBatch.{name} has shape {tuple(value.shape)}, tokens "
                                  f"has {tuple(self.tokens.shape)}")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3
+                                                or len(self.routed_experts) != len(self.tokens)):
+            raise ValueError(f"MicroBatch.routed_experts must be [S, layers, topk] with S = "
+                             f"{len(self.tokens)}, got {tuple(self.routed_experts.shape)}")
         if self.cu_seqlens.device.type != "cpu" or int(self.cu_seqlens[-1]) != len(self.tokens):
             raise ValueError(f"MicroBatch.cu_seqlens must be a host tensor ending at "
                              f"{len(self.tokens)}, got {self.cu_seqlens.tolist()}")
 
     def to(self, device) -> MicroBatch:
-        """The tensors on ``device``; ``cu_seqlens`` stays on the host (read without a sync)."""
+        """The tensors on ``device``; ``cu_seqlens`` and ``routed_experts`` stay on the host (the
+        replay moves one layer's ids at a time)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("tokens", "position_ids", "targets", "loss_mask") + LOSS_FIELDS:
             if moved[name] is not None:
@@ -171,6 +189,10 @@ def _check_sample(index: int, sample: Sample) -> None:
         raise ValueError(f"sample {index}: response_start {sample.response_start} must lie in "
                          f"[1, {length - 1}] (at least one prompt and one response token)")
     expected = length - sample.response_start
+    ids = sample.routed_experts
+    if ids is not None and (ids.dim() != 3 or len(ids) != length - 1):
+        raise ValueError(f"sample {index}: routed_experts has shape {tuple(ids.shape)}, expected "
+                         f"({length - 1}, layers, topk) = one row per input position but the last")
     for name, value in sample.per_token.items():
         if name not in LOSS_FIELDS:
             raise ValueError(f"sample {index}: per_token[{name!r}] is not a micro-batch field "
@@ -190,6 +212,7 @@ def _build_row(group: list[Sample], indices: list[int], pad_multiple: int) -> Mi
     loss_mask = torch.zeros(total, dtype=torch.bool)
     fields = {name: torch.zeros(total, dtype=value.dtype)
               for name, value in group[0].per_token.items()}
+    routed = _routed_experts_row(group, total)
     offset = 0
     for sample, width in zip(group, padded):
         length, start = len(sample.tokens), sample.response_start
@@ -202,11 +225,35 @@ def _build_row(group: list[Sample], indices: list[int], pad_multiple: int) -> Mi
         loss_mask[first:last] = True
         for name, value in sample.per_token.items():
             fields[name][first:last] = value
+        if routed is not None:
+            routed[offset:offset + length - 1] = sample.routed_experts
         offset += width
     cu_seqlens = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return MicroBatch(tokens=tokens, position_ids=positions, targets=targets,
                       loss_mask=loss_mask, cu_seqlens=cu_seqlens, sample_indices=list(indices),
-                      **fields)
+                      routed_experts=routed, **fields)
+
+
+def filler_routed_experts(count: int, layers: int, topk: int) -> Tensor:
+    """[count, layers, topk] int16 holding the valid, distinct ids 0..topk-1 on every row: the
+    routing of positions whose output nobody reads (module docstring)."""
+    return torch.arange(topk, dtype=torch.int16).expand(count, layers, topk).clone()
+
+
+def _routed_experts_row(group: list[Sample], total: int) -> Tensor | None:
+    """The row's [total, layers, topk] ids filled with ``filler_routed_experts``, or None when
+    no sample carries routing; samples with and without it cannot share a row."""
+    carried = [s.routed_experts is not None for s in group]
+    if not any(carried):
+        return None
+    if not all(carried):
+        raise ValueError("some samples carry routed_experts and some do not (routing replay "
+                         "needs every sample's routing)")
+    shapes = {tuple(s.routed_experts.shape[1:]) for s in group}
+    if len(shapes) > 1:
+        raise ValueError(f"samples carry routed_experts of different [layers, topk]: {sorted(shapes)}")
+    layers, topk = shapes.pop()
+    return filler_routed_experts(total, layers, topk)
 
 
 def padded_micro_batch(sequences: list[Tensor], loss_masks: list[Tensor],

@@ -12,11 +12,13 @@ from dataclasses import replace
 
 import torch
 
+from megatron_dgpo.config import require_choice
 from megatron_dgpo.convert import load_model
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.gpu_config import Platform, ddp_flags, require_gpu_stack
 from megatron_dgpo.model import dtype_named, wrap_ddp
 from megatron_dgpo.models import describe
+from megatron_dgpo.routing_replay import ROUTING_REPLAYS, clear_instances
 
 
 def initial_model(config, run_dir, seed: int):
@@ -58,20 +60,31 @@ def _materialise_model(config, run_dir, seed: int):
                                                                 "*.model", "*.txt", "*.jinja"]))
 
 
-def model_overrides(config, hf_config=None) -> dict:
+def model_overrides(config, hf_config=None, *, routing_replay: str = "off") -> dict:
     """``TransformerConfig`` overrides that ``config`` (a recipe's ``ModelConfig``) asks for:
     bf16, full-layer recomputation (uniform, one layer per checkpoint) and, when ``hf_config``
     (a dict, config.json or its folder) is an MoE model, the token dispatcher and the
     load-balancing loss weight (``model.moe_token_dispatcher``, ``model.moe_aux_loss_coeff``).
     A dense model gets neither: its config keeps the alltoall dispatcher that
-    ``variable_seq_lengths`` needs, which ``allgather`` would break."""
+    ``variable_seq_lengths`` needs, which ``allgather`` would break.
+    ``routing_replay`` (``algorithm.routing_replay``): ``r3`` adds
+    ``moe_enable_routing_replay`` (each router gets a Megatron ``RouterReplay``) and refuses a
+    dense model; ``off`` adds nothing."""
     overrides = {"bf16": True} if dtype_named(config.dtype) == torch.bfloat16 else {}
     if config.recompute_activations:
         overrides.update(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1)
-    if hf_config is not None and describe(hf_config).dims.moe:
+    moe = hf_config is not None and describe(hf_config).dims.moe
+    if moe:
         overrides.update(moe_token_dispatcher_type=config.moe_token_dispatcher,
                          moe_aux_loss_coeff=float(config.moe_aux_loss_coeff))
+    require_choice("algorithm.routing_replay", routing_replay, ROUTING_REPLAYS)
+    if routing_replay == "r3":
+        if not moe:
+            raise ValueError("algorithm.routing_replay: r3 replays the expert choices of MoE "
+                             "layers; this model is dense (no routed experts): set "
+                             "algorithm.routing_replay: off")
+        overrides["moe_enable_routing_replay"] = True
     return overrides
 
 
@@ -95,18 +108,22 @@ def wrap_policy(chunks: list, *, use_distributed_optimizer: bool,
                                         use_distributed_optimizer=use_distributed_optimizer))
 
 
-def build_policy(config, hf_dir, *, use_distributed_optimizer: bool):
+def build_policy(config, hf_dir, *, use_distributed_optimizer: bool,
+                 routing_replay: str = "off"):
     """Collective: ``(models, hf_config, dtype)``: this rank's chunks of the policy loaded from
     ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, wrapped by ``wrap_policy``, the
-    HF config and the parameter dtype."""
+    HF config and the parameter dtype. ``routing_replay``: ``model_overrides``'; Megatron's
+    class-level list of ``RouterReplay`` instances is emptied first, so it holds this
+    policy's routers only."""
     dtype = dtype_named(config.dtype)
     platform = Platform.detect()
     require_gpu_stack(platform, dtype=dtype, without_transformer_engine=config.without_transformer_engine)
     if config.without_transformer_engine:
         platform = replace(platform, transformer_engine=False)
     hf_config = read_hf_config(str(hf_dir))
-    chunks = load_model(str(hf_dir), dtype=dtype, platform=platform,
-                        **model_overrides(config, hf_config))
+    overrides = model_overrides(config, hf_config, routing_replay=routing_replay)
+    clear_instances()
+    chunks = load_model(str(hf_dir), dtype=dtype, platform=platform, **overrides)
     models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer,
                          platform=platform)
     return models, hf_config, dtype

@@ -211,12 +211,25 @@ class AlgorithmConfig:
     the rounds run out (positions still degenerate then are dropped as without refill). So the
     step trains on ``rollout_batch_prompts`` informative groups while the policy sharpens. Logged:
     ``rollout/refill_rounds``, ``rollout/discarded_groups``. 0: drop without refilling."""
+    routing_replay: Literal["off", "r3"] = "off"
+    """MoE models: ``r3`` (rollout routing replay) makes the trainer route every token to the
+    experts the rollout engine chose for it, in the old-log-prob and the training forwards
+    (Megatron's ``RouterReplay``; the gate weights still come from the current router, which
+    keeps its gradient). The engine records the choices: vLLM's routed-experts output
+    (``enable_return_routed_experts``) on GPU, a capture hook on vLLM's routers on CPU (a
+    colocated engine only, one request per sample, prefix caching off: slower sampling, the
+    ``eval`` section's too; measured on the tiny MoE job: 7-8 s of rollout instead of 0.6 s).
+    Logged: ``mismatch/routing_replay_diff_frac`` (old-log-prob forward) and
+    ``train/routing_replay_diff_frac`` (updates), the share of token-layers whose free routing
+    would differ from the replayed one. Refused for a dense model and the ``hf`` engine.
+    ``off``: the trainer routes freely and nothing is recorded."""
 
     def __post_init__(self):
         require_choice("method", self.method, METHODS)
         check_method(self.method, self.loss)  # loss.dual_clip with a method that refuses it
         require_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
         require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        require_choice("routing_replay", self.routing_replay, ("off", "r3"))
         cap = self.rollout_correction_cap
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
                 math.isfinite(cap) and cap >= 1):
@@ -469,6 +482,10 @@ class RunConfig:
             raise ValueError(f"eval.max_tokens ({self.eval.max_tokens}) leaves no room for a "
                              f"prompt in the engines' context of {context} tokens "
                              f"(rollout.max_prompt_tokens + rollout.max_response_tokens)")
+        if self.algorithm.routing_replay != "off" and self.rollout.engine != "vllm":
+            raise ValueError(f"algorithm.routing_replay: {self.algorithm.routing_replay} needs an "
+                             f"engine that records each token's expert choices; rollout.engine "
+                             f"{self.rollout.engine!r} cannot (use rollout.engine: vllm)")
         if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
             raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
                              f"exceed rollout.max_response_tokens "

@@ -67,6 +67,12 @@ its gradient instead of 4). The forward step asks it for ``fp32_output=False`` i
 logits reach ``vocab_parallel.logprobs_and_entropy`` in bf16 and are upcast there one chunk at
 a time (bf16 -> fp32 is exact: the log-probs are the same).
 
+Routing replay (``algorithm.routing_replay: r3``, MoE): ``train_step`` and ``forward_logprobs``
+take ``routing_replay=`` a ``routing_replay.RoutingReplay``; each micro-batch's
+``routed_experts`` (the rollout engine's expert ids) are handed to the routers of the chunk
+about to run it, right before its forward, and every router is back to free routing when the
+schedule returns (also on an error). None (the default): routing is the router's own.
+
 Overlapped gradient reduction (``gpu_config.ddp_flags`` on a GPU): the schedule gets
 ``gpu_config.schedule_sync_hooks`` (DDP's ``no_sync`` for all but the last micro-batch, as
 Megatron-LM's training loop sets them), so each bucket is reduced once, after the last
@@ -176,8 +182,9 @@ def _pp_info():
             ps.get_pipeline_model_parallel_last_rank())
 
 
-def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
-    """Megatron's forward-backward over ``micro_batches`` with ``loss_fn(mb, output)``."""
+def _run_schedule(models, micro_batches, loss_fn, forward_only: bool, routing_replay=None):
+    """Megatron's forward-backward over ``micro_batches`` with ``loss_fn(mb, output)``; with
+    ``routing_replay`` each micro-batch's recorded routing is set before its forward."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -189,6 +196,8 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
+        if routing_replay is not None:
+            routing_replay.set(model, mb)
         if thd:
             output = model(mb.tokens[None], mb.position_ids[None], None,
                            packed_seq_params=_packed_seq_params(mb, device), **extra)
@@ -197,15 +206,19 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool):
         return output, partial(loss_fn, mb)
 
     iterators = [iter(micro_batches) for _ in models]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(models) > 1 else iterators[0],
-        model=models if len(models) > 1 else models[0],
-        num_microbatches=len(micro_batches),
-        seq_length=max(len(mb.tokens) for mb in micro_batches),
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(models) > 1 else iterators[0],
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=len(micro_batches),
+            seq_length=max(len(mb.tokens) for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    finally:
+        if routing_replay is not None:
+            routing_replay.done()
 
 
 def _dp_group():
@@ -238,7 +251,8 @@ def _valid_and_weights(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
 
 
 def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, *,
-               vocab_size: int | None = None, zero_grad: bool = True) -> StepResult:
+               vocab_size: int | None = None, zero_grad: bool = True,
+               routing_replay=None) -> StepResult:
     """Forward + backward of the policy loss on one mini-batch; gradients final on return.
 
     Args:
@@ -249,6 +263,8 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         vocab_size: the HF vocabulary size (logit columns past it are TP padding); default
             ``models[0].hf_spec.vocab_size`` when built by ``model.build_model``.
         zero_grad: zero the DDP gradient buffers first (set False to accumulate).
+        routing_replay: a ``routing_replay.RoutingReplay``: the routers replay each
+            micro-batch's ``routed_experts`` (module docstring); None: free routing.
 
     Returns:
         ``StepResult`` (same on every rank). Gradients are in ``param.main_grad``, already
@@ -309,7 +325,8 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         parts.append(metrics)
         return loss_sum, valid.sum().to(torch.int), {}
 
-    _run_schedule(models, micro_batches, loss_fn, forward_only=False)
+    _run_schedule(models, micro_batches, loss_fn, forward_only=False,
+                  routing_replay=routing_replay)
     _check_token_count(seen, num_tokens)
 
     merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
@@ -444,13 +461,15 @@ def _from_host_floats(host):
 
 def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperature: float = 1.0,
                      vocab_size: int | None = None, chunk_size: int | None = None,
-                     all_stages: bool = True) -> list[tuple[Tensor, Tensor]] | None:
+                     all_stages: bool = True,
+                     routing_replay=None) -> list[tuple[Tensor, Tensor]] | None:
     """Per-token log pi(labels) and entropy for each micro-batch, without gradients.
 
     Returns ``[(logprobs [S], entropy [S]), ...]`` float32 on CPU, one pair per
     micro-batch (values under ``loss_mask == 0`` are computed too but meaningless for
     padding). With PP > 1 the pairs are broadcast from the last stage to every stage unless
     ``all_stages=False`` (then other stages get None). Models may be DDP-wrapped or not.
+    ``routing_replay``: as in ``train_step``.
     """
     if vocab_size is None:
         vocab_size = unwrap_model(models[0]).hf_spec.vocab_size
@@ -468,7 +487,8 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
         m.eval()
     try:
         with torch.no_grad():
-            _run_schedule(models, micro_batches, loss_fn, forward_only=True)
+            _run_schedule(models, micro_batches, loss_fn, forward_only=True,
+                          routing_replay=routing_replay)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)

@@ -39,6 +39,7 @@ from megatron_dgpo.recipe import RunConfig, save_recipe
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
 from megatron_dgpo.rollout.mismatch import mismatch_metrics
 from megatron_dgpo.rollout.replica import ReplicaRollout
+from megatron_dgpo.routing_replay import RoutingReplay
 from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step
 
 
@@ -55,11 +56,14 @@ def train(cfg: RunConfig) -> int:
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
     hf_dir = policy.initial_model(cfg.model, run_dir, cfg.train.seed)
+    r3 = cfg.algorithm.routing_replay == "r3"
     models, hf_config, dtype = policy.build_policy(
-        cfg.model, hf_dir, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))
+        cfg.model, hf_dir, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer),
+        routing_replay=cfg.algorithm.routing_replay)
     lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
     expert_load = ExpertLoad(models)  # MoE routing statistics of the updates (none if dense)
+    replay = RoutingReplay(models) if r3 else None  # the engine's expert choices, replayed
     saver = AsyncSaver() if cfg.checkpoint.async_save else None  # refused on CPU
     offload = TrainingStateOffload(models, optimizer, enabled=cfg.train.offload_training_state)
     state = TrainerState(extra=_run_record(cfg, lr))
@@ -82,7 +86,8 @@ def train(cfg: RunConfig) -> int:
             evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, hf_dir, cfg.rollout)
                           if cfg.eval.enabled else None)
             rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
-                                     batch_prompts=cfg.train.rollout_batch_prompts)
+                                     batch_prompts=cfg.train.rollout_batch_prompts,
+                                     record_routing=r3)
             logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
             logger.truncate_after(state.step)
             if state.step or rollout.needs_first_refit:  # resumed, or an engine without weights
@@ -126,18 +131,20 @@ def train(cfg: RunConfig) -> int:
                                            pad_multiple=pad_multiple(cfg.parallel.tensor_parallel))
                                for indices in plan]
                     rows = [row for rows_u in updates for row in rows_u]
-                    outputs = forward_logprobs(models, rows,
-                                               temperature=cfg.rollout.temperature,
-                                               chunk_size=cfg.train.log_prob_chunk_size)
+                    with _replay_recording(replay, "mismatch/"):
+                        outputs = forward_logprobs(models, rows,
+                                                   temperature=cfg.rollout.temperature,
+                                                   chunk_size=cfg.train.log_prob_chunk_size,
+                                                   routing_replay=replay)
                     for row, (logp, _) in zip(rows, outputs):
                         row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
                     mismatch = mismatch_metrics(rows, dp_group).as_dict()
 
-                with timer("update"), expert_load.recording():
+                with timer("update"), expert_load.recording(), _replay_recording(replay, "train/"):
                     offload.restore()
                     parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
                     for rows_u in updates:
-                        result = train_step(models, rows_u, loss_cfg)
+                        result = train_step(models, rows_u, loss_cfg, routing_replay=replay)
                         parts.append(result.metrics)
                         if not result.num_tokens:  # every group of this mini-batch was dropped
                             continue
@@ -164,7 +171,8 @@ def train(cfg: RunConfig) -> int:
                 metrics = {**sampled, **reduce_group_stats(group_stats, dp_group), **mismatch,
                            **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                            "train/skipped_updates_total": float(state.skipped_updates),
-                           **expert_load.metrics(), **engine_stats, **refit_stats, **eval_metrics,
+                           **expert_load.metrics(), **(replay.metrics() if replay else {}),
+                           **engine_stats, **refit_stats, **eval_metrics,
                            **timer.metrics(generated, trained_tokens, dp_size), **save_time}
                 logger.log(step, metrics)
                 bar.advance(metrics)
@@ -194,6 +202,13 @@ def train(cfg: RunConfig) -> int:
             for closer in (rollout and rollout.close, logger and logger.close):
                 if closer:
                     closer()
+
+
+def _replay_recording(replay: RoutingReplay | None, prefix: str):
+    """``replay.recording(prefix)``, or nothing without routing replay."""
+    import contextlib
+
+    return replay.recording(prefix) if replay is not None else contextlib.nullcontext()
 
 
 def _run_record(cfg: RunConfig, lr: float) -> dict:

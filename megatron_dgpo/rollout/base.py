@@ -6,7 +6,12 @@ trainer's sequences are ``packing.Sample``, built from them by ``experience.Expe
     logprobs   [T_i]  log pi_sample(token_t | prompt, tokens_<t) in float, where pi_sample is the
                       distribution the token was drawn from (temperature and top-p applied; with
                       the paper's temperature 1.0 and top-p 1.0 it is the model's log-softmax);
-    finish_reason     "stop" (a stop/eos token ended it) or "length" (max_tokens reached).
+    finish_reason     "stop" (a stop/eos token ended it) or "length" (max_tokens reached);
+    routed_experts    [P + T_i - 1, num_hidden_layers, topk] int16 or None: the global expert
+                      ids each MoE layer routed each input position to (the prompt's P tokens
+                      and the response but its last token, which is sampled and never fed),
+                      only from an engine asked to record them (routing replay,
+                      ``algorithm.routing_replay: r3``); a dense layer's column holds zeros.
 
 Seeds: ``generate(..., seed=s, n=n)`` gives prompt i the sampling seed ``s + i n`` (sample j
 then draws from stream ``s + i n + j``: no two samples of a call share one), so the same call
@@ -38,6 +43,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     extra: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):

@@ -22,14 +22,20 @@ from megatron_dgpo.rollout.placement import prompt_seeds
 
 def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int = 0,
                  max_model_len: int | None = None, placement: str | None = None,
-                 tensor_parallel_size: int | None = None, refitted: bool = False):
+                 tensor_parallel_size: int | None = None, refitted: bool = False,
+                 record_routing: bool = False):
     """The rollout engine ``config.engine`` on the HF folder ``model``: vLLM, or transformers'
     generate. ``max_model_len`` defaults to ``max_prompt_tokens + max_response_tokens``;
     ``placement`` and ``tensor_parallel_size`` default to the config's (the trainer passes the
     resolved engine TP; ``dgpo-eval``, which has no process group, asks for ``separate``).
     ``refitted``: the caller refits the engine before it generates (the trainer), so
-    ``config.dummy_weights`` applies; otherwise the engine always reads the checkpoint."""
+    ``config.dummy_weights`` applies; otherwise the engine always reads the checkpoint.
+    ``record_routing`` (``algorithm.routing_replay: r3``): every sample carries its MoE
+    routing (``VLLMConfig.record_routing``); the transformers engine cannot and refuses."""
     if config.engine == "hf":
+        if record_routing:
+            raise ValueError("algorithm.routing_replay: r3 needs the vllm engine (the "
+                             "transformers engine does not record its routers' choices)")
         from megatron_dgpo.rollout.hf_engine import HFEngine
 
         return HFEngine(str(model))
@@ -45,7 +51,7 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
         kv_cache_memory_bytes=config.kv_cache_memory_bytes, enforce_eager=config.enforce_eager,
         sleep_mode=config.sleep_mode, sleep_level=config.sleep_level,
         dummy_weights=config.dummy_weights if refitted else False,
-        engine_kwargs=config.engine_kwargs))
+        engine_kwargs=config.engine_kwargs, record_routing=record_routing))
 
 
 def reward_pool() -> RewardPool:
@@ -64,7 +70,8 @@ def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: lis
     with seed ``(train_seed << 40) + (prompts_consumed + p) * group_size``
     (``placement.prompt_seeds``: one stream per sample for the whole run).
     Every rank of a colocated engine must call this with the same arguments; the ranks without
-    a ``pool`` only take part in generation and return None.
+    a ``pool`` only take part in generation and return None. Samples that carry their routing
+    (``Completion.routed_experts``) hand it to ``Experience.routed_experts``.
     """
     share = [indices[p] for p in positions]
     groups = engine.generate([prompts[i][1] for i in share], n=config.group_size,
@@ -78,9 +85,11 @@ def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: lis
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     truths = [prompts[i][0].ground_truth for i in share for _ in range(config.group_size)]
     rewards = pool.score(texts, truths, grader="train") if samples else []
+    routed = [s.routed_experts for s in samples]
     return Experience(prompt_tokens=[list(prompts[i][1]) for i in share
                                      for _ in range(config.group_size)],
                       response_tokens=[list(s.token_ids) for s in samples],
                       rollout_logprobs=[list(s.logprobs) for s in samples],
                       rewards=[float(r) for r in rewards],
-                      truncated=[s.finish_reason == "length" for s in samples])
+                      truncated=[s.finish_reason == "length" for s in samples],
+                      routed_experts=routed if samples and routed[0] is not None else None)

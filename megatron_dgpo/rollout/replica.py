@@ -36,10 +36,12 @@ from megatron_dgpo.rollout.refit import RefitStats
 
 
 class ReplicaRollout:
-    """This rank's engine (if any), grader (if any) and part in each step's rollout."""
+    """This rank's engine (if any), grader (if any) and part in each step's rollout.
+    ``record_routing`` (``algorithm.routing_replay: r3``): the engines record each sample's
+    MoE routing, which travels in the ``Experience``."""
 
     def __init__(self, rollout: RolloutConfig, data_config: DataConfig, parallel: ParallelConfig,
-                 hf_dir: Path, *, seed: int, batch_prompts: int):
+                 hf_dir: Path, *, seed: int, batch_prompts: int, record_routing: bool = False):
         from megatron.core import parallel_state as ps
 
         seed_root(seed)  # an unusable train.seed fails here, not after the engine started
@@ -63,7 +65,7 @@ class ReplicaRollout:
             self.engine = build_engine(rollout, hf_dir, seed=seed,
                                        placement="colocated" if self.colocated else "separate",
                                        tensor_parallel_size=engine_tp if self.colocated else None,
-                                       refitted=True)
+                                       refitted=True, record_routing=record_routing)
         # an engine started from dummy weights (colocated on GPU) is filled by a refit first
         self.needs_first_refit = comm.any_rank(
             self.engine is not None and not self.engine.holds_weights, self.mp_group)

