@@ -217,8 +217,8 @@ class AlgorithmConfig:
     (Megatron's ``RouterReplay``; the gate weights still come from the current router, which
     keeps its gradient). The engine records the choices: vLLM's routed-experts output
     (``enable_return_routed_experts``) on GPU, a capture hook on vLLM's routers on CPU (a
-    colocated engine only, one request per sample, prefix caching off: slower sampling, the
-    ``eval`` section's too; measured on the tiny MoE job: 7-8 s of rollout instead of 0.6 s).
+    colocated engine only, with prefix caching off; on the tiny MoE job the rollout takes as
+    long as without it).
     Logged: ``mismatch/routing_replay_diff_frac`` (old-log-prob forward) and
     ``train/routing_replay_diff_frac`` (updates), the share of token-layers whose free routing
     would differ from the replayed one. Refused for a dense model and the ``hf`` engine.

@@ -70,7 +70,7 @@ def replay_checks(rank, world, hf_dir):
     out["local_experts"] = models[0].module.decoder.layers[0].mlp.num_local_experts
     engine = _engine(hf_dir, tp=1, record_routing=True)
 
-    # the cost of capture: one request per sample against vLLM's batched call (after a warm-up)
+    # the cost of capture: the same call with and without the hook (after a warm-up)
     sink, engine._routing_sink = engine._routing_sink, None
     engine.generate(PROMPTS, n=N, max_tokens=MAX_TOKENS, seed=SEED + 7)
     begin = time.perf_counter()

