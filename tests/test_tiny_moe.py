@@ -66,7 +66,8 @@ def test_the_tiny_moe_recipe_learns_the_task(tmp_path):
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 51))
     accuracy = [r["rollout/accuracy"] for r in records]
-    first, last = sum(accuracy[:5]) / 5, sum(accuracy[-10:]) / 10
-    # as the dense tiny job: a constant guess of one digit scores 10%, the random policy ~2%
-    assert last > 0.15 and last > 3 * first, (first, last)
+    # as the dense tiny job (tests/test_trainer.py): the second half of the run, against a
+    # constant guess of one digit (10%) and the random policy (~2%); measured 0.23
+    first, later = sum(accuracy[:5]) / 5, sum(accuracy[25:]) / 25
+    assert later > 0.15 and later > 3 * first, (first, later)
     assert all(r["mismatch/max_abs_diff"] < 1e-3 for r in records)
