@@ -32,8 +32,8 @@ test: $(STAMP) $(LAUNCH_STAMP)
 
 # Minutes-long end-to-end checks (marked slow), kept out of `make test` so that it stays well
 # inside CI's 30 minutes: the reproduction study at smoke size, the stop-signal runs of the
-# trainer, a checkpoint resumed at other layouts, pip's resolver on the GPU pins. CI runs it
-# after `make test`.
+# trainer, a checkpoint resumed at other layouts, pip's resolver on the GPU pins, the tiny MoE
+# job (EP=2 against EP=1, 50 steps learning, routing replay). CI runs it after `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests --ignore=tests/cluster
 

@@ -132,6 +132,7 @@ def test_replayed_routing_is_the_engines_and_differs_after_updates(tiny_moe):
     assert results[0]["c_diff_frac"] == results[1]["c_diff_frac"]  # reduced over DP
 
 
+@pytest.mark.slow  # two end-to-end runs (~70 s): make test stays well inside CI's 30 minutes
 def test_tiny_moe_recipe_runs_with_r3_at_ep2_and_ep1(tmp_path):
     from megatron_dgpo.telemetry import read_metrics
     from tests.test_tiny_moe import _train

@@ -2,10 +2,12 @@
 expert parallelism over 2 gloo ranks, one colocated vLLM engine per rank refitted with every
 expert (gathered over EP), real math-verify, checkpoints and the HF export.
 
+Both are ``make test-slow`` checks (end-to-end runs of a minute and more):
+
 * 3 steps at EP=2 on 2 ranks equal 3 steps at EP=1 on 1 rank (same samples; losses to float
   rounding), the engines stay on the trained policy after every refit, and the MoE telemetry
   is logged;
-* (slow) the recipe as written, 50 steps: the policy learns the built-in task as the dense
+* the recipe as written, 50 steps: the policy learns the built-in task as the dense
   tiny job does.
 """
 
@@ -31,6 +33,7 @@ def _train(run_dir, *overrides, ranks: int, timeout: int = 1200):
     return _run(args, launcher=launcher, timeout=timeout)
 
 
+@pytest.mark.slow  # two end-to-end runs (~80 s): make test stays well inside CI's 30 minutes
 def test_expert_parallel_run_equals_one_rank_and_engines_follow_the_policy(tmp_path):
     two, one = tmp_path / "ep2", tmp_path / "ep1"
     short = ["train.steps=3", "checkpoint.save_every=2"]
