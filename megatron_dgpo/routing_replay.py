@@ -94,11 +94,13 @@ class RoutingReplay:
         of its routers gets its layer's ids."""
         from megatron.core import parallel_state as ps
 
+        from megatron_dgpo.model import unwrap_model
+
         ids = mb.routed_experts
         if ids is None:
             raise ValueError("routing replay: the micro-batch carries no routed_experts (the "
                              "rollout engine recorded none)")
-        target = _unwrapped(model)
+        target = unwrap_model(model)
         routers = next((r for chunk, r in self._chunks if chunk is target), None)
         if routers is None:
             raise ValueError("routing replay: a model chunk this RoutingReplay was not built on")
@@ -189,9 +191,3 @@ class RoutingReplay:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _unwrapped(model):
-    from megatron_dgpo.model import unwrap_model
-
-    return unwrap_model(model)
