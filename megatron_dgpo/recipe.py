@@ -109,7 +109,8 @@ class RolloutConfig:
     ``placement: colocated`` (CPU too) an engine spans this many consecutive trainer ranks,
     which must lie in one DP replica's model-parallel group (it divides
     ``parallel.tensor_parallel``, or equals TP x PP when PP = 1 or DP = 1); the replica's
-    prompts are split over its engines. ``separate``: the GPUs of each replica leader's engine."""
+    prompts are split over its engines. ``separate``: the GPUs of each replica leader's engine.
+    ``dedicated``: GPUs per engine among the ``num_gpus`` rollout GPUs (None = 1)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights + KV cache when colocated (GPU)."""
     kv_cache_memory_bytes: int | None = None
@@ -118,11 +119,29 @@ class RolloutConfig:
     """Sequences vLLM decodes at once."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Any other ``vllm.LLM`` keyword argument."""
-    placement: Literal["colocated", "separate"] = "colocated"
+    placement: Literal["colocated", "separate", "dedicated"] = "colocated"
     """Where vLLM runs (engine ``vllm`` only). ``colocated``: inside the trainer's ranks
     (``external_launcher``), one engine per ``tensor_parallel_size`` consecutive ranks, sharing
     their GPUs (sleep mode frees its memory during training on GPU). ``separate``: an engine in
-    its own process, for machines or vLLM versions where colocation does not work."""
+    its own process on the replica leader's GPUs, for machines or vLLM versions where
+    colocation does not work. ``dedicated``: engines on GPUs of their own, the last
+    ``num_gpus`` ranks of the torchrun world, outside the trainer's (Megatron's) world; each
+    DP replica's leader drives its share of the engines and refits them by a weight broadcast
+    (NCCL on GPU, gloo on CPU); with ``max_staleness: 1`` generation overlaps training
+    (``megatron_dgpo.rollout.dedicated``)."""
+    num_gpus: int = 0
+    """``placement: dedicated`` only: GPUs (on CPU, processes) of the rollout engines, taken
+    from the end of the torchrun world (the SLURM script's ``ROLLOUT_NODES``); the trainer's
+    world is the rest. Engines are ``num_gpus / tensor_parallel_size`` (``tensor_parallel_size``
+    None: 1 GPU per engine); their count must be a multiple of the trainer's DP replicas (each
+    replica drives its own engines, so samples never cross DP)."""
+    max_staleness: Literal[0, 1] = 0
+    """Policy lag of the samples. 0: every step samples with the weights it starts from
+    (synchronous). 1 (``placement: dedicated``): one-step-off-policy, batch k+1 is generated
+    with the weights of step k-1 while the trainer updates on batch k, so generation and
+    training overlap; pi_old stays the trainer's policy at the start of the step and the
+    engine's log-probs feed ``algorithm.rollout_correction: tis`` (recommended) and the
+    mismatch metrics; ``rollout/staleness`` is logged."""
     enforce_eager: bool | None = None
     """vLLM without CUDA graphs. None: eager on CPU (required there), CUDA graphs on GPU; true
     saves the graphs' memory pool and capture time at some decode speed."""
@@ -144,8 +163,26 @@ class RolloutConfig:
     group goes alone); must stay below 4 GiB (vLLM's message limit for ``separate``)."""
 
     def __post_init__(self):
-        if self.placement not in ("colocated", "separate"):
-            raise ValueError(f"placement must be 'colocated' or 'separate', got {self.placement!r}")
+        if self.placement not in ("colocated", "separate", "dedicated"):
+            raise ValueError(f"placement must be 'colocated', 'separate' or 'dedicated', got "
+                             f"{self.placement!r}")
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness must be 0 (synchronous) or 1 (one-step-off-policy), "
+                             f"got {self.max_staleness!r}")
+        if self.placement == "dedicated":
+            if self.engine != "vllm":
+                raise ValueError(f"placement: dedicated needs engine: vllm, got {self.engine!r}")
+            tp = self.tensor_parallel_size or 1
+            if not (isinstance(self.num_gpus, int) and self.num_gpus >= 1 and self.num_gpus % tp == 0):
+                raise ValueError(f"num_gpus must be a positive multiple of tensor_parallel_size "
+                                 f"({tp}) with placement: dedicated (the engines' GPUs), got "
+                                 f"{self.num_gpus!r}")
+        elif self.num_gpus:
+            raise ValueError(f"num_gpus={self.num_gpus} is for placement: dedicated (engines on "
+                             f"GPUs of their own); placement is {self.placement!r}")
+        if self.max_staleness and self.placement != "dedicated":
+            raise ValueError(f"max_staleness: 1 needs placement: dedicated (generation overlaps "
+                             f"training only on GPUs of its own); placement is {self.placement!r}")
         if not (isinstance(self.refit_bucket_bytes, int) and 1 <= self.refit_bucket_bytes < (1 << 32) - 1):
             raise ValueError(f"refit_bucket_bytes must be an int in [1, 2**32 - 1) (below vLLM's "
                              f"4 GiB message limit), got {self.refit_bucket_bytes!r}")
