@@ -198,7 +198,7 @@ class AsyncSaver:
 def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, optimizer, *,
                     hf_config: dict, padded_vocab_size: int, dtype: torch.dtype,
                     hf_dir: str | None = None, keep_last: int = 2,
-                    saver: AsyncSaver | None = None) -> Path:
+                    saver: AsyncSaver | None = None, write_extra=None) -> Path:
     """Collective: write checkpoint ``step_<state.step>`` atomically; returns its path.
 
     ``state`` is written to ``trainer_state.json`` with ``extra.layout`` set to the current
@@ -210,6 +210,9 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
 
     With ``saver`` (``checkpoint.async_save``) the shards are written in the background and the
     returned path exists only once the saver has published it (``AsyncSaver``).
+
+    ``write_extra(folder)``, called on every rank, adds files to the staged checkpoint before it
+    is published (the batch a one-step-off run generated ahead, ``rollout.dedicated.save_ahead``).
     """
     from megatron.core import dist_checkpointing
 
@@ -240,6 +243,8 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         if rank0:
             write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
             _write_json(staging / STATE_FILE, record)
+        if write_extra is not None:
+            write_extra(staging)
         if saver is not None:
             request.add_finalize_fn(publish)  # runs after Megatron's own finalisation (metadata)
             with children_keep_running():  # the writer worker outlives SLURM's stop signals

@@ -16,12 +16,18 @@ onto the sender's device index. So:
 
 Every function is a no-op (returns its input) when torch.distributed is not initialised or the
 group has one rank, so single-process code paths need no branches.
+
+``PeerGroup`` is the one group outside the default world: a DP replica's leader and the ranks
+of its dedicated rollout engines (``rollout.placement: dedicated``), which live in two different
+default worlds (the trainer's and the engines'). It carries objects (host-pickled, on gloo)
+and weight buckets (on the device's backend: NCCL with CUDA tensors on GPUs, gloo on CPU).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -136,3 +142,85 @@ def _check_device(tensor: torch.Tensor, group) -> None:
     if tensor.device.type != want.type:
         raise RuntimeError(f"a {dist.get_backend(group)} collective needs tensors on {want.type}, got "
                            f"one on {tensor.device} (build it with comm.device_of(group))")
+
+
+OBJECT_CHUNK_BYTES = 256 << 20
+"""Largest single message of a pickled object on a ``PeerGroup``: a long rollout batch's samples
+(hundreds of MB of token lists) go in pieces, so no message approaches a transport's limit."""
+
+
+class PeerGroup:
+    """A process group of ``size`` ranks outside the default world, formed through ``store``
+    (torchrun's store of this attempt) under the key prefix ``name``; this rank is ``index``.
+
+    Two channels: objects always on gloo (pickled with tensors on the host, ``host_pickle``),
+    and tensors on ``device_backend`` (``"nccl"``: CUDA tensors; ``"gloo"``: the same group as
+    the objects, CPU tensors). Construction is collective: it returns once every member has
+    joined (within ``timeout``, which also bounds every later wait, e.g. an engine waiting for
+    the trainer's next command while it trains)."""
+
+    def __init__(self, store, name: str, index: int, size: int, *, device_backend: str,
+                 timeout: timedelta):
+        if not 0 <= index < size:
+            raise ValueError(f"PeerGroup {name}: index {index} outside [0, {size})")
+        self.name, self.index, self.size = name, index, size
+        self._objects = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/objects/", store),
+                                              index, size, timeout)
+        if device_backend == "nccl":  # GPU only: never run here
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._tensors = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/tensors/", store),
+                                                  index, size, options)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        elif device_backend == "gloo":
+            self._tensors, self.device = self._objects, torch.device("cpu")
+        else:
+            raise ValueError(f"PeerGroup {name}: device_backend must be nccl or gloo, got "
+                             f"{device_backend!r}")
+
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """In place: member ``root``'s ``tensor`` on every member (on ``self.device``)."""
+        if tensor.device.type != self.device.type:
+            raise RuntimeError(f"PeerGroup {self.name}: tensors travel on {self.device.type}, "
+                               f"got one on {tensor.device}")
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self._tensors.broadcast([tensor], options).wait()
+        return tensor
+
+    def broadcast_object(self, obj, root: int = 0):
+        """Member ``root``'s ``obj`` on every member (others pass anything, e.g. None)."""
+        payload = host_pickle(obj) if self.index == root else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self._broadcast_host(length, root)
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.index == root
+                  else torch.empty(int(length), dtype=torch.uint8))
+        for piece in _chunks(buffer):
+            self._broadcast_host(piece, root)
+        return obj if self.index == root else pickle.loads(buffer.numpy().tobytes())
+
+    def send_object(self, obj, dst: int) -> None:
+        """``obj`` to member ``dst`` (which calls ``recv_object(src=this index)``)."""
+        payload = host_pickle(obj)
+        self._objects.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, 0).wait()
+        for piece in _chunks(torch.frombuffer(bytearray(payload), dtype=torch.uint8)):
+            self._objects.send([piece], dst, 0).wait()
+
+    def recv_object(self, src: int):
+        """The object member ``src`` sends with ``send_object``."""
+        length = torch.empty(1, dtype=torch.int64)
+        self._objects.recv([length], src, 0).wait()
+        buffer = torch.empty(int(length), dtype=torch.uint8)
+        for piece in _chunks(buffer):
+            self._objects.recv([piece], src, 0).wait()
+        return pickle.loads(buffer.numpy().tobytes())
+
+    def _broadcast_host(self, tensor: torch.Tensor, root: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self._objects.broadcast([tensor], options).wait()
+
+
+def _chunks(buffer: torch.Tensor) -> list[torch.Tensor]:
+    """Views of a flat uint8 buffer, each at most ``OBJECT_CHUNK_BYTES`` (none if it is empty)."""
+    return [buffer[i:i + OBJECT_CHUNK_BYTES] for i in range(0, buffer.numel(), OBJECT_CHUNK_BYTES)]

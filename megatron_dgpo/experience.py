@@ -49,6 +49,8 @@ class Experience:
     ``losses.sample_loss_weights``; None: all 1). routed_experts[i] ([P_i + R_i - 1, layers,
     topk] int16, routing replay): the engine's global expert ids per input position (prompt and
     response but the last token) and layer; None when the engine recorded none.
+    policy_version: the trainer step whose weights the engine sampled with (0: the initial
+    weights), set by the rollout; the step that trains on the batch logs its staleness.
     """
 
     prompt_tokens: list[list[int]]
@@ -59,6 +61,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
     routed_experts: list[torch.Tensor] | None = None
+    policy_version: int | None = None
 
     def __len__(self) -> int:
         return len(self.response_tokens)

@@ -102,8 +102,13 @@ def default_backend() -> str:
 
 def init_distributed(backend: str | None = None, *,
                      timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
-                     watchdog_minutes: float | None = None, tensor_parallel: int = 1) -> None:
+                     watchdog_minutes: float | None = None, tensor_parallel: int = 1,
+                     rollout_ranks: int = 0) -> None:
     """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet.
+
+    ``rollout_ranks`` > 0 (``rollout.placement: dedicated``) splits torchrun's world in two
+    default worlds (``split_world``): the first ranks train (Megatron's world), the last
+    ``rollout_ranks`` run the engines; each rank's default group is its own side's.
 
     On a GPU it first sets what CUDA must see before its context exists
     (``gpu_config.cuda_launch_env(tensor_parallel)``; a value the user exported is kept).
@@ -122,6 +127,18 @@ def init_distributed(backend: str | None = None, *,
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes)
     store = _attempt_store(timeout)
+    if rollout_ranks:
+        side = split_world(rollout_ranks)
+        if store is None:
+            raise ValueError("rollout.placement: dedicated needs torchrun (its store joins the "
+                             "trainer's and the engines' ranks): start the job with torchrun and "
+                             "rollout.num_gpus extra ranks")
+        dist.init_process_group(backend or default_backend(), timeout=timeout,
+                                store=dist.PrefixStore(f"{side.role}/", store),
+                                rank=side.rank, world_size=side.size)
+        if watchdog_minutes is not None:  # one ring over both sides: a hung engine ends the job too
+            start_heartbeat(store, side.global_rank, side.global_size, timeout_s=60.0 * watchdog_minutes)
+        return
     if store is None:
         dist.init_process_group(backend or default_backend(), timeout=timeout)
     else:
@@ -142,6 +159,46 @@ def _set_cuda_launch_env(tensor_parallel: int) -> None:
             warnings.warn(f"{key}={value} is needed with tensor_parallel={tensor_parallel} but CUDA "
                           f"started before it could be set: export it in the launch script")
         os.environ[key] = value
+
+
+@dataclass(frozen=True)
+class WorldSide:
+    """This rank's side of a torchrun world split into trainer and rollout ranks."""
+
+    role: str
+    """``trainer`` (Megatron's world: torchrun ranks [0, size)) or ``rollout`` (the last ranks)."""
+    rank: int
+    """Rank in its side's default world."""
+    size: int
+    """Ranks on its side."""
+    global_rank: int
+    global_size: int
+    trainer_size: int
+
+
+def split_world(rollout_ranks: int) -> WorldSide:
+    """Which side this torchrun rank is on when the last ``rollout_ranks`` ranks run dedicated
+    engines (``rollout.num_gpus``). With static or c10d rendezvous torchrun numbers whole nodes
+    consecutively, so the rollout ranks are whole nodes when ``rollout_ranks`` is a multiple of
+    the GPUs per node."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    trainers = world - rollout_ranks
+    if not 0 < rollout_ranks < world:
+        raise ValueError(f"rollout.num_gpus={rollout_ranks} leaves no trainer rank in a torchrun "
+                         f"world of {world}: start num_gpus more ranks than the trainer needs")
+    if rank < trainers:
+        return WorldSide("trainer", rank, trainers, rank, world, trainers)
+    return WorldSide("rollout", rank - trainers, rollout_ranks, rank, world, trainers)
+
+
+def launch_store(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES):
+    """torchrun's store of this attempt (``_attempt_store``), shared by every rank of the job
+    whichever side it is on: where groups outside the default world meet (``comm.PeerGroup``)."""
+    store = _attempt_store(timedelta(minutes=timeout_minutes))
+    if store is None:
+        raise RuntimeError("no torchrun store: groups spanning the trainer and dedicated engines "
+                           "need the job started by torchrun")
+    return store
 
 
 def _attempt_store(timeout: timedelta):
@@ -197,3 +254,19 @@ def destroy_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+def engine_group(engine_tp: int):
+    """This rank's block of ``engine_tp`` consecutive ranks of the default world (a dedicated
+    vLLM engine's ranks, on the rollout side of ``split_world``). Every rank creates every
+    block's group, as ``torch.distributed.new_group`` requires."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % engine_tp:
+        raise ValueError(f"rollout.tensor_parallel_size={engine_tp} must divide the "
+                         f"{world} rollout ranks (rollout.num_gpus)")
+    mine = None
+    for start in range(0, world, engine_tp):
+        group = dist.new_group(list(range(start, start + engine_tp)))
+        if start <= rank < start + engine_tp:
+            mine = group
+    return mine

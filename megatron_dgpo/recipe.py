@@ -523,6 +523,12 @@ class RunConfig:
             raise ValueError(f"algorithm.routing_replay: {self.algorithm.routing_replay} needs an "
                              f"engine that records each token's expert choices; rollout.engine "
                              f"{self.rollout.engine!r} cannot (use rollout.engine: vllm)")
+        if self.rollout.placement == "dedicated":
+            for on, what in ((self.eval.enabled, "eval (held-out evaluation on the engines)"),
+                             (self.algorithm.routing_replay != "off", "algorithm.routing_replay")):
+                if on:
+                    raise ValueError(f"{what} does not run on dedicated engines yet: use "
+                                     f"rollout.placement: colocated for it")
         if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
             raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
                              f"exceed rollout.max_response_tokens "

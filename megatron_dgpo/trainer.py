@@ -34,8 +34,10 @@ from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.offload import TrainingStateOffload
 from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
-from megatron_dgpo.parallel import init_distributed, initialize_parallel
+from megatron_dgpo.parallel import init_distributed, initialize_parallel, split_world
 from megatron_dgpo.recipe import RunConfig, save_recipe
+from megatron_dgpo.rollout.dedicated import DedicatedRollout, load_ahead, save_ahead
+from megatron_dgpo.rollout.dedicated import serve as serve_engines
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
 from megatron_dgpo.rollout.mismatch import mismatch_metrics
 from megatron_dgpo.rollout.replica import ReplicaRollout
@@ -49,10 +51,14 @@ def train(cfg: RunConfig) -> int:
     or ``train.max_minutes`` ended it early (with a checkpoint of the last completed step)."""
     from megatron.core import parallel_state as ps
 
+    dedicated = cfg.rollout.placement == "dedicated"
+    if dedicated and split_world(cfg.rollout.num_gpus).role == "rollout":
+        return serve_engines(cfg)  # this rank is one of the engines' GPUs, not a trainer's
     budget = TimeBudget(cfg.train.max_minutes)
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
                      watchdog_minutes=cfg.parallel.watchdog_minutes,
-                     tensor_parallel=cfg.parallel.tensor_parallel)  # before any engine
+                     tensor_parallel=cfg.parallel.tensor_parallel,
+                     rollout_ranks=cfg.rollout.num_gpus)  # before any engine
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
     hf_dir = policy.initial_model(cfg.model, run_dir, cfg.train.seed)
@@ -69,6 +75,7 @@ def train(cfg: RunConfig) -> int:
     state = TrainerState(extra=_run_record(cfg, lr))
     if (latest := checkpoint_to_resume(run_dir / "checkpoints", cfg.checkpoint.resume)) is not None:
         state = load_checkpoint(latest, models, optimizer)
+    ahead_of_time = cfg.rollout.max_staleness > 0  # one-step-off: batch k+1 sampled during step k
     dp_size, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
     loss_cfg = LossConfig(method=cfg.algorithm.method, temperature=cfg.rollout.temperature,
                           hyperparams=cfg.algorithm.loss, chunk_size=cfg.train.log_prob_chunk_size,
@@ -85,13 +92,22 @@ def train(cfg: RunConfig) -> int:
             # held-out problems read and rendered on every rank before any engine starts
             evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, hf_dir, cfg.rollout)
                           if cfg.eval.enabled else None)
-            rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
-                                     batch_prompts=cfg.train.rollout_batch_prompts,
-                                     record_routing=r3)
+            if dedicated:  # engines on GPUs of their own, fed by a weight broadcast
+                rollout = DedicatedRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir,
+                                           seed=cfg.train.seed, version=state.step,
+                                           batch_prompts=cfg.train.rollout_batch_prompts)
+            else:
+                rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=cfg.train.seed,
+                                         batch_prompts=cfg.train.rollout_batch_prompts,
+                                         record_routing=r3, version=state.step)
             logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
             logger.truncate_after(state.step)
             if state.step or rollout.needs_first_refit:  # resumed, or an engine without weights
-                rollout.refit(models)
+                rollout.refit(models, version=state.step)
+            # the batch a stopped one-step-off run had generated ahead, sampled by the weights
+            # before its checkpoint's: the resumed run trains on exactly what it would have
+            ahead = (load_ahead(latest, replica_prompts=rollout.replica_prompts, group_size=group)
+                     if ahead_of_time else None)
             bar = telemetry.ProgressBar(cfg.train.steps, state.step,
                                         enabled=rank0 and cfg.logging.progress_bar)
 
@@ -101,7 +117,9 @@ def train(cfg: RunConfig) -> int:
                     save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
                                     hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
                                     dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
-                                    saver=saver)
+                                    saver=saver, write_extra=lambda folder: save_ahead(
+                                        folder, ahead, dp_rank=ps.get_data_parallel_rank(),
+                                        dp_size=dp_size, leader=getattr(rollout, "leader", False)))
                 return {"time/checkpoint": time.perf_counter() - begin}
 
             save_time, last_save_seconds, stopped = {}, 0.0, False
@@ -110,8 +128,12 @@ def train(cfg: RunConfig) -> int:
                 if saver is not None:
                     saver.poll()  # publish a background save that has finished on every rank
                 with timer("rollout"):
-                    batch, engine_stats, prompts_used = rollout.sample(
+                    batch, engine_stats, prompts_used = ahead or rollout.sample(
                         state.prompts_consumed, cfg.algorithm.refill_rounds)
+                    ahead = None
+                    if ahead_of_time and step < cfg.train.steps:  # the next batch, on the weights
+                        rollout.submit(state.prompts_consumed + prompts_used,  # of step - 1
+                                       cfg.algorithm.refill_rounds)
                     batch.advantages, adv_stats = group_advantages(
                         torch.tensor(batch.rewards), group, eps=cfg.algorithm.advantage_eps,
                         unbiased=cfg.algorithm.advantage_unbiased_std)
@@ -155,8 +177,11 @@ def train(cfg: RunConfig) -> int:
                     state.skipped_updates += skipped
                     offload.offload()  # before vLLM wakes for the refit and the next rollout
 
-                with timer("refit"):
-                    refit_stats = rollout.refit(models)
+                if ahead_of_time and rollout.submitted:
+                    with timer("rollout_wait"):  # the trainer idles until the engines are done
+                        ahead = rollout.collect()
+                with timer("refit"):  # the engines take step's weights between batches
+                    refit_stats = rollout.refit(models, version=step)
                 eval_metrics = {}
                 if evaluation is not None and cfg.eval.due(step, cfg.train.steps):
                     with timer("eval"):  # the refitted engines; outside time/step and throughput
@@ -172,6 +197,7 @@ def train(cfg: RunConfig) -> int:
                            **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, lr),
                            "train/skipped_updates_total": float(state.skipped_updates),
                            **expert_load.metrics(), **(replay.metrics() if replay else {}),
+                           "rollout/staleness": float(step - 1 - batch.policy_version),
                            **engine_stats, **refit_stats, **eval_metrics,
                            **timer.metrics(generated, trained_tokens, dp_size), **save_time}
                 logger.log(step, metrics)

@@ -23,7 +23,7 @@ from megatron_dgpo.rollout.placement import prompt_seeds
 def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int = 0,
                  max_model_len: int | None = None, placement: str | None = None,
                  tensor_parallel_size: int | None = None, refitted: bool = False,
-                 record_routing: bool = False):
+                 record_routing: bool = False, dedicated: bool = False):
     """The rollout engine ``config.engine`` on the HF folder ``model``: vLLM, or transformers'
     generate. ``max_model_len`` defaults to ``max_prompt_tokens + max_response_tokens``;
     ``placement`` and ``tensor_parallel_size`` default to the config's (the trainer passes the
@@ -31,7 +31,10 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
     ``refitted``: the caller refits the engine before it generates (the trainer), so
     ``config.dummy_weights`` applies; otherwise the engine always reads the checkpoint.
     ``record_routing`` (``algorithm.routing_replay: r3``): every sample carries its MoE
-    routing (``VLLMConfig.record_routing``); the transformers engine cannot and refuses."""
+    routing (``VLLMConfig.record_routing``); the transformers engine cannot and refuses.
+    ``dedicated`` (``rollout.placement: dedicated``, on an engine rank): in process over the
+    engine ranks' own world, never asleep (its GPUs are its own), started from random weights
+    that the trainer's first broadcast replaces."""
     if config.engine == "hf":
         if record_routing:
             raise ValueError("algorithm.routing_replay: r3 needs the vllm engine (the "
@@ -49,8 +52,8 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
         placement=placement or config.placement, refit_bucket_bytes=config.refit_bucket_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes, enforce_eager=config.enforce_eager,
-        sleep_mode=config.sleep_mode, sleep_level=config.sleep_level,
-        dummy_weights=config.dummy_weights if refitted else False,
+        sleep_mode=False if dedicated else config.sleep_mode, sleep_level=config.sleep_level,
+        dummy_weights=True if dedicated else config.dummy_weights if refitted else False,
         engine_kwargs=config.engine_kwargs, record_routing=record_routing))
 
 

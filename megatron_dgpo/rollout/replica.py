@@ -1,9 +1,9 @@
 """One data-parallel replica's rollout, as the trainer drives it:
 
     rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=..., batch_prompts=...)
-    if resumed or rollout.needs_first_refit: rollout.refit(models)
+    if resumed or rollout.needs_first_refit: rollout.refit(models, version=step)
     batch, metrics, used = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
-    metrics = rollout.refit(models)                     # each engine from its own model-parallel group
+    metrics = rollout.refit(models, version=step)       # each engine from its own model-parallel group
     rollout.close()
 
 Every rank constructs it and calls every method (they are collective). Where the engines sit
@@ -41,11 +41,13 @@ class ReplicaRollout:
     MoE routing, which travels in the ``Experience``."""
 
     def __init__(self, rollout: RolloutConfig, data_config: DataConfig, parallel: ParallelConfig,
-                 hf_dir: Path, *, seed: int, batch_prompts: int, record_routing: bool = False):
+                 hf_dir: Path, *, seed: int, batch_prompts: int, record_routing: bool = False,
+                 version: int = 0):
         from megatron.core import parallel_state as ps
 
         seed_root(seed)  # an unusable train.seed fails here, not after the engine started
         self.config, self.seed, self.batch_prompts = rollout, seed, batch_prompts
+        self.version = version  # the step whose weights the engines hold
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.mp_group = ps.get_model_parallel_group()
         self.colocated = rollout.engine == "vllm" and rollout.placement == "colocated"
@@ -125,6 +127,7 @@ class ReplicaRollout:
                 sleep()
         # A rank that graded nothing takes its replica's samples from the ranks that did.
         batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(self.mp_group)
+        batch.policy_version = self.version
         metrics = self._engine_metrics(piece, generation_s)
         if refill_rounds:
             metrics.update({"rollout/refill_rounds": float(rounds),
@@ -151,8 +154,8 @@ class ReplicaRollout:
                 flags[position] = float(not keep[k * self.config.group_size])
         return comm.reduce_values(flags, "max") > 0
 
-    def refit(self, models: list) -> dict[str, float]:
-        """Stream the trained weights into this rank's engine, a collective over the replica's
+    def refit(self, models: list, version: int) -> dict[str, float]:
+        """Stream the trained weights (of step ``version``) into this rank's engine, a collective over the replica's
         model-parallel group only (each replica feeds its own engines): colocated engines take
         the full HF tensors on every rank (each engine rank slices its TP shard); a separate or
         transformers engine on the replica leader takes them there. Returns ``refit/buckets``,
@@ -166,6 +169,7 @@ class ReplicaRollout:
             for _ in pairs:  # the other ranks take part in the gathers
                 pass
             stats = None
+        self.version = version
         keys = tuple(RefitStats().as_metrics())
         values = comm.reduce_values([stats.as_metrics()[k] if stats is not None else 0.0 for k in keys], "max")
         return dict(zip(keys, values.tolist())) if values.any() else {}

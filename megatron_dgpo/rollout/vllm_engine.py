@@ -595,15 +595,32 @@ class VLLMEngine(RolloutEngine):
         ``last_refit``) the refit's ``RefitStats``. After a refit that raised, ``generate`` is
         refused until a refit succeeds (the engine may hold a mix of old and new weights).
         """
-        self._check_open()
-        self._wake(["weights"])
-        load = self._load_bucket_in_process if self.colocated else self._load_bucket_via_rpc
-        self._weights_loaded = False  # a refit that fails midway leaves weights not to sample from
-        stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, load)
-        self._weights_loaded = True
-        self._after_refit()
+        self.begin_refit()
+        stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, self.load_bucket)
+        self.end_refit()
         self.last_refit = stats
         return stats
+
+    def begin_refit(self) -> None:
+        """Start a refit made of ``load_bucket`` calls (``update_weights`` is one; a dedicated
+        engine receives its buckets by broadcast): weights awake, sampling refused until
+        ``end_refit``."""
+        self._check_open()
+        self._wake(["weights"])
+        self._weights_loaded = False  # a refit that fails midway leaves weights not to sample from
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Reload one bucket of HF-named tensors, which must hold whole fused groups
+        (``refit.bucket_named_tensors`` cuts them so)."""
+        if self.colocated:
+            self._load_bucket_in_process(bucket)
+        else:
+            self._load_bucket_via_rpc(bucket)
+
+    def end_refit(self) -> None:
+        """Finish a refit: tied output layer re-derived, KV cache awake, prefix cache reset."""
+        self._weights_loaded = True
+        self._after_refit()
 
     def _load_bucket_in_process(self, bucket) -> None:
         if self._cpu:

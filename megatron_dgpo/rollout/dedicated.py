@@ -1,0 +1,494 @@
+"""Dedicated rollout engines: vLLM on GPUs of their own, outside the trainer's world, refitted by
+a weight broadcast, optionally generating one batch ahead (``rollout.placement: dedicated``).
+
+    torchrun world  [ trainer ranks 0 .. T-1           | rollout ranks T .. T+R-1              ]
+                      Megatron's world (TP x PP x DP)    E = R / t engines of t ranks (vLLM TP)
+
+``parallel.split_world`` gives each side its own default world, so Megatron and vLLM
+(``external_launcher`` over the rollout ranks, as a colocated engine) each see only their own
+ranks. DP replica d owns engines [d k, (d + 1) k), k = E / D, and talks to them through a
+``comm.PeerGroup`` of 1 + k t members: index 0 is the replica's leader (the first rank of its
+model-parallel group, where ``export_hf_weights(consumer="first")`` delivers the full HF
+tensors), then the engines' ranks in order. Only the replica's own samples reach it (samples
+never cross DP) and each replica refits its own engines: nothing funnels through global rank 0.
+
+Protocol: the leader broadcasts a command, every engine rank takes part.
+
+* ``start`` (once, ``hf_dir``): the engines build vLLM from the policy's config with random
+  weights (the first refit fills them) and load the prompts.
+* ``generate`` (``start``, ``positions``, ``batch_prompts``, ``refill_rounds``): engine i of
+  the replica samples its contiguous share of the replica's batch positions with the seeds of
+  their global prompt index (``placement.prompt_seeds``, so the samples are those of any other
+  placement), its leader grades them and *sends* them back. The trainer's leader receives them
+  when it needs them (``collect``): meanwhile the engines generate and the trainer trains.
+* ``refit`` (``version``), then per bucket ``bucket`` (the tensors' names, shapes, dtypes) and
+  one tensor broadcast of the bucket's bytes, then ``end``: the buckets are
+  ``refit.bucket_named_tensors``' (a fused q/k/v, gate/up or experts group is never split) and
+  each is reloaded in place as a colocated engine's (``VLLMEngine.load_bucket``). Every engine
+  rank answers ``ok`` or its error, which the leader raises.
+* ``stop``: the engines shut down and their ranks exit 0.
+
+One-step-off (``rollout.max_staleness: 1``, the trainer's loop): ``submit`` batch k+1 with the
+engines' weights of step k-1 before the update of step k, ``collect`` it after; the refit with
+step k's weights follows, between batches. A batch carries the version of the weights that
+sampled it (``Experience.policy_version``). The engines report the time they waited for a
+command before each batch (``time/engine_idle``) and their generation time
+(``time/engine_generate``); the trainer times its own wait (``time/rollout_wait``).
+A checkpoint keeps the batch generated ahead (``save_ahead``), so a resumed run continues with
+the very samples the uninterrupted run used.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo import comm, data
+from megatron_dgpo.advantages import drop_degenerate_groups
+from megatron_dgpo.convert import export_hf_weights
+from megatron_dgpo.experience import Experience, prompt_order
+from megatron_dgpo.optimizer import sync_params
+from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
+from megatron_dgpo.rollout.placement import shard_prompts
+from megatron_dgpo.rollout.refit import RefitStats, run_bucketed_refit
+
+AHEAD_DIR = "rollout_ahead"
+"""A checkpoint's folder for the batch generated ahead (one file per DP replica)."""
+
+_ALIGN = 16  # bytes: each tensor of a broadcast bucket starts aligned for any dtype's view
+
+
+@dataclass(frozen=True)
+class DedicatedLayout:
+    """Who drives which engine: ``num_engines`` engines of ``engine_tp`` rollout ranks, split
+    evenly over the trainer's ``dp_size`` replicas."""
+
+    rollout_ranks: int
+    engine_tp: int
+    dp_size: int
+
+    def __post_init__(self):
+        if self.rollout_ranks % self.engine_tp:
+            raise ValueError(f"rollout.num_gpus={self.rollout_ranks} must be a multiple of "
+                             f"rollout.tensor_parallel_size={self.engine_tp}")
+        if self.num_engines % self.dp_size:
+            raise ValueError(f"rollout.num_gpus={self.rollout_ranks} gives {self.num_engines} "
+                             f"engines of {self.engine_tp} GPUs, which must be a multiple of the "
+                             f"trainer's {self.dp_size} DP replicas (each replica drives its own)")
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_ranks // self.engine_tp
+
+    @property
+    def engines_per_replica(self) -> int:
+        return self.num_engines // self.dp_size
+
+    @property
+    def link_size(self) -> int:
+        """Members of a replica's ``PeerGroup``: its leader and its engines' ranks."""
+        return 1 + self.engines_per_replica * self.engine_tp
+
+    def replica_of(self, rollout_rank: int) -> int:
+        return rollout_rank // self.engine_tp // self.engines_per_replica
+
+    def link_index(self, rollout_rank: int) -> int:
+        return 1 + rollout_rank - self.replica_of(rollout_rank) * (self.link_size - 1)
+
+    def engine_in_replica(self, rollout_rank: int) -> int:
+        return rollout_rank // self.engine_tp % self.engines_per_replica
+
+    def link_name(self, replica: int) -> str:
+        return f"megatron_dgpo/rollout/replica{replica}"
+
+
+def _layout(rollout_config, parallel, trainer_size: int) -> DedicatedLayout:
+    return DedicatedLayout(rollout_config.num_gpus, rollout_config.tensor_parallel_size or 1,
+                           trainer_size // (parallel.tensor_parallel * parallel.pipeline_parallel))
+
+
+def _device_backend() -> str:
+    return "gloo" if comm.device_of().type == "cpu" else "nccl"
+
+
+# ------------------------------------------------------------------------------ engine side
+
+
+def serve(cfg) -> int:
+    """The main of a rollout rank (``RunConfig`` ``cfg``): join the rollout world and this
+    engine's replica, then run commands until ``stop``. Returns 0."""
+    from megatron_dgpo.parallel import engine_group, init_distributed, launch_store, split_world
+
+    rollout = cfg.rollout
+    init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
+                     watchdog_minutes=cfg.parallel.watchdog_minutes,
+                     tensor_parallel=rollout.tensor_parallel_size or 1,
+                     rollout_ranks=rollout.num_gpus)
+    side = split_world(rollout.num_gpus)
+    layout = _layout(rollout, cfg.parallel, side.trainer_size)
+    group = engine_group(layout.engine_tp)  # before the engine: a collective of the rollout world
+    replica = layout.replica_of(side.rank)
+    link = comm.PeerGroup(launch_store(cfg.parallel.timeout_minutes), layout.link_name(replica),
+                          layout.link_index(side.rank), layout.link_size,
+                          device_backend=_device_backend(),
+                          timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
+    server = _EngineServer(cfg, layout, link, group, leader=side.rank % layout.engine_tp == 0,
+                           engine_index=layout.engine_in_replica(side.rank))
+    try:
+        server.run()
+    finally:
+        server.close()
+    return 0
+
+
+class _EngineServer:
+    """One engine rank: builds vLLM on ``start``, then generates and refits on command."""
+
+    def __init__(self, cfg, layout: DedicatedLayout, link, group, *, leader: bool,
+                 engine_index: int):
+        self.cfg, self.layout, self.link, self.group = cfg, layout, link, group
+        self.leader, self.engine_index = leader, engine_index
+        self.engine = self.pool = None
+        self.version = 0
+
+    def run(self) -> None:
+        # idle: the wall time between two batches' reports not spent generating or refitting
+        # (waiting for a command, or for the trainer to take the previous batch)
+        last_report, busy = time.perf_counter(), 0.0
+        while True:
+            command = self.link.broadcast_object(None)
+            kind, begin = command["kind"], time.perf_counter()
+            if kind == "start":
+                self._start(Path(command["hf_dir"]))
+                last_report = time.perf_counter()
+            elif kind == "generate":
+                piece, stats = self._generate(command)
+                now = time.perf_counter()
+                stats["idle_s"] = max(now - last_report - busy - (now - begin), 0.0)
+                last_report, busy = now, 0.0
+                if self.leader:
+                    self.link.send_object((piece, stats), 0)
+            elif kind == "refit":
+                answer = self._refit(command["version"])
+                busy += time.perf_counter() - begin
+                self.link.send_object(answer, 0)
+            elif kind == "stop":
+                self.close()
+                self.link.send_object("stopped", 0)  # before the trainer exits: a trainer that
+                return  # exits 75 first would have torchrun kill this rank (-15)
+            else:
+                raise ValueError(f"dedicated engine: unknown command {kind!r}")
+
+    def _start(self, hf_dir: Path) -> None:
+        rollout = self.cfg.rollout
+        self.prompts, self.tokenizer = data.load_prompts(self.cfg.data, hf_dir,
+                                                         rollout.max_prompt_tokens)
+        self.engine = build_engine(rollout, hf_dir, seed=self.cfg.train.seed, placement="colocated",
+                                   tensor_parallel_size=self.layout.engine_tp, refitted=True,
+                                   dedicated=True)
+        if self.leader:
+            self.pool = reward_pool()
+            print(f"dgpo-train: dedicated engine {dist.get_rank() // self.layout.engine_tp} of "
+                  f"{self.layout.num_engines} (TP {self.layout.engine_tp}) on rollout rank "
+                  f"{dist.get_rank()}", file=sys.stderr, flush=True)
+
+    def _generate(self, command: dict) -> tuple[Experience | None, dict]:
+        """This engine's share of the replica's positions, with DAPO's refill rounds (a
+        position's fate depends only on its own stream: the same as on any placement)."""
+        start, batch_prompts = command["start"], command["batch_prompts"]
+        positions = command["positions"]
+        mine = [positions[j] for j in shard_prompts(len(positions), self.layout.engines_per_replica,
+                                                    self.engine_index)]
+        begin = time.perf_counter()
+        piece = self._sample(start, batch_prompts, mine)
+        rounds, discarded, group = 0, 0, self.cfg.rollout.group_size
+        while rounds < command["refill_rounds"]:
+            redo = comm.broadcast_object(
+                None if piece is None else
+                [k for k, keep in enumerate(drop_degenerate_groups(piece.rewards, group).keep[::group])
+                 if not keep], src=dist.get_rank() - dist.get_rank() % self.layout.engine_tp,
+                group=self.group)
+            if not redo:
+                break
+            rounds, discarded = rounds + 1, discarded + len(redo)
+            fresh = self._sample(start + rounds * batch_prompts, batch_prompts,
+                                 [mine[k] for k in redo])
+            if piece is not None:
+                piece = piece.replace_groups(redo, fresh, group)
+        if piece is not None:
+            piece.policy_version = self.version
+        tokens = sum(len(r) for r in piece.response_tokens) if piece is not None else 0
+        return piece, {"generation_s": time.perf_counter() - begin, "tokens": tokens,
+                       "prompts": len(mine), "rounds": rounds, "discarded": discarded}
+
+    def _sample(self, start: int, batch_prompts: int, positions: list[int]) -> Experience | None:
+        if not positions:
+            return Experience([], [], [], [], []) if self.leader else None
+        indices = prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
+        return generate_experience(self.engine, self.pool, self.tokenizer, self.prompts, indices,
+                                   positions, self.cfg.rollout, train_seed=self.cfg.train.seed,
+                                   prompts_consumed=start)
+
+    def _refit(self, version: int) -> str:
+        """Receive buckets until ``end`` and reload each; "ok" or the first error (the
+        remaining buckets are still received, so the trainer's broadcasts never hang)."""
+        error = None
+        try:
+            self.engine.begin_refit()
+        except Exception as exc:  # noqa: BLE001 - reported to the trainer, which raises
+            error = f"{type(exc).__name__}: {exc}"
+        while True:
+            message = self.link.broadcast_object(None)
+            if message["kind"] == "end":
+                break
+            bucket = receive_bucket(self.link, message["tensors"])
+            if error is None:
+                try:
+                    self.engine.load_bucket(bucket)
+                except Exception as exc:  # noqa: BLE001
+                    error = f"{type(exc).__name__}: {exc}"
+        if error is None:
+            try:
+                self.engine.end_refit()
+                self.version = version
+            except Exception as exc:  # noqa: BLE001
+                error = f"{type(exc).__name__}: {exc}"
+        return "ok" if error is None else f"rollout rank {dist.get_rank()}: {error}"
+
+    def close(self) -> None:
+        for closer in (self.engine and self.engine.shutdown, self.pool and self.pool.close):
+            if closer:
+                closer()
+        self.engine = self.pool = None
+
+
+# ------------------------------------------------------------------------ weight broadcast
+
+
+def _bucket_layout(meta: list) -> tuple[list[int], int]:
+    """Byte offsets of a bucket's tensors in its flat buffer (each aligned) and its size."""
+    offsets, size = [], 0
+    for _, shape, dtype in meta:
+        offsets.append(size)
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=_dtype(dtype)).element_size()
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def send_bucket(link, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    """Leader: one bucket of HF tensors to every engine rank: its names, shapes and dtypes as an
+    object, then its bytes as one tensor broadcast on the device's backend."""
+    meta = [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket]
+    link.broadcast_object({"kind": "bucket", "tensors": meta})
+    offsets, size = _bucket_layout(meta)
+    flat = torch.empty(size, dtype=torch.uint8, device=link.device)
+    for (_, tensor), offset in zip(bucket, offsets):
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[offset:offset + raw.numel()].copy_(raw)
+    link.broadcast_(flat, 0)
+
+
+def receive_bucket(link, meta: list) -> list[tuple[str, torch.Tensor]]:
+    """Engine rank: the bucket ``send_bucket`` broadcasts, as (name, tensor) views of one buffer
+    on this rank's device."""
+    offsets, size = _bucket_layout(meta)
+    flat = link.broadcast_(torch.empty(size, dtype=torch.uint8, device=link.device), 0)
+    pairs = []
+    for (name, shape, dtype), offset in zip(meta, offsets):
+        dtype = _dtype(dtype)
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        pairs.append((name, flat[offset:offset + nbytes].view(dtype).view(shape)))
+    return pairs
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+
+class DedicatedRollout:
+    """The trainer ranks' handle on their replica's dedicated engines; the same calls as
+    ``ReplicaRollout`` (``sample``, ``refit``, ``close``) plus ``submit`` / ``collect`` for the
+    one-step-off loop. Every trainer rank constructs it and calls every method (collective over
+    the trainer's world); only each replica's leader talks to the engines."""
+
+    def __init__(self, rollout, data_config, parallel, hf_dir: Path, *, seed: int,
+                 batch_prompts: int, version: int = 0):
+        from megatron.core import parallel_state as ps
+
+        from megatron_dgpo.parallel import launch_store
+
+        self.config, self.batch_prompts, self.version = rollout, batch_prompts, version
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.mp_group = ps.get_model_parallel_group()
+        self.layout = _layout(rollout, parallel, dist.get_world_size())
+        self.replica_prompts = shard_prompts(batch_prompts, dp_size, dp_rank)
+        self.leader = dist.get_rank() == min(dist.get_process_group_ranks(self.mp_group))
+        self.needs_first_refit = True  # the engines start from random weights
+        self.link, self._submitted, self._in_protocol = None, False, False
+        if self.leader:
+            self.link = comm.PeerGroup(launch_store(parallel.timeout_minutes),
+                                       self.layout.link_name(dp_rank), 0, self.layout.link_size,
+                                       device_backend=_device_backend(),
+                                       timeout=timedelta(minutes=parallel.timeout_minutes))
+            self.link.broadcast_object({"kind": "start", "hf_dir": str(hf_dir)})
+            print(f"dgpo-train: rank {dist.get_rank()} (DP replica {dp_rank}) drives "
+                  f"{self.layout.engines_per_replica} dedicated engine(s) of TP "
+                  f"{self.layout.engine_tp}, one of {self.layout.num_engines}; samples batch "
+                  f"positions {self.replica_prompts.start}..{self.replica_prompts.stop - 1} of "
+                  f"{batch_prompts}", file=sys.stderr, flush=True)
+
+    @property
+    def submitted(self) -> bool:
+        """A batch was submitted and not collected yet."""
+        return self._submitted
+
+    def submit(self, prompts_consumed: int, refill_rounds: int = 0) -> None:
+        """Start the engines on the batch that begins at stream position ``prompts_consumed``
+        (with the weights they hold); returns at once."""
+        if self._submitted:
+            raise RuntimeError("DedicatedRollout.submit: the previous batch was not collected")
+        if self.leader:
+            self._in_protocol = True
+            self.link.broadcast_object({"kind": "generate", "start": int(prompts_consumed),
+                                        "positions": list(self.replica_prompts),
+                                        "batch_prompts": self.batch_prompts,
+                                        "refill_rounds": int(refill_rounds)})
+        self._submitted, self._refill = True, refill_rounds
+
+    def collect(self) -> tuple[Experience, dict[str, float], int]:
+        """The submitted batch (``ReplicaRollout.sample``'s triple): waits for the engines,
+        then shares the replica's samples inside its model-parallel group. Collective."""
+        if not self._submitted:
+            raise RuntimeError("DedicatedRollout.collect: nothing was submitted")
+        pieces, stats = [], []
+        if self.leader:
+            for i in range(self.layout.engines_per_replica):
+                piece, engine_stats = self.link.recv_object(1 + i * self.layout.engine_tp)
+                pieces.append(piece)
+                stats.append(engine_stats)
+            self._in_protocol = False
+        self._submitted = False
+        batch = (Experience.join(pieces) if self.leader else None)
+        batch = (batch if batch is not None else Experience([], [], [], [], [])).gather(self.mp_group)
+        batch.policy_version = comm.broadcast_object(
+            pieces[0].policy_version if self.leader else None,
+            src=min(dist.get_process_group_ranks(self.mp_group)), group=self.mp_group)
+        return batch, *self._metrics(stats)
+
+    def sample(self, prompts_consumed: int, refill_rounds: int = 0
+               ) -> tuple[Experience, dict[str, float], int]:
+        """Synchronous: ``submit`` then ``collect``."""
+        self.submit(prompts_consumed, refill_rounds)
+        return self.collect()
+
+    def _metrics(self, stats: list[dict]) -> tuple[dict[str, float], int]:
+        """World-reduced engine metrics of a batch, and the prompts of the stream it used."""
+        sums = torch.zeros(5, dtype=torch.float64)  # rate sum, engines, idle sum, discarded, active
+        maxima = torch.zeros(2, dtype=torch.float64)  # generation seconds, refill rounds
+        for s in stats:
+            if s["prompts"]:
+                sums[0] += s["tokens"] / max(s["generation_s"], 1e-9)
+                sums[1] += 1
+                sums[4] += 1
+            sums[2] += s["idle_s"]
+            sums[3] += s["discarded"]
+            maxima[0] = max(maxima[0], s["generation_s"])
+            maxima[1] = max(maxima[1], s["rounds"])
+        sums, maxima = comm.reduce_values(sums, "sum"), comm.reduce_values(maxima, "max")
+        metrics = {"rollout/engines": float(sums[4]),
+                   "throughput/generation_tokens_per_s_per_engine": float(sums[0] / max(sums[1], 1.0)),
+                   "time/engine_generate": float(maxima[0]),
+                   "time/engine_idle": float(sums[2] / self.layout.num_engines)}
+        if self._refill:
+            metrics.update({"rollout/refill_rounds": float(maxima[1]),
+                            "rollout/discarded_groups": float(sums[3])})
+        return metrics, (1 + int(maxima[1])) * self.batch_prompts
+
+    def refit(self, models: list, version: int) -> dict[str, float]:
+        """Broadcast the trained weights (step ``version``) to this replica's engines, in the
+        colocated refit's buckets; between batches only. Collective (trainer world); returns
+        ``refit/*`` as ``ReplicaRollout.refit``."""
+        if self._submitted:
+            raise RuntimeError("DedicatedRollout.refit: collect the batch in flight first (the "
+                               "engines take weights between batches)")
+        sync_params(models)
+        pairs = export_hf_weights(models, consumer="first")
+        stats = None
+        if self.leader:
+            self._in_protocol = True
+            self.link.broadcast_object({"kind": "refit", "version": int(version)})
+            stats = run_bucketed_refit(pairs, self.config.refit_bucket_bytes,
+                                       lambda bucket: send_bucket(self.link, bucket))
+            self.link.broadcast_object({"kind": "end"})
+            answers = [self.link.recv_object(i) for i in range(1, self.layout.link_size)]
+            self._in_protocol = False
+            errors = [a for a in answers if a != "ok"]
+            if errors:
+                raise RuntimeError(f"refit of the dedicated engines failed: {errors[0]}")
+        else:
+            for _ in pairs:  # the other ranks take part in the gathers
+                pass
+        self.version = version
+        self.needs_first_refit = False
+        keys = tuple(RefitStats().as_metrics())
+        values = comm.reduce_values([stats.as_metrics()[k] if stats is not None else 0.0
+                                     for k in keys], "max")
+        return dict(zip(keys, values.tolist()))
+
+    def close(self) -> None:
+        """Stop the engines (their ranks exit 0). After an error in the middle of a command the
+        engines are left to torchrun, which ends them with the failing trainer."""
+        if self.link is not None and not self._in_protocol and not self._submitted:
+            self.link.broadcast_object({"kind": "stop"})
+            for i in range(1, self.layout.link_size):  # every engine rank has shut down
+                self.link.recv_object(i)
+        self.link = None
+
+
+# ----------------------------------------------------------------- the batch generated ahead
+
+
+def save_ahead(folder: Path, ahead, *, dp_rank: int, dp_size: int, leader: bool) -> None:
+    """Into a checkpoint being written (``folder``): this replica's batch generated ahead
+    (``collect``'s triple), written by the replica's leader."""
+    if ahead is None or not leader:
+        return
+    batch, metrics, used = ahead
+    (folder / AHEAD_DIR).mkdir(exist_ok=True)
+    torch.save({"batch": {k: v for k, v in vars(batch).items()
+                          if k not in ("advantages", "loss_weights")},
+                "metrics": metrics, "prompts_used": used, "dp_size": dp_size},
+               folder / AHEAD_DIR / f"replica{dp_rank}.pt")
+
+
+def load_ahead(checkpoint: Path | None, *, replica_prompts: range, group_size: int):
+    """The batch a checkpoint saved as generated ahead, cut to this replica's prompts (the
+    saving run may have had another DP size: the replicas' files are joined in order, which
+    is the batch's position order), or None when it has none."""
+    folder = None if checkpoint is None else Path(checkpoint) / AHEAD_DIR
+    if folder is None or not folder.is_dir():
+        return None
+    first = torch.load(folder / "replica0.pt", weights_only=False)
+    saved = [first] + [torch.load(folder / f"replica{d}.pt", weights_only=False)
+                       for d in range(1, first["dp_size"])]
+    batches = []
+    for record in saved:
+        batch = Experience(**{k: v for k, v in record["batch"].items() if k != "policy_version"})
+        batch.policy_version = record["batch"].get("policy_version")
+        batches.append(batch)
+    joined = Experience.join(batches)
+    lo, hi = replica_prompts.start * group_size, replica_prompts.stop * group_size
+    mine = Experience(joined.prompt_tokens[lo:hi], joined.response_tokens[lo:hi],
+                      joined.rollout_logprobs[lo:hi], joined.rewards[lo:hi], joined.truncated[lo:hi],
+                      routed_experts=None if joined.routed_experts is None else joined.routed_experts[lo:hi])
+    mine.policy_version = batches[0].policy_version
+    return mine, first["metrics"], first["prompts_used"]
