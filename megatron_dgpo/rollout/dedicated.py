@@ -40,6 +40,7 @@ the very samples the uninterrupted run used.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -464,10 +465,12 @@ def save_ahead(folder: Path, ahead, *, dp_rank: int, dp_size: int, leader: bool)
         return
     batch, metrics, used = ahead
     (folder / AHEAD_DIR).mkdir(exist_ok=True)
-    torch.save({"batch": {k: v for k, v in vars(batch).items()
-                          if k not in ("advantages", "loss_weights")},
-                "metrics": metrics, "prompts_used": used, "dp_size": dp_size},
-               folder / AHEAD_DIR / f"replica{dp_rank}.pt")
+    with open(folder / AHEAD_DIR / f"replica{dp_rank}.pt", "wb") as handle:
+        torch.save({"batch": {k: v for k, v in vars(batch).items()
+                              if k not in ("advantages", "loss_weights")},
+                    "metrics": metrics, "prompts_used": used, "dp_size": dp_size}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())  # on disk before the checkpoint is published
 
 
 def load_ahead(checkpoint: Path | None, *, replica_prompts: range, group_size: int):
@@ -486,6 +489,11 @@ def load_ahead(checkpoint: Path | None, *, replica_prompts: range, group_size: i
         batch.policy_version = record["batch"].get("policy_version")
         batches.append(batch)
     joined = Experience.join(batches)
+    if len(joined) < replica_prompts.stop * group_size:
+        print(f"dgpo-train: {folder} holds {len(joined)} samples, fewer than this recipe's batch "
+              f"needs ({replica_prompts.stop} x {group_size}): the recipe changed, the next batch "
+              f"is sampled again", file=sys.stderr, flush=True)
+        return None
     lo, hi = replica_prompts.start * group_size, replica_prompts.stop * group_size
     mine = Experience(joined.prompt_tokens[lo:hi], joined.response_tokens[lo:hi],
                       joined.rollout_logprobs[lo:hi], joined.rewards[lo:hi], joined.truncated[lo:hi],
