@@ -150,3 +150,30 @@ def test_sigterm_keeps_the_batch_generated_ahead_and_the_rerun_equals_the_uninte
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for got, want in zip(records, read_metrics(off_policy_run)):
         _assert_same_metrics(got, want)  # wall-clock keys aside (the checkpoint's time too)
+
+
+def test_two_replicas_drive_their_own_tensor_parallel_engines_with_refill(tmp_path):
+    """6 ranks: a DP=2 trainer (2 ranks) and 2 dedicated engines of TP 2 (4 ranks), DAPO's refill
+    on (the engine's leader tells its TP peer which groups to sample again): each replica
+    drives its own engine on its half of the batch, and the samples, rewards and group
+    statistics equal one colocated rank's; the updates agree to float32 rounding (DP=2)."""
+    refill = ["algorithm.refill_rounds=1", "algorithm.drop_degenerate_groups=true",
+              "train.steps=2", "checkpoint.save_every=0"]
+    colocated, dedicated = tmp_path / "colocated", tmp_path / "dedicated"
+    _check(_train(colocated, *refill))
+    launcher = _launcher()
+    launcher[launcher.index("--nproc-per-node") + 1] = "6"
+    proc = _run(_job(dedicated, "rollout.placement=dedicated", "rollout.num_gpus=4",
+                     "rollout.tensor_parallel_size=2", *refill), launcher=launcher)
+    _check(proc)
+    shares = sorted(re.findall(r"drives 1 dedicated engine\(s\) of TP 2, one of 2; samples batch "
+                               r"positions (\d+)\.\.(\d+)", proc.stderr))
+    assert shares == [("0", "15"), ("16", "31")]
+    for got, want in zip(read_metrics(dedicated), read_metrics(colocated)):
+        assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
+        for prefix, rel in (("rollout/", 0.0), ("adv/", 1e-12), ("train/", 1e-4)):
+            _assert_same_metrics({k: v for k, v in got.items()
+                                  if k.startswith(prefix) and k != "rollout/engines"},
+                                 {k: v for k, v in want.items()
+                                  if k.startswith(prefix) and k != "rollout/engines"}, rel=rel)
+        assert got["rollout/refill_rounds"] == want["rollout/refill_rounds"] == 1.0  # it refilled
