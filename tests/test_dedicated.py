@@ -7,7 +7,9 @@ math-verify and Megatron-Core on gloo.
 * ``max_staleness: 1``: batch k+1 is sampled with the weights of step k-1 (the engine's log-probs
   of the batch a checkpoint holds as generated ahead, against an HF export of each step's
   checkpoint through transformers), staleness and TIS are logged and applied;
-* a SIGTERM to the job after step 3: the trainer stops at the step boundary with a checkpoint
+* 6 ranks, a DP=2 trainer and two TP-2 engines, with DAPO's refill: each replica drives its own
+  engine, and the samples equal one colocated rank's;
+* a SIGTERM to the trainer after step 3: the trainer stops at the step boundary with a checkpoint
   that holds the batch generated ahead, the engine exits when told, and the same command
   continues to exactly the uninterrupted run.
 """
