@@ -112,7 +112,8 @@ class RolloutConfig:
     prompts are split over its engines. ``separate``: the GPUs of each replica leader's engine.
     ``dedicated``: GPUs per engine among the ``num_gpus`` rollout GPUs (None = 1)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take for weights + KV cache when colocated (GPU)."""
+    """Fraction of GPU memory vLLM may take for weights + KV cache (GPU). Colocated engines
+    share it with training; dedicated engines own their GPUs (0.85-0.9 is usual there)."""
     kv_cache_memory_bytes: int | None = None
     """KV-cache size in bytes; required by vLLM on CPU (default there 256 MiB)."""
     max_num_seqs: int = 256

@@ -129,7 +129,7 @@ def serve(cfg) -> int:
     rollout = cfg.rollout
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
                      watchdog_minutes=cfg.parallel.watchdog_minutes,
-                     tensor_parallel=rollout.tensor_parallel_size or 1,
+                     tensor_parallel=1,  # Megatron's CUDA_DEVICE_MAX_CONNECTIONS is not vLLM's
                      rollout_ranks=rollout.num_gpus)
     side = split_world(rollout.num_gpus)
     layout = _layout(rollout, cfg.parallel, side.trainer_size)
