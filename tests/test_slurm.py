@@ -1,6 +1,7 @@
 """slurm/: every script parses (bash -n), passes shellcheck, and the training script's dry run
 resolves the srun/torchrun lines of a 2-node x 8-GPU allocation (off-cluster: a stand-in
-``scontrol`` on PATH answers ``scontrol show hostnames``)."""
+``scontrol`` on PATH answers ``scontrol show hostnames``), with dedicated rollout nodes
+(``ROLLOUT_NODES``) or without."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _dry_run(tmp_path, *args: str, **env_overrides: str) -> subprocess.Completed
     env.update(PATH=f"{fake_bin}:{env['PATH']}", DRY_RUN="1", SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="gpu-[017-018]", SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="8",
                RECIPE="recipes/dgpo_14b.yaml")
-    env.pop("GPUS_PER_NODE", None), env.pop("NODES", None)
+    env.pop("GPUS_PER_NODE", None), env.pop("NODES", None), env.pop("ROLLOUT_NODES", None)
     env.update(env_overrides)
     return subprocess.run(["bash", "slurm/train.sbatch", *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=60)
@@ -89,6 +90,46 @@ def test_dry_run_follows_the_environment(tmp_path):
             f"--container-workdir={ROOT}"} <= set(argv)
     assert {"/opt/venv/bin/torchrun", "--nnodes=1", "--nproc-per-node=4",
             f"--rdzv-endpoint={HOSTS[0]}:6000"} <= set(argv)
+
+
+# The command of a colocated job, byte for byte as the script printed it before ROLLOUT_NODES.
+COLOCATED_DRY_RUN = (
+    "mkdir -p logs/4242\n"
+    "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --output=logs/4242/%N.log torchrun --nnodes=2 "
+    "--nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=gpu-017:29500 --rdzv-id=4242-0 --max-restarts=0 "
+    "--signals-to-handle=SIGTERM\\,SIGINT\\,SIGHUP\\,SIGQUIT\\,SIGUSR1 --shutdown-timeout=600 "
+    "-m megatron_dgpo.train recipes/dgpo_14b.yaml train.steps=3 run_dir=/scratch/dgpo\\ runs/14b \n")
+
+
+@pytest.mark.parametrize("rollout_nodes", [None, "0"])
+def test_without_rollout_nodes_the_command_is_unchanged(tmp_path, rollout_nodes):
+    env = {} if rollout_nodes is None else {"ROLLOUT_NODES": rollout_nodes}
+    result = _dry_run(tmp_path, "train.steps=3", "run_dir=/scratch/dgpo runs/14b", **env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == COLOCATED_DRY_RUN
+
+
+def test_dedicated_rollout_nodes_are_the_last_ranks_before_the_overrides(tmp_path):
+    overrides = ["train.steps=3", "rollout.num_gpus=16"]  # a later override wins in the trainer
+    result = _dry_run(tmp_path, *overrides, ROLLOUT_NODES="1", NODES="2", GPUS_PER_NODE="8")
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    # the world is every node's ranks (torchrun numbers each node's 8 consecutively), the trainer
+    # learns that the last 8 of them, one whole node, are its engines
+    assert {"--nodes=2", "--nnodes=2", "--nproc-per-node=8"} <= set(argv)
+    assert argv[argv.index("-m"):] == ["-m", "megatron_dgpo.train", "recipes/dgpo_14b.yaml",
+                                       "rollout.placement=dedicated", "rollout.num_gpus=8", *overrides]
+    result = _dry_run(tmp_path, ROLLOUT_NODES="3", NODES="4", GPUS_PER_NODE="4", SLURM_JOB_NUM_NODES="4")
+    assert result.returncode == 0, result.stderr
+    assert "rollout.placement=dedicated rollout.num_gpus=12" in result.stdout
+
+
+@pytest.mark.parametrize("rollout_nodes", ["2", "5", "-1", "one", "1.5", " "])
+def test_rollout_nodes_must_leave_a_trainer_node(tmp_path, rollout_nodes):
+    result = _dry_run(tmp_path, ROLLOUT_NODES=rollout_nodes, NODES="2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"ROLLOUT_NODES={rollout_nodes}" in result.stderr and "NODES=2" in result.stderr
+    assert "srun" not in result.stdout
 
 
 @pytest.mark.parametrize("env, message", [
