@@ -1,14 +1,18 @@
 """tools/launch.py (NeMo-Run), run with the launch environment's python (.venv-launch, made by
 tools/setup_launch_env.sh): the Slurm executor's dry run writes an sbatch script with the asked
-resources and the trainer command; the local executor runs the tiny recipe for one real step."""
+resources and the trainer command, with dedicated rollout nodes or processes as two overrides put
+before the command line's; the local executor runs the tiny recipe for one real step."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_PYTHON = ROOT / ".venv-launch" / "bin" / "python"
@@ -48,6 +52,63 @@ def test_slurm_executor_needs_an_account(tmp_path):
     result = _launch("--executor", "slurm", "recipes/dgpo_14b.yaml", "--job-dir", str(tmp_path),
                      "--dry-run", timeout=120)
     assert result.returncode != 0 and "--account" in result.stderr
+
+
+def _torchrun_argv(script_text: str) -> list[str]:
+    srun = shlex.split(next(line for line in script_text.splitlines() if line.startswith("srun ")))
+    return srun[srun.index("torchrun"):]
+
+
+def test_rollout_nodes_become_the_trainers_first_overrides(tmp_path):
+    # the module docstring's example, in a job dir of the test's own
+    overrides = ["rollout.max_staleness=1", "algorithm.rollout_correction=tis"]
+    result = _launch("--executor", "slurm", "recipes/dgpo_14b.yaml", *overrides, "--rollout-nodes", "2",
+                     "--account", "ACC", "--partition", "batch", "--nodes", "4",
+                     "--container-image", "nvcr.io/me/dgpo:latest", "--dry-run", "--job-dir", str(tmp_path),
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    script = Path(re.search(r"sbatch script written to (\S+) \(not submitted\)", result.stdout).group(1))
+    text = script.read_text()
+    assert "#SBATCH --nodes=4" in text.splitlines()  # the engines' node is part of the job
+    torchrun = _torchrun_argv(text)
+    assert torchrun[torchrun.index("--nnodes") + 1] == "4"
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "8"
+    assert torchrun[torchrun.index("-m"):] == ["-m", "megatron_dgpo.train", "recipes/dgpo_14b.yaml",
+                                               "rollout.placement=dedicated", "rollout.num_gpus=16", *overrides]
+    # a layout the trainer accepts: 16 trainer GPUs at TP 4 are 4 DP replicas, 16 engine GPUs at
+    # the recipe's engine TP 4 are 4 engines, one per replica
+    from megatron_dgpo.recipe import load_recipe
+    from megatron_dgpo.rollout.dedicated import _layout
+
+    cfg = load_recipe(ROOT / "recipes" / "dgpo_14b.yaml", torchrun[torchrun.index("-m") + 3:])
+    assert _layout(cfg.rollout, cfg.parallel, 4 * 8 - 16).engines_per_replica == 1
+
+
+def test_rollout_gpus_of_the_local_executor(tmp_path):
+    result = subprocess.run([str(LAUNCH_PYTHON), "tools/launch.py", "recipes/tiny_cpu.yaml", "train.steps=1",
+                             "--nproc", "2", "--rollout-gpus", "1", "--job-dir", str(tmp_path), "--dry-run"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env=dict(os.environ, COLUMNS="300"))
+    assert result.returncode == 0, result.stderr
+    quoted = re.findall(r"'([^']*)'", result.stdout)  # NeMo-Run prints the torchrun app's arguments
+    assert quoted[quoted.index("--nproc-per-node") + 1] == "2"
+    start = quoted.index("megatron_dgpo.train")
+    assert quoted[start + 2:start + 5] == ["rollout.placement=dedicated", "rollout.num_gpus=1", "train.steps=1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--executor", "slurm", "--nodes", "2", "--rollout-nodes", "2"], "--rollout-nodes 2 must be between 1 and"),
+    (["--executor", "slurm", "--nodes", "2", "--rollout-nodes", "-1"], "--rollout-nodes -1 must be between 1 and"),
+    (["--executor", "slurm", "--nodes", "2", "--rollout-nodes", "one"], "argument --rollout-nodes: invalid int"),
+    (["--executor", "slurm", "--nodes", "2", "--rollout-gpus", "1"], "--rollout-gpus is not for --executor slurm"),
+    (["--nproc", "2", "--rollout-gpus", "2"], "--rollout-gpus 2 must be between 1 and --nproc - 1 = 1"),
+    (["--nproc", "2", "--rollout-nodes", "1"], "--rollout-nodes is not for --executor local"),
+])
+def test_rollout_ranks_that_leave_no_trainer_are_refused(tmp_path, args, message):
+    result = _launch("recipes/dgpo_14b.yaml", "--account", "acc", "--job-dir", str(tmp_path), "--dry-run",
+                     *args, timeout=120)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not list(tmp_path.rglob("*_sbatch.sh"))  # nothing written
 
 
 def test_local_executor_runs_one_real_step_of_the_tiny_recipe(tmp_path):

@@ -8,6 +8,16 @@
     # SLURM; --dry-run writes and prints the sbatch script instead of submitting it
     .venv-launch/bin/python tools/launch.py --executor slurm recipes/dgpo_14b.yaml \\
         --account ACC --partition batch --nodes 4 --container-image nvcr.io/me/dgpo:latest --dry-run
+    # SLURM, the last 2 of the 4 nodes running dedicated rollout engines, one step off-policy
+    .venv-launch/bin/python tools/launch.py --executor slurm recipes/dgpo_14b.yaml \\
+        rollout.max_staleness=1 algorithm.rollout_correction=tis --rollout-nodes 2 \\
+        --account ACC --partition batch --nodes 4 --container-image nvcr.io/me/dgpo:latest --dry-run
+
+Dedicated rollout engines (README, "Where generation runs"): ``--rollout-nodes N`` (SLURM, 0 < N
+< ``--nodes``) or ``--rollout-gpus N`` (local, 0 < N < ``--nproc``) put the trainer's overrides
+``rollout.placement=dedicated rollout.num_gpus=<N x --gpus-per-node, or N>`` before the command
+line's, as ``ROLLOUT_NODES`` does in ``slurm/train.sbatch``: the last ranks of the torchrun world
+are the engines', and torchrun numbers each node's ranks consecutively, so they are whole nodes.
 
 Runs in its own environment (``bash tools/setup_launch_env.sh`` makes ``.venv-launch``): nemo-run
 conflicts with vLLM's server dependencies, and the machine that submits jobs needs no torch. The
@@ -75,6 +85,28 @@ def slurm_executor(*, account: str, partition: str | None, nodes: int, gpus_per_
         packager=run.GitArchivePackager() if package_code else run.Packager())
 
 
+def rollout_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides that make the last ranks dedicated rollout engines (none: colocated):
+    ``--rollout-nodes`` whole nodes of a SLURM job, ``--rollout-gpus`` processes of a local one.
+    Refused, naming the flag, when no trainer rank would be left."""
+    if args.executor == "slurm":
+        flag, count, of, total = "--rollout-nodes", args.rollout_nodes, "--nodes", args.nodes
+        other = args.rollout_gpus
+    else:
+        flag, count, of, total = "--rollout-gpus", args.rollout_gpus, "--nproc", args.nproc
+        other = args.rollout_nodes
+    if other:
+        wrong = "--rollout-gpus" if args.executor == "slurm" else "--rollout-nodes"
+        raise SystemExit(f"launch.py: {wrong} is not for --executor {args.executor} (use {flag})")
+    if not count:
+        return []
+    if not 0 < count < total:
+        raise SystemExit(f"launch.py: {flag} {count} must be between 1 and {of} - 1 = {total - 1}: "
+                         f"the trainer needs the other ranks")
+    gpus = count * args.gpus_per_node if args.executor == "slurm" else count
+    return ["rollout.placement=dedicated", f"rollout.num_gpus={gpus}"]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/launch.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,11 +125,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="print what would run (SLURM: write and print the sbatch script), run nothing")
     local = p.add_argument_group("local executor")
     local.add_argument("--nproc", type=int, default=1, help="torchrun processes (default 1)")
+    local.add_argument("--rollout-gpus", type=int, default=0, metavar="N",
+                       help="the last N of the --nproc processes run dedicated rollout engines "
+                            "(default 0: colocated)")
     slurm = p.add_argument_group("slurm executor")
     slurm.add_argument("--account")
     slurm.add_argument("--partition")
     slurm.add_argument("--nodes", type=int, default=1)
     slurm.add_argument("--gpus-per-node", type=int, default=8)
+    slurm.add_argument("--rollout-nodes", type=int, default=0, metavar="N",
+                       help="the last N of the --nodes nodes run dedicated rollout engines "
+                            "(default 0: colocated)")
     slurm.add_argument("--container-image", help="e.g. nvcr.io/nvidia/pytorch:25.01-py3 with this "
                                                  "project's dependencies installed")
     slurm.add_argument("--container-mounts", nargs="*", default=[], metavar="SRC:DST")
@@ -121,16 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         # dir: the job's --output folder would not exist (JobLaunchFailure, ExitCode 0:53)
         raise SystemExit(f"launch.py: job dir {job_dir} contains '/nemo_run', which nemo-run rewrites "
                          f"in the sbatch script; use another --job-dir / NEMORUN_HOME (~/.nemo_run is fine)")
+    overrides = rollout_overrides(args) + args.overrides  # the command line's come later and win
 
     if args.executor == "local":
         # Absolute: the local job runs in the caller's working directory, wherever that is.
-        task = trainer_task(str(recipe if recipe.is_absolute() else ROOT / recipe), args.overrides, args.resume)
+        task = trainer_task(str(recipe if recipe.is_absolute() else ROOT / recipe), overrides, args.resume)
         executor = local_executor(args.nproc, args.job_venv or str(ROOT / ".venv"))
     else:
         if not args.account:
             raise SystemExit("launch.py: --executor slurm needs --account")
         # Relative: the job resolves it in its own code dir (the packaged copy or the checkout).
-        task = trainer_task(str(recipe), args.overrides, args.resume)
+        task = trainer_task(str(recipe), overrides, args.resume)
         executor = slurm_executor(
             account=args.account, partition=args.partition, nodes=args.nodes,
             gpus_per_node=args.gpus_per_node, container_image=args.container_image,
