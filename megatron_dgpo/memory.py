@@ -431,8 +431,8 @@ NCCL_CHANNEL_BYTES = (4 << 20) + 4_915_200 + (1 << 19)
 512 KiB (8 lines x 512 threads x 8 steps x 16 bytes) = 9.19 MiB."""
 
 
-def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engine: bool
-                       ) -> list[str]:
+def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engine: bool,
+                       refit_link: bool = False) -> list[str]:
     """The NCCL communicators one trainer GPU holds for the whole job (NCCL creates a
     communicator at a group's first collective and keeps it):
 
@@ -441,6 +441,7 @@ def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engi
         reductions]  embedding [p > 1 and tied: tied-weight gradient sync]  world [D t p > 1:
         ``comm.any_rank`` at every step boundary, step metrics]  vLLM TP [an engine of
         t_r > 1 GPUs on this GPU: its own PyNccl communicator, kept while it sleeps]
+        refit link [a DP replica's leader with dedicated engines: the weight broadcast to them]
 
     An MoE layout adds EP [e > 1: the dispatcher's all-to-all], expert-TP [u > 1: the
     experts' TP collectives] and expert-DP [D_e > 1: the experts' gradient reduce-scatter and
@@ -450,7 +451,7 @@ def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engi
     t, p, d = layout.tp, layout.pp, layout.dp
     named = [("TP", t > 1), ("DP", d > 1), ("PP", p > 1), ("model-parallel", t * p > 1),
              ("embedding", p > 1 and tied), ("world", t * p * d > 1),
-             ("vLLM TP", has_engine and engine_tp > 1)]
+             ("vLLM TP", has_engine and engine_tp > 1), ("refit link", refit_link)]
     if layout.moe:  # Megatron's expert grid: EP (token all-to-all), expert TP, expert DP
         u, e = layout.expert_tp, layout.ep
         named[3:3] = [("EP", e > 1), ("expert-TP", u > 1), ("expert-DP", layout.expert_dp > 1)]
@@ -491,10 +492,19 @@ class Cluster:
     gpus_per_node: int
     nodes: int
     gpu_memory_gb: float
+    rollout_gpus: int = 0
+    """GPUs of dedicated rollout engines (``rollout.placement: dedicated``, ``rollout.num_gpus``):
+    the last ones of the job, outside the trainer's world."""
+
+    @property
+    def gpus(self) -> int:
+        """Every GPU of the job."""
+        return self.gpus_per_node * self.nodes
 
     @property
     def world(self) -> int:
-        return self.gpus_per_node * self.nodes
+        """The trainer's (Megatron's) world: every GPU but the dedicated engines'."""
+        return self.gpus - self.rollout_gpus
 
     @property
     def gpu_bytes(self) -> int:
@@ -522,8 +532,13 @@ class Workload:
     colocated_rollout: bool = True
     """vLLM lives on the training GPUs: with ``rollout.placement: colocated`` an engine in every
     rank (one per ``rollout_tp`` GPUs); with ``separate``, one per DP replica leader (its
-    ``rollout_tp`` GPUs counted from the first of the node)."""
+    ``rollout_tp`` GPUs counted from the first of the node). False for the transformers engine
+    and for dedicated engines (``rollout_gpus``)."""
     rollout_placement: str = "colocated"
+    rollout_gpus: int = 0
+    """``placement: dedicated``: the engines' GPUs (``rollout.num_gpus``), outside the trainer's
+    (``dedicated_engine_estimate``); each DP replica's leader holds one more communicator, the
+    refit link to its engines."""
     rollout_tp: int | None = None
     """GPUs per engine; None = the layout's TP x PP (TP when PP > 1 and DP > 1)."""
     sleep_mode: bool = True
@@ -571,8 +586,9 @@ class Workload:
             distributed_optimizer=True if dist_opt is None else bool(dist_opt),
             dtype_bytes=4 if run.model.dtype == "float32" else 2,
             log_prob_chunk_size=run.train.log_prob_chunk_size,
-            colocated_rollout=run.rollout.engine == "vllm",
+            colocated_rollout=run.rollout.engine == "vllm" and run.rollout.placement != "dedicated",
             rollout_placement=run.rollout.placement,
+            rollout_gpus=run.rollout.num_gpus if run.rollout.placement == "dedicated" else 0,
             rollout_tp=run.rollout.tensor_parallel_size,
             rollout_dtype_bytes=4 if run.rollout.dtype in ("float32", "float") else 2,
             gpu_memory_utilization=run.rollout.gpu_memory_utilization,
@@ -771,7 +787,8 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
     in every rank, on every stage, asleep during training with ``sleep_mode`` (then the stage
     holds max(vLLM, activations + logits), not their sum); separate, the stages of global
     ranks 0 .. t_r - 1 (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is
-    Megatron's outermost). An MoE model's layout carries EP e and expert TP u: the experts
+    Megatron's outermost); dedicated, none (``dedicated_engine_estimate``), but stage 0 holds
+    the refit link. An MoE model's layout carries EP e and expert TP u: the experts
     (``stage_expert_params``) have their optimizer state sharded over D_e, not D, and the
     dispatcher's buffers (``dispatcher_bytes``) join training's terms."""
     if arch.moe != layout.moe:
@@ -803,8 +820,9 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
         logits = (logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
                   + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
                   if last else 0)
-        communicators = nccl_communicators(layout, tied=arch.tie_word_embeddings,
-                                           engine_tp=t_r, has_engine=has_vllm)
+        communicators = nccl_communicators(
+            layout, tied=arch.tie_word_embeddings, engine_tp=t_r, has_engine=has_vllm,
+            refit_link=work.rollout_placement == "dedicated" and stage == 0)
         return Estimate(
             layout=layout, stage=name,
             weights=weight_bytes(params, work.dtype_bytes),
@@ -829,3 +847,56 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
         peak.notes.append("CP > 1 needs context parallelism in the trainer (not yet a "
                           "parallel.* field)")
     return peak
+
+
+@dataclass
+class EngineEstimate:
+    """One GPU of a dedicated engine (``dedicated_engine_estimate``)."""
+
+    engines: int
+    engine_tp: int
+    reserve: int
+    """vLLM's reserve on each of its GPUs (``vllm_bytes``): weights, KV cache, activations,
+    CUDA graphs, its CUDA context."""
+    weights: int
+    """The engine's weights per GPU, N b_r / t_r."""
+    nccl: int
+    """The engine's TP communicator and the refit link, beside vLLM's reserve."""
+    gpu_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.reserve + self.nccl
+
+    @property
+    def kv_cache(self) -> int:
+        return max(self.reserve - self.weights, 0)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+    def as_dict(self) -> dict:
+        return dict(engines=self.engines, engine_tp=self.engine_tp,
+                    gib=dict(reserve=self.reserve / GIB, weights=self.weights / GIB,
+                             kv_cache=self.kv_cache / GIB, nccl=self.nccl / GIB,
+                             total=self.total / GIB, gpu=self.gpu_bytes / GIB),
+                    fits=self.fits, notes=list(self.notes))
+
+
+def dedicated_engine_estimate(arch: Architecture, cluster: Cluster, work: Workload
+                              ) -> EngineEstimate | None:
+    """A dedicated engine's GPU (``rollout.placement: dedicated``): vLLM's reserve
+    (``vllm_bytes``, engines of t_r = ``rollout.tensor_parallel_size`` GPUs, default 1) plus
+    the NCCL buffers of its TP group (t_r > 1) and of the refit link; no training state. None
+    unless the workload has dedicated engines."""
+    if work.rollout_placement != "dedicated" or not work.rollout_gpus:
+        return None
+    t_r = work.rollout_tp or 1
+    reserve, notes = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True, rollout_tp=t_r))
+    return EngineEstimate(
+        engines=work.rollout_gpus // t_r, engine_tp=t_r, reserve=reserve,
+        weights=param_count(arch) * work.rollout_dtype_bytes // t_r,
+        nccl=nccl_bytes(1 + int(t_r > 1), work.nccl_channels), gpu_bytes=cluster.gpu_bytes,
+        notes=notes)

@@ -1,4 +1,5 @@
-"""``dgpo-plan``: which TP x PP x DP (x EP for MoE) layout fits a recipe's model on a cluster.
+"""``dgpo-plan``: which TP x PP x DP (x EP for MoE) layout fits a recipe's model on a cluster,
+and how long a step takes with generation colocated or on dedicated engines.
 
     python -m megatron_dgpo.plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 1 \\
         --gpu-memory-gb 80 [key=value overrides] [--json]
@@ -7,8 +8,11 @@ For every layout the trainer can run (TP within a node, TP | heads, KV groups an
 PP | layers, DP = world / (TP PP); for an MoE model EP | experts and EP x expert TP | the ranks
 of a stage; no context parallelism, which the trainer does not have) it
 estimates the peak memory of one GPU, term by term (``megatron_dgpo.memory``), prints them all
-in a table, marks which fit and picks one, saying why. The formulas and their checks are in
-``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB" A100/H100 has ~80 GiB).
+in a table, marks which fit and picks one, saying why. With ``rollout.placement: dedicated`` the
+trainer is planned on the GPUs left after ``rollout.num_gpus`` and the engines' own GPU is
+estimated beside it. For vLLM rollout it then estimates a step's time (``megatron_dgpo.steptime``)
+colocated, on dedicated engines and one-step-off, and the engines' share of the GPUs that
+balances one-step-off. The formulas and their checks are in ``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB" A100/H100 has ~80 GiB).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
-from megatron_dgpo.memory import (GIB, PUBLISHED, TERMS, Architecture, Cluster, Estimate,
-                                  Layout, Workload, activation_elements_per_token_layer,
-                                  estimate, padded_vocab, param_count, stage_params)
+from megatron_dgpo.memory import (GIB, PUBLISHED, TERMS, Architecture, Cluster, EngineEstimate,
+                                  Estimate, Layout, Workload, activation_elements_per_token_layer,
+                                  dedicated_engine_estimate, engine_tp, estimate, padded_vocab,
+                                  param_count, stage_params, vllm_bytes)
+from megatron_dgpo.steptime import HARDWARE, Hardware, StepShape, StepTime, step_times
 
 
 def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
@@ -39,7 +45,8 @@ def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
     Megatron users run); the allgather dispatcher needs p = 1. A colocated engine of a set
     ``rollout.tensor_parallel_size`` t_r must lie in one replica's model-parallel group, as
     the trainer requires (``rollout.placement.rollout_role``): t_r | t, or t_r | t p with
-    D = 1."""
+    D = 1. Dedicated engines (``cluster.rollout_gpus`` of them, ``rollout_gpus / t_r``
+    engines) are shared out evenly over the DP replicas: D | engines."""
     out = []
     for t in range(1, cluster.gpus_per_node + 1):
         if cluster.gpus_per_node % t or arch.heads % t or arch.kv_heads % t \
@@ -52,6 +59,8 @@ def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
                 continue
             d = cluster.world // (t * p)
             if d > work.responses_per_update or not _engine_fits(work, t, p, d):
+                continue
+            if cluster.rollout_gpus and (cluster.rollout_gpus // (work.rollout_tp or 1)) % d:
                 continue
             if not arch.moe:
                 out.append(Layout(t, p, 1, d))
@@ -204,6 +213,20 @@ class Plan:
     """Recipe overrides the pick needs (full recompute when nothing fits without it)."""
     as_configured: str = ""
     """When ``required_overrides`` is set: the best the recipe as written can do."""
+    engine: EngineEstimate | None = None
+    """A dedicated engine's GPU (``rollout.placement: dedicated``)."""
+    step_times: list[StepTime] = field(default_factory=list)
+    """``estimate_step_times``: colocated, and with dedicated engines synchronous and one-step-off."""
+    balanced: StepTime | None = None
+    """The one-step-off step with the dedicated GPUs that make it fastest
+    (``balanced_rollout_gpus``)."""
+    step_time_basis: str = ""
+    """The hardware and lengths behind ``step_times``."""
+
+    @property
+    def fits(self) -> bool:
+        """The trainer has a layout and dedicated engines (if any) fit their GPUs."""
+        return self.pick is not None and (self.engine is None or self.engine.fits)
 
     def as_dict(self) -> dict:
         return dict(
@@ -213,7 +236,11 @@ class Plan:
             pick=self.pick.as_dict() if self.pick else None, explanation=self.explanation,
             recipe_layout=self.recipe_layout.as_dict() if self.recipe_layout else None,
             hint=self.hint, required_overrides=list(self.required_overrides),
-            as_configured=self.as_configured)
+            as_configured=self.as_configured,
+            dedicated_engine=self.engine.as_dict() if self.engine else None,
+            step_times=[t.as_dict() for t in self.step_times],
+            balanced_one_step_off=self.balanced.as_dict() if self.balanced else None,
+            step_time_basis=self.step_time_basis)
 
 
 def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
@@ -232,10 +259,12 @@ def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom:
     recipe = (recipe_tp, recipe_pp) + ((recipe_ep, recipe_etp or recipe_tp) if arch.moe else ())
     own = next((e for e in estimates if (e.layout.tp, e.layout.pp) + (
         (e.layout.ep, e.layout.expert_tp) if arch.moe else ()) == recipe), None)
-    plan = Plan(arch, cluster, work, estimates, pick, why, own)
+    plan = Plan(arch, cluster, work, estimates, pick, why, own,
+                engine=dedicated_engine_estimate(arch, cluster, work))
     if pick is not None:
         return plan
-    plan.hint = _no_fit_text(arch, cluster, estimates)
+    plan.hint = _no_fit_text(arch, cluster, estimates,
+                             engines=cluster.rollout_gpus // (work.rollout_tp or 1))
     if not work.recompute and estimates:
         retry = make_plan(arch, cluster, replace(work, recompute=True), headroom=headroom,
                           recipe_tp=recipe_tp, recipe_pp=recipe_pp, recipe_ep=recipe_ep,
@@ -251,6 +280,82 @@ def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom:
         plan.hint += " Full activation recompute does not make any layout fit either."
     plan.hint += " Use more GPUs, GPUs with more memory, or shorter micro-batches."
     return plan
+
+
+def rollout_tensor_parallel(plan: Plan) -> int:
+    """GPUs per vLLM engine: dedicated, ``rollout.tensor_parallel_size`` (default 1); colocated,
+    as the trainer resolves it for the pick's layout."""
+    work = plan.workload
+    if work.rollout_placement == "dedicated" or plan.pick is None:
+        return work.rollout_tp or 1
+    return engine_tp(work, plan.pick.layout)
+
+
+def _kv_cache_per_gpu(arch: Architecture, cluster: Cluster, work: Workload, t_r: int) -> int:
+    """The KV cache of one GPU of an engine of t_r GPUs: vLLM's reserve minus its weights."""
+    reserve, _ = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True, rollout_tp=t_r))
+    return max(reserve - param_count(arch) * work.rollout_dtype_bytes // t_r, 0)
+
+
+def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[StepTime]:
+    """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
+    dedicated engines, on the plan's ``rollout_gpus`` (synchronous and one-step-off). The
+    colocated refit moves the pick's gradients and optimizer state to the host and back when
+    ``train.offload_training_state``."""
+    arch, cluster, work = plan.architecture, plan.cluster, plan.workload
+    t_r = rollout_tensor_parallel(plan)
+    colocated_kv = _kv_cache_per_gpu(arch, cluster, work, t_r)
+    offloaded = (plan.pick.grads + plan.pick.optimizer
+                 if plan.pick is not None and work.offload_training_state else 0)
+    return step_times(arch, replace(shape, offloaded_state_bytes_per_gpu=offloaded), hw,
+                      world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
+                      kv_cache_bytes_per_engine_gpu=plan.engine.kv_cache if plan.engine
+                      else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv)
+
+
+def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
+                          headroom: float = 0.1) -> StepTime | None:
+    """The one-step-off step with the dedicated GPUs (whole nodes on several nodes, whole
+    engines on one) that make it fastest, among those where the trainer still has a layout
+    and the engines fit: generation and training are as long as each other there."""
+    arch, cluster, work = plan.architecture, plan.cluster, plan.workload
+    t_r = rollout_tensor_parallel(plan)
+    unit = math.lcm(cluster.gpus_per_node if cluster.nodes > 1 else 1, t_r)
+    best = None
+    for gpus in range(unit, cluster.gpus, unit):
+        trial = make_plan(arch, replace(cluster, rollout_gpus=gpus),
+                          replace(work, rollout_placement="dedicated", colocated_rollout=False,
+                                  rollout_gpus=gpus, rollout_tp=t_r), headroom=headroom)
+        if not trial.fits:
+            continue
+        one_step_off = estimate_step_times(trial, shape, hw)[-1]
+        if best is None or one_step_off.step_s < best.step_s:
+            best = one_step_off
+    return best
+
+
+def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
+                       mean_prompt_tokens: float = 200.0, mean_response_fraction: float = 0.5,
+                       headroom: float = 0.1) -> dict[str, dict]:
+    """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
+    ``{"colocated" | "synchronous" | "one_step_off": StepTime.as_dict()}``, the latter two on
+    the recipe's ``rollout.num_gpus``, and ``"balanced"``, one-step-off on the dedicated GPUs
+    that make it fastest (``benchmarks/bench_async.py``)."""
+    if run.rollout.placement != "dedicated":
+        raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
+                         f"{run.rollout.placement!r}")
+    work = Workload.from_recipe(run)
+    cluster = replace(cluster, rollout_gpus=work.rollout_gpus)
+    plan = make_plan(architecture_for(run), cluster, work, headroom=headroom,
+                     recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
+    shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
+                                  mean_response_fraction=mean_response_fraction)
+    hw = HARDWARE[hardware]
+    colocated, synchronous, one_step_off = estimate_step_times(plan, shape, hw)
+    balanced = balanced_rollout_gpus(plan, shape, hw, headroom=headroom)
+    return {"colocated": colocated.as_dict(), "synchronous": synchronous.as_dict(),
+            "one_step_off": one_step_off.as_dict(),
+            "balanced": balanced.as_dict() if balanced else None}
 
 
 def _stage_index(e: Estimate) -> int:
@@ -351,15 +456,20 @@ def _dispatch_formula(dispatcher: str) -> str:
     return "T h b (ETP EP + 2 ETP k)" if dispatcher == "allgather" else "T k h b (1 + 2 ETP)"
 
 
-def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate]) -> str:
+def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate], *,
+                 engines: int = 0) -> str:
     where = (f"{arch.name} on {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
-             f"{cluster.gpu_memory_gb:g} GiB")
+             f"{cluster.gpu_memory_gb:g} GiB"
+             + (f" ({cluster.world} for the trainer, {cluster.rollout_gpus} for dedicated engines)"
+                if cluster.rollout_gpus else ""))
     if not estimates:
         return (f"no layout of {where} is possible: TP must divide {cluster.gpus_per_node} "
                 f"GPUs per node, {arch.heads} heads and {arch.kv_heads} KV groups, PP must "
                 f"divide {arch.layers} layers, and TP x PP the world size"
                 + (f"; EP must divide {arch.experts} experts and EP x ETP the GPUs per "
-                   f"pipeline stage" if arch.moe else ""))
+                   f"pipeline stage" if arch.moe else "")
+                + (f"; DP must divide the {engines} dedicated engines (each replica refits "
+                   f"and samples with its own share)" if engines else ""))
     least = min(estimates, key=lambda e: e.total)
     return (f"no layout fits {where}: the smallest peak is {least.total / GIB:.1f} GiB "
             f"({least.layout}).")
@@ -376,7 +486,10 @@ def format_table(plan: Plan, headroom: float) -> str:
              f"cluster: {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_memory_gb:g} GiB; "
              f"micro-batch {work.micro_batch_tokens} tokens, recompute={work.recompute}, "
              f"distributed optimizer={work.distributed_optimizer}, "
-             f"vLLM placement={work.rollout_placement if work.colocated_rollout else 'none'}",
+             f"vLLM placement="
+             + (f"dedicated ({cl.rollout_gpus} of the {cl.gpus} GPUs; the trainer's world is the "
+                f"other {cl.world})" if work.rollout_placement == "dedicated"
+                else work.rollout_placement if work.colocated_rollout else "none"),
              ""]
     if plan.required_overrides:
         lines[-1:] = [f"as configured, {plan.as_configured[0].lower()}{plan.as_configured[1:]}",
@@ -404,21 +517,61 @@ def format_table(plan: Plan, headroom: float) -> str:
                      + "".join(f" {o}" for o in plan.required_overrides))
         engine_gpus = (cl.world // max(plan.pick.engines, 1)
                        if work.rollout_placement == "colocated" else work.rollout_tp or 1)
-        lines.append(f"rollout: {plan.pick.engines} vLLM engine(s) of {engine_gpus} GPU(s) "
-                     f"({work.rollout_placement}"
-                     + (", sleep mode: KV cache freed and weights offloaded during training)"
-                        if plan.pick.vllm_sleeps else ")")
-                     if work.colocated_rollout else "rollout: transformers engine on each "
-                     "DP replica leader")
+        if plan.engine is not None:
+            lines.append(_engine_text(plan.engine, cl))
+        elif work.colocated_rollout:
+            lines.append(f"rollout: {plan.pick.engines} vLLM engine(s) of {engine_gpus} GPU(s) "
+                         f"({work.rollout_placement}"
+                         + (", sleep mode: KV cache freed and weights offloaded during training)"
+                            if plan.pick.vllm_sleeps else ")"))
+        else:
+            lines.append("rollout: transformers engine on each DP replica leader")
         for note in plan.pick.notes:
             lines.append("note: " + note)
     else:
         lines.append("DOES NOT FIT: " + plan.hint)
+        if plan.engine is not None:
+            lines.append(_engine_text(plan.engine, cl))
     if plan.recipe_layout is not None and plan.recipe_layout is not plan.pick:
         own = plan.recipe_layout
         verdict = (("fits" if own.fits_with(headroom) else "fits, but tight") if own.fits
                    else "does NOT fit")
         lines.append(f"the recipe's own layout {own.layout}: {own.total / GIB:.1f} GiB, {verdict}")
+    if plan.step_times:
+        lines += ["", _step_time_table(plan)]
+    return "\n".join(lines)
+
+
+def _engine_text(engine: EngineEstimate, cluster: Cluster) -> str:
+    gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    text = (f"rollout: {engine.engines} dedicated vLLM engine(s) of {engine.engine_tp} GPU(s) on "
+            f"the last {cluster.rollout_gpus} GPUs, outside the trainer's world; each of their "
+            f"GPUs holds vLLM's {gib(engine.reserve)} GiB reserve (weights {gib(engine.weights)}, "
+            f"KV cache and the rest {gib(engine.kv_cache)}) + NCCL {gib(engine.nccl)} = "
+            f"{gib(engine.total)} of {gib(engine.gpu_bytes)} GiB: "
+            + ("fits" if engine.fits else "DOES NOT FIT (lower rollout.gpu_memory_utilization)"))
+    return "\n".join([text] + ["note: " + n for n in engine.notes])
+
+
+def _step_time_table(plan: Plan) -> str:
+    """The step-time rows (seconds) and the balanced one-step-off split."""
+    head = ["step time", "trainer GPUs", "rollout GPUs", "generation", "training", "refit",
+            "step", "trainer idle", "engine idle"]
+    rows = [[t.placement, str(t.trainer_gpus), str(t.rollout_gpus or "-")]
+            + [f"{v:.0f}" for v in (t.generation_s, t.training_s, t.refit_s, t.step_s,
+                                     t.trainer_idle_s, t.engine_idle_s)] for t in plan.step_times]
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    lines = [f"step time in seconds ({plan.step_time_basis}; a roofline model, "
+             f"docs/planner.md#step-time):",
+             "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    colocated = plan.step_times[0]
+    if plan.balanced is not None:
+        b = plan.balanced
+        lines.append(f"one-step-off is fastest with rollout.num_gpus={b.rollout_gpus} "
+                     f"({b.step_s:.0f} s per step: {colocated.step_s / b.step_s:.2f}x the "
+                     f"colocated step; generation {b.generation_s:.0f} s beside training "
+                     f"{b.training_s:.0f} s)")
     return "\n".join(lines)
 
 
@@ -479,6 +632,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--expert-tensor-parallel", type=_positive_int("--expert-tensor-parallel"),
                     help="MoE: plan only this expert tensor-parallel size (default: search 1 "
                          "and the layout's TP)")
+    ap.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
+                    help="GPU type of the step-time estimate (default a100, the paper's)")
+    ap.add_argument("--mean-prompt-tokens", default=200.0,
+                    type=_float_in("--mean-prompt-tokens", 1.0, math.inf, ">= 1"),
+                    help="step time: the mean prompt in tokens (default 200, at most "
+                         "rollout.max_prompt_tokens)")
+    ap.add_argument("--mean-response-fraction", default=0.5,
+                    type=_float_in("--mean-response-fraction", 1e-9, 1.0 + 1e-9, "in (0, 1]"),
+                    help="step time: the mean response as a fraction of "
+                         "rollout.max_response_tokens (default 0.5)")
     ap.add_argument("--explain", action="store_true",
                     help="after the table, every term of the pick with its formula")
     ap.add_argument("--hf-config", help="config.json (or its folder) giving the architecture, "
@@ -488,7 +651,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``dgpo-plan``: 0 when a layout fits, 1 when none does, 2 on bad input."""
+    """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not, 2 on
+    bad input."""
     from megatron_dgpo.config import ConfigError
     from megatron_dgpo.recipe import load_recipe
 
@@ -500,11 +664,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"dgpo-plan: error: {exc}", file=sys.stderr)
         return 2
-    cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb)
     work = replace(Workload.from_recipe(run), overhead_bytes=int(args.overhead_gb * GIB),
                    cuda_graph_bytes=int(args.cuda_graph_gb * GIB),
                    nccl_channels=args.nccl_channels, allocator_slack=args.allocator_slack)
-    if work.colocated_rollout and (work.rollout_tp or 1) > cluster.gpus_per_node:
+    cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb,
+                      rollout_gpus=work.rollout_gpus)
+    if cluster.rollout_gpus >= cluster.gpus:
+        print(f"dgpo-plan: error: rollout.num_gpus={cluster.rollout_gpus} leaves no GPU for the "
+              f"trainer on {cluster.nodes} x {cluster.gpus_per_node} GPUs", file=sys.stderr)
+        return 2
+    if (work.colocated_rollout or work.rollout_gpus) and (work.rollout_tp or 1) > cluster.gpus_per_node:
         print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
         return 2
@@ -517,13 +686,22 @@ def main(argv: list[str] | None = None) -> int:
                      recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
                      expert_parallel=args.expert_parallel,
                      expert_tensor_parallel=args.expert_tensor_parallel)
+    if run.rollout.engine == "vllm" and plan.pick is not None:
+        shape = StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
+                                      mean_response_fraction=args.mean_response_fraction)
+        hw = HARDWARE[args.hardware]
+        plan.step_times = estimate_step_times(plan, shape, hw)
+        plan.balanced = balanced_rollout_gpus(plan, shape, hw, headroom=args.headroom)
+        plan.step_time_basis = (f"{hw.name}, mean prompt {shape.mean_prompt_tokens:.0f} + "
+                                f"response {shape.mean_response_tokens:.0f} of at most "
+                                f"{shape.max_response_tokens} tokens")
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         print(format_table(plan, args.headroom))
         if args.explain and plan.pick is not None:
             print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
-    return 0 if plan.pick is not None else 1
+    return 0 if plan.fits else 1
 
 
 if __name__ == "__main__":
