@@ -1,8 +1,9 @@
 """The project on a real 2-node SLURM 22.05 cluster (``make test-cluster``): slurmctld and two
 slurmd in network namespaces of this machine (``slurm/testing/cluster-up.sh``), torn down
-whatever happens. Every job runs the tiny recipe at DP=2 (one rank and one colocated vLLM engine
-per node) through the unmodified ``slurm/train.sbatch`` or NeMo-Run's SLURM executor, and must
-reproduce the uninterrupted torchrun run on one host bit for bit:
+whatever happens. Every job runs the tiny recipe through the unmodified ``slurm/train.sbatch`` or
+NeMo-Run's SLURM executor, at DP=2 (one rank and one colocated vLLM engine per node) unless it
+has a dedicated rollout node, and must reproduce the uninterrupted torchrun run of the same
+layout on one host bit for bit:
 
 * an uninterrupted job;
 * a job under a time limit: SLURM's early SIGUSR1 (``--signal=B:USR1@<lead>``) reaches the
@@ -10,7 +11,10 @@ reproduce the uninterrupted torchrun run on one host bit for bit:
   checkpoint, the script requeues the job, and the next attempt continues to the end;
 * ``scontrol requeue`` of a running job: SIGTERM from SLURM, a checkpoint, the requeued attempt
   continues;
-* ``tools/launch.py --executor slurm`` (NeMo-Run, local submission).
+* ``tools/launch.py --executor slurm`` (NeMo-Run, local submission);
+* ``ROLLOUT_NODES=1``: one node trains (1 rank), the other runs a dedicated vLLM engine (1 rank),
+  one step off-policy, uninterrupted and requeued by ``scontrol requeue``; these reproduce their
+  own reference, the same recipe with a dedicated engine under torchrun on one host (2 ranks).
 
 Skipped, with the reason, where the cluster cannot be built: not root, or no slurm-wlm/munge.
 """
@@ -21,13 +25,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from megatron_dgpo.telemetry import read_metrics
-from tests.cluster.conftest import QUIET, ROOT, assert_same_run
+from tests.cluster.conftest import QUIET, RECIPE, ROOT, assert_same_run
+from tests.distributed import free_port
 
 TESTING = ROOT / "slurm" / "testing"
 IN_CLUSTER = str(TESTING / "in-cluster")
@@ -59,12 +65,13 @@ def _env(**extra) -> dict:
     return dict(os.environ, PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", **extra)
 
 
-def _sbatch(run_dir: Path, tmp_path: Path, *options: str, steps: int) -> int:
+def _sbatch(run_dir: Path, tmp_path: Path, *options: str, steps: int, overrides=(), env=None) -> int:
     out = subprocess.run(
         [IN_CLUSTER, "sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/job-%j.out", *options,
          str(ROOT / "slurm" / "train.sbatch"), f"run_dir={run_dir}", f"train.steps={steps}",
-         "checkpoint.save_every=5", *QUIET],
-        cwd=ROOT, env=_env(RECIPE="recipes/tiny_cpu.yaml", GPUS_PER_NODE="1", LOG_DIR=str(tmp_path / "logs")),
+         "checkpoint.save_every=5", *QUIET, *overrides],
+        cwd=ROOT, env=_env(RECIPE="recipes/tiny_cpu.yaml", GPUS_PER_NODE="1", LOG_DIR=str(tmp_path / "logs"),
+                           **(env or {})),
         capture_output=True, text=True, check=True)
     return int(out.stdout.strip().split(";")[0])
 
@@ -151,9 +158,9 @@ def test_time_limit_stops_requeues_and_continues_exactly(cluster, reference, tmp
             print(line)
 
 
-def test_scontrol_requeue_of_a_running_job_continues_exactly(cluster, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job_id = _sbatch(run_dir, tmp_path, "--time=20", "--signal=B:USR1@60", steps=12)
+def _requeued_after_step_3(job_id: int, run_dir: Path, tmp_path: Path) -> str:
+    """``scontrol requeue`` the job once its run has logged step 3; waits until it completes after
+    exactly one requeue and returns the batch script's log."""
     metrics = run_dir / "metrics.jsonl"
 
     def requeue_after_step_3(job):
@@ -165,6 +172,13 @@ def test_scontrol_requeue_of_a_running_job_continues_exactly(cluster, reference,
     job = _until_done(job_id, on_running=requeue_after_step_3)
     log = _log(tmp_path, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log
+    return log
+
+
+def test_scontrol_requeue_of_a_running_job_continues_exactly(cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = _sbatch(run_dir, tmp_path, "--time=20", "--signal=B:USR1@60", steps=12)
+    log = _requeued_after_step_3(job_id, run_dir, tmp_path)
     assert "attempt 1" in log, log  # --open-mode=append: both attempts' lines are kept
     assert_same_run(read_metrics(run_dir), reference[:12])
     assert len(read_metrics(run_dir)) == 12
@@ -195,3 +209,70 @@ def test_nemo_run_slurm_executor_submits_locally(cluster, reference, tmp_path):
                           "--account", "test", "--job-dir", str(tmp_path / "nemo_run")],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "contains '/nemo_run'" in bad.stderr
+
+
+ONE_STEP_OFF = ["rollout.max_staleness=1", "algorithm.rollout_correction=tis"]
+DEDICATED_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def dedicated_reference(tmp_path_factory) -> list[dict]:
+    """The tiny recipe with a dedicated engine, one step off-policy, under torchrun on this host:
+    rank 0 trains, rank 1 is the engine. A dedicated run is a function of its seed (the batch
+    generated ahead is sampled with known weights whatever the timing), so every SLURM job with
+    ``ROLLOUT_NODES=1`` must reproduce it."""
+    run_dir = tmp_path_factory.mktemp("dedicated_one_host")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "megatron_dgpo.train", str(RECIPE), f"run_dir={run_dir}", "rollout.placement=dedicated",
+         "rollout.num_gpus=1", *ONE_STEP_OFF, *QUIET, f"train.steps={DEDICATED_STEPS}", "checkpoint.save_every=5"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=1200,
+        start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert len(records) == DEDICATED_STEPS and records[-1]["rollout/staleness"] == 1
+    return records
+
+
+def _dedicated_sbatch(run_dir: Path, tmp_path: Path, *options: str, steps: int) -> int:
+    """train.sbatch on both nodes with ``ROLLOUT_NODES=1`` (``GPUS_PER_NODE=1``): one trainer
+    rank on one node, one engine rank on the other."""
+    return _sbatch(run_dir, tmp_path, *options, steps=steps, overrides=ONE_STEP_OFF, env={"ROLLOUT_NODES": "1"})
+
+
+def _engine_and_trainer_nodes(tmp_path: Path, job_id: int) -> tuple[list[str], list[str]]:
+    """The nodes whose log has the engine's start line, and those with the trainer's."""
+    logs = {n: (tmp_path / "logs" / str(job_id) / f"{n}.log").read_text() for n in ("node1", "node2")}
+    return ([n for n, text in logs.items() if "dgpo-train: dedicated engine 0 of 1" in text],
+            [n for n, text in logs.items() if "drives 1 dedicated engine(s)" in text])
+
+
+def test_dedicated_rollout_node_equals_one_host(cluster, dedicated_reference, tmp_path):
+    """``ROLLOUT_NODES=1``: the script makes the last rank (one whole node) a dedicated engine;
+    the first node's rank trains alone and refits the engine across nodes by broadcast, one step
+    off-policy; the metrics equal the one-host run's bit for bit."""
+    run_dir, steps = tmp_path / "run", 6
+    job_id = _dedicated_sbatch(run_dir, tmp_path, steps=steps)
+    job = _until_done(job_id)
+    log = _log(tmp_path, job_id)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log
+    assert "2 x 1 GPUs (trainer on 1 nodes, dedicated rollout engines on the last 1)" in log, log
+    assert_same_run(read_metrics(run_dir), dedicated_reference[:steps])
+    assert len(read_metrics(run_dir)) == steps
+    engine, trainer = _engine_and_trainer_nodes(tmp_path, job_id)
+    assert len(engine) == 1 and len(trainer) == 1 and engine != trainer, (engine, trainer)
+
+
+def test_dedicated_rollout_node_job_requeued_continues_exactly(cluster, dedicated_reference, tmp_path):
+    """``scontrol requeue`` of a running ``ROLLOUT_NODES=1`` job: SLURM's SIGTERM reaches the
+    engine's node too, the engine waits for the trainer, which saves its step with the batch
+    generated ahead and stops the engine; the requeued attempt continues to exactly the one-host
+    run."""
+    run_dir = tmp_path / "run"
+    job_id = _dedicated_sbatch(run_dir, tmp_path, "--time=20", "--signal=B:USR1@60", steps=DEDICATED_STEPS)
+    _requeued_after_step_3(job_id, run_dir, tmp_path)
+    node_logs = "".join((tmp_path / "logs" / str(job_id) / f"{n}.log").read_text() for n in ("node1", "node2"))
+    stops = [int(k) for k in re.findall(r"stopped after step (\d+) \(SIGTERM\)", node_logs)]
+    assert stops and all(3 <= k < DEDICATED_STEPS for k in stops), node_logs[-3000:]
+    assert_same_run(read_metrics(run_dir), dedicated_reference)
+    assert len(read_metrics(run_dir)) == DEDICATED_STEPS
