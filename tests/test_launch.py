@@ -60,28 +60,28 @@ def _torchrun_argv(script_text: str) -> list[str]:
 
 
 def test_rollout_nodes_become_the_trainers_first_overrides(tmp_path):
-    # the module docstring's example, in a job dir of the test's own
-    overrides = ["rollout.max_staleness=1", "algorithm.rollout_correction=tis"]
-    result = _launch("--executor", "slurm", "recipes/dgpo_14b.yaml", *overrides, "--rollout-nodes", "2",
-                     "--account", "ACC", "--partition", "batch", "--nodes", "4",
+    # the module docstring's example (and docs/launching.md's), in a job dir of the test's own
+    result = _launch("--executor", "slurm", "recipes/dgpo_14b_async.yaml", "--rollout-nodes", "10",
+                     "--account", "ACC", "--partition", "batch", "--nodes", "30",
                      "--container-image", "nvcr.io/me/dgpo:latest", "--dry-run", "--job-dir", str(tmp_path),
-                     timeout=120)
+                     "train.steps=3", timeout=120)
     assert result.returncode == 0, result.stderr
     script = Path(re.search(r"sbatch script written to (\S+) \(not submitted\)", result.stdout).group(1))
     text = script.read_text()
-    assert "#SBATCH --nodes=4" in text.splitlines()  # the engines' node is part of the job
+    assert "#SBATCH --nodes=30" in text.splitlines()  # the engines' nodes are part of the job
     torchrun = _torchrun_argv(text)
-    assert torchrun[torchrun.index("--nnodes") + 1] == "4"
+    assert torchrun[torchrun.index("--nnodes") + 1] == "30"
     assert torchrun[torchrun.index("--nproc-per-node") + 1] == "8"
-    assert torchrun[torchrun.index("-m"):] == ["-m", "megatron_dgpo.train", "recipes/dgpo_14b.yaml",
-                                               "rollout.placement=dedicated", "rollout.num_gpus=16", *overrides]
-    # a layout the trainer accepts: 16 trainer GPUs at TP 4 are 4 DP replicas, 16 engine GPUs at
-    # the recipe's engine TP 4 are 4 engines, one per replica
+    trainer_args = torchrun[torchrun.index("-m") + 2:]
+    assert trainer_args == ["recipes/dgpo_14b_async.yaml", "rollout.placement=dedicated", "rollout.num_gpus=80",
+                            "train.steps=3"]
+    # a layout the trainer accepts: 160 trainer GPUs at TP 8 are 20 DP replicas, 80 engine GPUs at
+    # the recipe's engine TP 4 are 20 engines, one per replica
     from megatron_dgpo.recipe import load_recipe
     from megatron_dgpo.rollout.dedicated import _layout
 
-    cfg = load_recipe(ROOT / "recipes" / "dgpo_14b.yaml", torchrun[torchrun.index("-m") + 3:])
-    assert _layout(cfg.rollout, cfg.parallel, 4 * 8 - 16).engines_per_replica == 1
+    cfg = load_recipe(ROOT / trainer_args[0], trainer_args[1:])
+    assert _layout(cfg.rollout, cfg.parallel, 30 * 8 - 80).engines_per_replica == 1
 
 
 def test_rollout_gpus_of_the_local_executor(tmp_path):

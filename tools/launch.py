@@ -8,10 +8,9 @@
     # SLURM; --dry-run writes and prints the sbatch script instead of submitting it
     .venv-launch/bin/python tools/launch.py --executor slurm recipes/dgpo_14b.yaml \\
         --account ACC --partition batch --nodes 4 --container-image nvcr.io/me/dgpo:latest --dry-run
-    # SLURM, the last 2 of the 4 nodes running dedicated rollout engines, one step off-policy
-    .venv-launch/bin/python tools/launch.py --executor slurm recipes/dgpo_14b.yaml \\
-        rollout.max_staleness=1 algorithm.rollout_correction=tis --rollout-nodes 2 \\
-        --account ACC --partition batch --nodes 4 --container-image nvcr.io/me/dgpo:latest --dry-run
+    # SLURM, the last 10 of 30 nodes running dedicated rollout engines (one step off-policy)
+    .venv-launch/bin/python tools/launch.py --executor slurm recipes/dgpo_14b_async.yaml --rollout-nodes 10 \\
+        --account ACC --partition batch --nodes 30 --container-image nvcr.io/me/dgpo:latest --dry-run
 
 Dedicated rollout engines (README, "Where generation runs"): ``--rollout-nodes N`` (SLURM, 0 < N
 < ``--nodes``) or ``--rollout-gpus N`` (local, 0 < N < ``--nproc``) put the trainer's overrides
