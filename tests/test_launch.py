@@ -61,6 +61,10 @@ def _torchrun_argv(script_text: str) -> list[str]:
 
 def test_rollout_nodes_become_the_trainers_first_overrides(tmp_path):
     # the module docstring's example (and docs/launching.md's), in a job dir of the test's own
+    for doc in ("tools/launch.py", "docs/launching.md"):
+        text = " ".join(re.sub(r"\\+\n", " ", (ROOT / doc).read_text()).split())  # lines joined
+        assert ("tools/launch.py --executor slurm recipes/dgpo_14b_async.yaml --rollout-nodes 10 --account ACC "
+                "--partition batch --nodes 30 --container-image nvcr.io/me/dgpo:latest --dry-run") in text, doc
     result = _launch("--executor", "slurm", "recipes/dgpo_14b_async.yaml", "--rollout-nodes", "10",
                      "--account", "ACC", "--partition", "batch", "--nodes", "30",
                      "--container-image", "nvcr.io/me/dgpo:latest", "--dry-run", "--job-dir", str(tmp_path),

@@ -132,6 +132,42 @@ def test_rollout_nodes_must_leave_a_trainer_node(tmp_path, rollout_nodes):
     assert "srun" not in result.stdout
 
 
+def _documented_rollout_node_commands() -> list[tuple[str, str]]:
+    """(doc, line) of every command line in the docs that starts with ``ROLLOUT_NODES=``."""
+    return [(doc, line) for doc in ("docs/launching.md", "slurm/README.md")
+            for line in (ROOT / doc).read_text().splitlines() if line.startswith("ROLLOUT_NODES=")]
+
+
+def test_documented_rollout_node_commands_resolve_to_a_layout_the_trainer_accepts(tmp_path):
+    """The docs' ``ROLLOUT_NODES=... sbatch --nodes=N slurm/train.sbatch ...`` lines, dry-run in an
+    allocation of N 8-GPU nodes: the engines' overrides come first, and the recipe with them splits
+    into a trainer world and engines that the trainer's own checks accept."""
+    from megatron_dgpo.recipe import load_recipe
+    from megatron_dgpo.rollout.dedicated import _layout
+
+    commands = _documented_rollout_node_commands()
+    assert {doc for doc, _ in commands} == {"docs/launching.md", "slurm/README.md"}
+    for doc, line in commands:
+        words = shlex.split(line)
+        env = dict(word.split("=", 1) for word in words[:words.index("sbatch")])
+        script = words.index("slurm/train.sbatch")
+        nodes = int(next(o for o in words[:script] if o.startswith("--nodes=")).split("=")[1])
+        assert (ROOT / env["RECIPE"]).is_file(), f"{doc}: {line}: {env['RECIPE']} does not exist"
+        result = _dry_run(tmp_path, *words[script + 1:], SLURM_JOB_NUM_NODES=str(nodes), **env)
+        assert result.returncode == 0, (doc, line, result.stderr)
+        argv = shlex.split(result.stdout.strip().splitlines()[-1])
+        assert {f"--nnodes={nodes}", "--nproc-per-node=8"} <= set(argv), (doc, argv)
+        trainer_args = argv[argv.index("megatron_dgpo.train") + 1:]
+        rollout_gpus = int(env["ROLLOUT_NODES"]) * 8
+        assert trainer_args[:3] == [env["RECIPE"], "rollout.placement=dedicated",
+                                    f"rollout.num_gpus={rollout_gpus}"], (doc, trainer_args)
+        cfg = load_recipe(ROOT / trainer_args[0], trainer_args[1:])
+        trainer_ranks = nodes * 8 - rollout_gpus
+        model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+        assert trainer_ranks % model_parallel == 0, (doc, trainer_ranks, model_parallel)
+        _layout(cfg.rollout, cfg.parallel, trainer_ranks)  # raises if the engines do not split over DP
+
+
 @pytest.mark.parametrize("env, message", [
     ({"NODES": "3"}, "NODES=3 exceeds the allocation's 2 nodes"),
     ({"RECIPE": "recipes/nope.yaml"}, "RECIPE=recipes/nope.yaml: no such file"),
