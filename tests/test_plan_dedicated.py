@@ -253,3 +253,21 @@ def test_step_times_are_monotonic_in_the_lengths():
     assert math.isfinite(total(base))
     assert isinstance(step_times(R1_14B, base, ROUND, world=32, rollout_gpus=0, engine_tp=4,
                                  kv_cache_bytes_per_engine_gpu=GIB)[0], StepTime)
+
+
+def test_bench_async_prints_the_planner_rows(capsys):
+    """benchmarks/bench_async.py --planner-only: the 14B rows of benchmarks/README.md's table,
+    one-step-off's speedup over the synchronous dedicated step as the estimate says."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_async", os.path.join(ROOT, "benchmarks",
+                                                                              "bench_async.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--planner-only"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| planner")]
+    assert [r.split(" | ")[1] for r in rows] == ["synchronous", "one-step-off",
+                                                 "colocated, all 240 GPUs"]
+    est = step_time_estimate(load_recipe(RECIPE_14B_ASYNC), Cluster(8, 30, 80))
+    speedup = est["synchronous"]["step_s"] / est["one_step_off"]["step_s"]
+    assert f"| {speedup:.2f}x |" in rows[1]
