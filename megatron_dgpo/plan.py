@@ -650,6 +650,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _recipe_engine_mismatch(run, cluster: Cluster) -> tuple[int, int]:
+    """(the recipe's own DP, the dedicated engines) when that DP does not divide them, else (0, 0)."""
+    model_parallel = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+    if not cluster.rollout_gpus or cluster.world % model_parallel:
+        return 0, 0
+    dp = cluster.world // model_parallel
+    engines = cluster.rollout_gpus // (run.rollout.tensor_parallel_size or 1)
+    return (dp, engines) if engines % dp else (0, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not, 2 on
     bad input."""
@@ -699,6 +709,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         print(format_table(plan, args.headroom))
+        own_dp, engines = _recipe_engine_mismatch(run, cluster)
+        if own_dp:
+            print(f"the recipe's own layout TP{run.parallel.tensor_parallel} "
+                  f"PP{run.parallel.pipeline_parallel} has {own_dp} DP replicas, which cannot "
+                  f"share {engines} dedicated engines evenly: the trainer would refuse it")
         if args.explain and plan.pick is not None:
             print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
     return 0 if plan.fits else 1

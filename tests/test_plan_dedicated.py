@@ -234,6 +234,12 @@ def test_cli_refuses_a_rollout_that_leaves_no_trainer_and_engines_that_do_not_fi
     assert main([RECIPE_14B_ASYNC, "rollout.num_gpus=8", "rollout.kv_cache_memory_bytes=85899345920",
                  *args]) == 1
     assert "DOES NOT FIT (lower rollout.gpu_memory_utilization)" in capsys.readouterr().out
+    # the 4-node 14B recipe with one rollout node: its TP 4 gives 6 replicas for 2 engines
+    assert main([RECIPE_14B, "rollout.placement=dedicated", "rollout.num_gpus=8",
+                 "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "the recipe's own layout TP4 PP1 has 6 DP replicas, which cannot share 2 dedicated" in out
+    assert "pick: TP4 PP3 CP1 DP2" in out
     with pytest.raises(SystemExit) as exc:  # argparse's own exit
         main([RECIPE_14B_ASYNC, "--mean-response-fraction", "0", *args])
     assert exc.value.code == 2
