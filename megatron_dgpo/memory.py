@@ -533,12 +533,10 @@ class Workload:
     """vLLM lives on the training GPUs: with ``rollout.placement: colocated`` an engine in every
     rank (one per ``rollout_tp`` GPUs); with ``separate``, one per DP replica leader (its
     ``rollout_tp`` GPUs counted from the first of the node). False for the transformers engine
-    and for dedicated engines (``rollout_gpus``)."""
+    and for dedicated engines (``Cluster.rollout_gpus`` of them)."""
     rollout_placement: str = "colocated"
-    rollout_gpus: int = 0
-    """``placement: dedicated``: the engines' GPUs (``rollout.num_gpus``), outside the trainer's
-    (``dedicated_engine_estimate``); each DP replica's leader holds one more communicator, the
-    refit link to its engines."""
+    """With "dedicated", each DP replica's leader holds one more communicator, the refit link to
+    its engines (``dedicated_engine_estimate``)."""
     rollout_tp: int | None = None
     """GPUs per engine; None = the layout's TP x PP (TP when PP > 1 and DP > 1)."""
     sleep_mode: bool = True
@@ -588,7 +586,6 @@ class Workload:
             log_prob_chunk_size=run.train.log_prob_chunk_size,
             colocated_rollout=run.rollout.engine == "vllm" and run.rollout.placement != "dedicated",
             rollout_placement=run.rollout.placement,
-            rollout_gpus=run.rollout.num_gpus if run.rollout.placement == "dedicated" else 0,
             rollout_tp=run.rollout.tensor_parallel_size,
             rollout_dtype_bytes=4 if run.rollout.dtype in ("float32", "float") else 2,
             gpu_memory_utilization=run.rollout.gpu_memory_utilization,
@@ -734,6 +731,36 @@ def engine_tp(work: Workload, layout: Layout) -> int:
                                   pipeline_parallel=layout.pp, data_parallel=layout.dp)
 
 
+def engine_weight_bytes(arch: Architecture, work: Workload, engine_tp: int) -> int:
+    """An engine's weights on each of its ``engine_tp`` GPUs: N b_r / t_r."""
+    return param_count(arch) * work.rollout_dtype_bytes // engine_tp
+
+
+def engine_reserve(arch: Architecture, cluster: Cluster, work: Workload, engine_tp: int
+                   ) -> tuple[int, int, list[str]]:
+    """vLLM's reserve on one GPU of an engine of ``engine_tp`` GPUs, wherever the engine lives
+    (``vllm_bytes``), the weights' share of it (the rest is KV cache, activations, graphs) and
+    ``vllm_bytes``' notes."""
+    reserve, notes = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True,
+                                                       rollout_tp=engine_tp))
+    return reserve, engine_weight_bytes(arch, work, engine_tp), notes
+
+
+def dedicated_engines(cluster: Cluster, work: Workload) -> int:
+    """E = ``rollout.num_gpus`` / ``rollout.tensor_parallel_size``: the dedicated engines."""
+    return cluster.rollout_gpus // (work.rollout_tp or 1)
+
+
+def dedicated_split_problem(cluster: Cluster, work: Workload, dp: int) -> str | None:
+    """Why the trainer would refuse to share the dedicated engines out over ``dp`` replicas
+    (``rollout.placement.DedicatedLayout``'s own check), None when it would not (or when there
+    are no dedicated engines)."""
+    from megatron_dgpo.rollout.placement import dedicated_split_problem as trainer_check
+
+    return trainer_check(cluster.rollout_gpus, work.rollout_tp or 1, dp) if cluster.rollout_gpus \
+        else None
+
+
 def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
     """vLLM's share of one of its GPUs when colocated, and notes:
 
@@ -749,7 +776,7 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
     """
     if not work.colocated_rollout:
         return 0, []
-    weights = param_count(arch) * work.rollout_dtype_bytes // work.rollout_tp
+    weights = engine_weight_bytes(arch, work, work.rollout_tp)
     per_seq = work.max_sequence * kv_cache_bytes_per_token(arch, work.rollout_dtype_bytes) \
         // work.rollout_tp
     needed = work.max_num_seqs * per_seq
@@ -891,12 +918,11 @@ def dedicated_engine_estimate(arch: Architecture, cluster: Cluster, work: Worklo
     (``vllm_bytes``, engines of t_r = ``rollout.tensor_parallel_size`` GPUs, default 1) plus
     the NCCL buffers of its TP group (t_r > 1) and of the refit link; no training state. None
     unless the workload has dedicated engines."""
-    if work.rollout_placement != "dedicated" or not work.rollout_gpus:
+    if work.rollout_placement != "dedicated" or not cluster.rollout_gpus:
         return None
     t_r = work.rollout_tp or 1
-    reserve, notes = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True, rollout_tp=t_r))
+    reserve, weights, notes = engine_reserve(arch, cluster, work, t_r)
     return EngineEstimate(
-        engines=work.rollout_gpus // t_r, engine_tp=t_r, reserve=reserve,
-        weights=param_count(arch) * work.rollout_dtype_bytes // t_r,
+        engines=dedicated_engines(cluster, work), engine_tp=t_r, reserve=reserve, weights=weights,
         nccl=nccl_bytes(1 + int(t_r > 1), work.nccl_channels), gpu_bytes=cluster.gpu_bytes,
         notes=notes)

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megatron_dgpo.memory import (GIB, PUBLISHED, TERMS, Architecture, Cluster, EngineEstimate,
                                   Estimate, Layout, Workload, activation_elements_per_token_layer,
-                                  dedicated_engine_estimate, engine_tp, estimate, padded_vocab,
-                                  param_count, stage_params, vllm_bytes)
+                                  dedicated_engine_estimate, dedicated_engines,
+                                  dedicated_split_problem, engine_reserve, engine_tp, estimate,
+                                  padded_vocab, param_count, stage_params)
 from megatron_dgpo.steptime import HARDWARE, Hardware, StepShape, StepTime, step_times
 
 
@@ -60,7 +61,7 @@ def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
             d = cluster.world // (t * p)
             if d > work.responses_per_update or not _engine_fits(work, t, p, d):
                 continue
-            if cluster.rollout_gpus and (cluster.rollout_gpus // (work.rollout_tp or 1)) % d:
+            if dedicated_split_problem(cluster, work, d):
                 continue
             if not arch.moe:
                 out.append(Layout(t, p, 1, d))
@@ -263,8 +264,7 @@ def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom:
                 engine=dedicated_engine_estimate(arch, cluster, work))
     if pick is not None:
         return plan
-    plan.hint = _no_fit_text(arch, cluster, estimates,
-                             engines=cluster.rollout_gpus // (work.rollout_tp or 1))
+    plan.hint = _no_fit_text(arch, cluster, estimates, engines=dedicated_engines(cluster, work))
     if not work.recompute and estimates:
         retry = make_plan(arch, cluster, replace(work, recompute=True), headroom=headroom,
                           recipe_tp=recipe_tp, recipe_pp=recipe_pp, recipe_ep=recipe_ep,
@@ -291,12 +291,6 @@ def rollout_tensor_parallel(plan: Plan) -> int:
     return engine_tp(work, plan.pick.layout)
 
 
-def _kv_cache_per_gpu(arch: Architecture, cluster: Cluster, work: Workload, t_r: int) -> int:
-    """The KV cache of one GPU of an engine of t_r GPUs: vLLM's reserve minus its weights."""
-    reserve, _ = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True, rollout_tp=t_r))
-    return max(reserve - param_count(arch) * work.rollout_dtype_bytes // t_r, 0)
-
-
 def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[StepTime]:
     """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
     dedicated engines, on the plan's ``rollout_gpus`` (synchronous and one-step-off). The
@@ -304,7 +298,8 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[Step
     ``train.offload_training_state``."""
     arch, cluster, work = plan.architecture, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
-    colocated_kv = _kv_cache_per_gpu(arch, cluster, work, t_r)
+    reserve, weights, _ = engine_reserve(arch, cluster, work, t_r)
+    colocated_kv = max(reserve - weights, 0)
     offloaded = (plan.pick.grads + plan.pick.optimizer
                  if plan.pick is not None and work.offload_training_state else 0)
     return step_times(arch, replace(shape, offloaded_state_bytes_per_gpu=offloaded), hw,
@@ -325,7 +320,7 @@ def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
     for gpus in range(unit, cluster.gpus, unit):
         trial = make_plan(arch, replace(cluster, rollout_gpus=gpus),
                           replace(work, rollout_placement="dedicated", colocated_rollout=False,
-                                  rollout_gpus=gpus, rollout_tp=t_r), headroom=headroom)
+                                  rollout_tp=t_r), headroom=headroom)
         if not trial.fits:
             continue
         one_step_off = estimate_step_times(trial, shape, hw)[-1]
@@ -345,7 +340,7 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
         raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
                          f"{run.rollout.placement!r}")
     work = Workload.from_recipe(run)
-    cluster = replace(cluster, rollout_gpus=work.rollout_gpus)
+    cluster = replace(cluster, rollout_gpus=run.rollout.num_gpus)
     plan = make_plan(architecture_for(run), cluster, work, headroom=headroom,
                      recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
     shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
@@ -502,9 +497,7 @@ def format_table(plan: Plan, headroom: float) -> str:
             mark += " <- pick"
         rows.append([str(e.layout), e.stage] + [f"{getattr(e, k) / GIB:.1f}" for k in TERMS]
                     + [f"{e.total / GIB:.1f}", mark])
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += _aligned(head, rows)
     lines.append(f"(GiB on each layout's most loaded GPU; 'tight' fits but with less than "
                  f"{headroom:.0%} headroom)")
     lines.append("")
@@ -542,6 +535,12 @@ def format_table(plan: Plan, headroom: float) -> str:
     return "\n".join(lines)
 
 
+def _aligned(head: list[str], rows: list[list[str]]) -> list[str]:
+    """The header and rows as lines of left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
+
+
 def _engine_text(engine: EngineEstimate, cluster: Cluster) -> str:
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     text = (f"rollout: {engine.engines} dedicated vLLM engine(s) of {engine.engine_tp} GPU(s) on "
@@ -560,11 +559,8 @@ def _step_time_table(plan: Plan) -> str:
     rows = [[t.placement, str(t.trainer_gpus), str(t.rollout_gpus or "-")]
             + [f"{v:.0f}" for v in (t.generation_s, t.training_s, t.refit_s, t.step_s,
                                      t.trainer_idle_s, t.engine_idle_s)] for t in plan.step_times]
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     lines = [f"step time in seconds ({plan.step_time_basis}; a roofline model, "
-             f"docs/planner.md#step-time):",
-             "  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+             f"docs/planner.md#step-time):"] + _aligned(head, rows)
     colocated = plan.step_times[0]
     if plan.balanced is not None:
         b = plan.balanced
@@ -650,16 +646,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _recipe_engine_mismatch(run, cluster: Cluster) -> tuple[int, int]:
-    """(the recipe's own DP, the dedicated engines) when that DP does not divide them, else (0, 0)."""
-    model_parallel = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
-    if not cluster.rollout_gpus or cluster.world % model_parallel:
-        return 0, 0
-    dp = cluster.world // model_parallel
-    engines = cluster.rollout_gpus // (run.rollout.tensor_parallel_size or 1)
-    return (dp, engines) if engines % dp else (0, 0)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not, 2 on
     bad input."""
@@ -677,13 +663,14 @@ def main(argv: list[str] | None = None) -> int:
     work = replace(Workload.from_recipe(run), overhead_bytes=int(args.overhead_gb * GIB),
                    cuda_graph_bytes=int(args.cuda_graph_gb * GIB),
                    nccl_channels=args.nccl_channels, allocator_slack=args.allocator_slack)
+    # rollout.num_gpus is 0 unless placement is dedicated (the recipe's own validation)
     cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb,
-                      rollout_gpus=work.rollout_gpus)
+                      rollout_gpus=run.rollout.num_gpus)
     if cluster.rollout_gpus >= cluster.gpus:
         print(f"dgpo-plan: error: rollout.num_gpus={cluster.rollout_gpus} leaves no GPU for the "
               f"trainer on {cluster.nodes} x {cluster.gpus_per_node} GPUs", file=sys.stderr)
         return 2
-    if (work.colocated_rollout or work.rollout_gpus) and (work.rollout_tp or 1) > cluster.gpus_per_node:
+    if (work.colocated_rollout or cluster.rollout_gpus) and (work.rollout_tp or 1) > cluster.gpus_per_node:
         print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
         return 2
@@ -709,11 +696,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         print(format_table(plan, args.headroom))
-        own_dp, engines = _recipe_engine_mismatch(run, cluster)
-        if own_dp:
+        own_mp = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+        own_dp = cluster.world // own_mp
+        if cluster.world % own_mp == 0 and dedicated_split_problem(cluster, work, own_dp):
             print(f"the recipe's own layout TP{run.parallel.tensor_parallel} "
                   f"PP{run.parallel.pipeline_parallel} has {own_dp} DP replicas, which cannot "
-                  f"share {engines} dedicated engines evenly: the trainer would refuse it")
+                  f"share {dedicated_engines(cluster, work)} dedicated engines evenly: the "
+                  f"trainer would refuse it")
         if args.explain and plan.pick is not None:
             print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
     return 0 if plan.fits else 1

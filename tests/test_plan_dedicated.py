@@ -38,7 +38,7 @@ ROUND = Hardware("round", peak_tflops=100, hbm_gb_per_s=1000, nvlink_gb_per_s=10
 
 def _dedicated_work(**changes) -> Workload:
     base = dict(micro_batch_tokens=4096, responses_per_update=64, max_sequence=1024,
-                colocated_rollout=False, rollout_placement="dedicated", rollout_gpus=8,
+                colocated_rollout=False, rollout_placement="dedicated",
                 rollout_tp=2, gpu_memory_utilization=0.85, overhead_bytes=GIB)
     base.update(changes)
     return Workload(**base)
@@ -61,7 +61,7 @@ def test_dedicated_trainer_has_no_vllm_and_the_engine_gpu_is_estimated_by_hand()
                        + e.nccl + e.overhead)
     colocated = estimate(R1_14B, replace(cluster, rollout_gpus=0), lay,
                          replace(work, colocated_rollout=True, rollout_placement="colocated",
-                                 rollout_gpus=0, rollout_tp=None))
+                                 rollout_tp=None))
     assert "refit link" not in colocated.communicators and colocated.vllm > 0
     if e.stage == "first":
         assert "refit link" in e.communicators
@@ -79,20 +79,19 @@ def test_dedicated_trainer_has_no_vllm_and_the_engine_gpu_is_estimated_by_hand()
     assert tiny.reserve == weights + per_seq and "would not start" in tiny.notes[0]
     huge = dedicated_engine_estimate(R1_14B, cluster, replace(work, kv_cache_memory_bytes=90 * GIB))
     assert not huge.fits
-    assert dedicated_engine_estimate(R1_14B, cluster, replace(work, rollout_placement="colocated",
-                                                              rollout_gpus=0)) is None
+    assert dedicated_engine_estimate(R1_14B, cluster, replace(work, rollout_placement="colocated")) is None
+    assert dedicated_engine_estimate(R1_14B, replace(cluster, rollout_gpus=0), work) is None
 
 
 def test_dp_must_divide_the_dedicated_engines():
     """Each DP replica refits and samples with its own share of the engines
-    (``rollout.dedicated.DedicatedLayout``): layouts whose DP does not divide them are not
+    (``rollout.placement.DedicatedLayout``): layouts whose DP does not divide them are not
     candidates, and when none is left the hint says why."""
     cluster = Cluster(gpus_per_node=8, nodes=30, gpu_memory_gb=80, rollout_gpus=80)
-    work = _dedicated_work(rollout_gpus=80, rollout_tp=4, responses_per_update=256)
+    work = _dedicated_work(rollout_tp=4, responses_per_update=256)
     dps = {lay.dp for lay in candidate_layouts(R1_14B, cluster, work)}
     assert dps and all(20 % d == 0 for d in dps) and 20 in dps and 40 not in dps
-    none_left = make_plan(R1_14B, replace(cluster, rollout_gpus=64),
-                          replace(work, rollout_gpus=64))
+    none_left = make_plan(R1_14B, replace(cluster, rollout_gpus=64), work)
     assert none_left.pick is None and "DP must divide the 16 dedicated engines" in none_left.hint
 
 

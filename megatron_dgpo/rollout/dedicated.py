@@ -43,7 +43,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,57 +55,13 @@ from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import Experience, prompt_order
 from megatron_dgpo.optimizer import sync_params
 from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
-from megatron_dgpo.rollout.placement import shard_prompts
+from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
 from megatron_dgpo.rollout.refit import RefitStats, run_bucketed_refit
 
 AHEAD_DIR = "rollout_ahead"
 """A checkpoint's folder for the batch generated ahead (one file per DP replica)."""
 
 _ALIGN = 16  # bytes: each tensor of a broadcast bucket starts aligned for any dtype's view
-
-
-@dataclass(frozen=True)
-class DedicatedLayout:
-    """Who drives which engine: ``num_engines`` engines of ``engine_tp`` rollout ranks, split
-    evenly over the trainer's ``dp_size`` replicas."""
-
-    rollout_ranks: int
-    engine_tp: int
-    dp_size: int
-
-    def __post_init__(self):
-        if self.rollout_ranks % self.engine_tp:
-            raise ValueError(f"rollout.num_gpus={self.rollout_ranks} must be a multiple of "
-                             f"rollout.tensor_parallel_size={self.engine_tp}")
-        if self.num_engines % self.dp_size:
-            raise ValueError(f"rollout.num_gpus={self.rollout_ranks} gives {self.num_engines} "
-                             f"engines of {self.engine_tp} GPUs, which must be a multiple of the "
-                             f"trainer's {self.dp_size} DP replicas (each replica drives its own)")
-
-    @property
-    def num_engines(self) -> int:
-        return self.rollout_ranks // self.engine_tp
-
-    @property
-    def engines_per_replica(self) -> int:
-        return self.num_engines // self.dp_size
-
-    @property
-    def link_size(self) -> int:
-        """Members of a replica's ``PeerGroup``: its leader and its engines' ranks."""
-        return 1 + self.engines_per_replica * self.engine_tp
-
-    def replica_of(self, rollout_rank: int) -> int:
-        return rollout_rank // self.engine_tp // self.engines_per_replica
-
-    def link_index(self, rollout_rank: int) -> int:
-        return 1 + rollout_rank - self.replica_of(rollout_rank) * (self.link_size - 1)
-
-    def engine_in_replica(self, rollout_rank: int) -> int:
-        return rollout_rank // self.engine_tp % self.engines_per_replica
-
-    def link_name(self, replica: int) -> str:
-        return f"megatron_dgpo/rollout/replica{replica}"
 
 
 def _layout(rollout_config, parallel, trainer_size: int) -> DedicatedLayout:

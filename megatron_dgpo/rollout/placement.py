@@ -1,4 +1,5 @@
-"""Which colocated engine a rank belongs to, and which prompts each engine samples.
+"""Which colocated engine a rank belongs to, which replica drives which dedicated engine, and
+which prompts each engine samples.
 
 Colocated engines (``VLLMConfig.placement="colocated"``) are vLLM ``external_launcher`` SPMD
 groups of ``engine_tp`` *consecutive* global ranks: ranks ``[e * t, (e + 1) * t)`` form engine
@@ -6,6 +7,10 @@ groups of ``engine_tp`` *consecutive* global ranks: ranks ``[e * t, (e + 1) * t)
 the same prompts and seeds; every rank feeds its own engine rank the full HF tensors
 (``export_hf_weights(consumer="all")``: DP replicas hold identical weights, so any replica's
 ranks can feed any engine).
+
+Dedicated engines (``rollout.placement: dedicated``, ``DedicatedLayout``): the last
+``rollout.num_gpus`` ranks form ``num_gpus / t`` engines, shared out evenly over the trainer's DP
+replicas (the trainer and ``dgpo-plan`` check the same split).
 
 Sharding a rollout batch of P prompts (each giving a whole group of ``n`` samples): engine e
 takes the contiguous slice ``shard_prompts(P, E, e)`` (sizes differ by at most one), and a
@@ -56,6 +61,61 @@ class EngineLayout:
         """The engine's first rank: the one that grades and keeps the engine's samples when the
         other TP ranks of the engine hold identical copies."""
         return self.rank % self.engine_tp == 0
+
+
+@dataclass(frozen=True)
+class DedicatedLayout:
+    """Who drives which engine: ``num_engines`` engines of ``engine_tp`` rollout ranks, split
+    evenly over the trainer's ``dp_size`` replicas."""
+
+    rollout_ranks: int
+    engine_tp: int
+    dp_size: int
+
+    def __post_init__(self):
+        problem = dedicated_split_problem(self.rollout_ranks, self.engine_tp, self.dp_size)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_ranks // self.engine_tp
+
+    @property
+    def engines_per_replica(self) -> int:
+        return self.num_engines // self.dp_size
+
+    @property
+    def link_size(self) -> int:
+        """Members of a replica's ``PeerGroup``: its leader and its engines' ranks."""
+        return 1 + self.engines_per_replica * self.engine_tp
+
+    def replica_of(self, rollout_rank: int) -> int:
+        return rollout_rank // self.engine_tp // self.engines_per_replica
+
+    def link_index(self, rollout_rank: int) -> int:
+        return 1 + rollout_rank - self.replica_of(rollout_rank) * (self.link_size - 1)
+
+    def engine_in_replica(self, rollout_rank: int) -> int:
+        return rollout_rank // self.engine_tp % self.engines_per_replica
+
+    def link_name(self, replica: int) -> str:
+        return f"megatron_dgpo/rollout/replica{replica}"
+
+
+def dedicated_split_problem(rollout_ranks: int, engine_tp: int, dp_size: int) -> str | None:
+    """Why ``rollout_ranks`` ranks cannot be engines of ``engine_tp`` ranks shared out evenly over
+    ``dp_size`` replicas (``DedicatedLayout``), naming the recipe keys; None when they can.
+    ``dgpo-plan`` asks the same of every layout it proposes."""
+    if rollout_ranks % engine_tp:
+        return (f"rollout.num_gpus={rollout_ranks} must be a multiple of "
+                f"rollout.tensor_parallel_size={engine_tp}")
+    engines = rollout_ranks // engine_tp
+    if engines % dp_size:
+        return (f"rollout.num_gpus={rollout_ranks} gives {engines} engines of {engine_tp} GPUs, "
+                f"which must be a multiple of the trainer's {dp_size} DP replicas (each replica "
+                f"drives its own)")
+    return None
 
 
 def shard_prompts(num_prompts: int, num_engines: int, engine_index: int) -> range:
