@@ -665,6 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=[name for name, _ in CHECKS],
                         help="run only these checks")
     args = parser.parse_args(argv)
+    from megatron_dgpo import gpu_config
+
+    try:  # a GPU node whose CUDA does not start is a failed check, not a CPU machine
+        gpu_config.require_usable_cuda()
+    except RuntimeError as error:
+        print(f"gpu_check: FAIL: {error}", file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
         print(SKIP_LINE)
         return 0

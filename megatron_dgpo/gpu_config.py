@@ -203,3 +203,82 @@ def schedule_sync_hooks(models: list) -> dict:
     if ddp.overlap_param_gather and ddp.align_param_gather:
         hooks["param_sync_func"] = one_or_list([m.start_param_sync for m in models])
     return hooks
+
+
+CUDA_DRIVER_HELP = "docs/install.md, 'The NVIDIA driver (CUDA 13 needs R580)'"
+
+
+def nvidia_device_files(dev: str = "/dev") -> list[str]:
+    """The NVIDIA GPU device files under ``dev`` (``nvidia0``, ``nvidia1``, ...; not
+    ``nvidiactl`` or ``nvidia-uvm``): what marks a GPU node for ``require_usable_cuda``.
+
+    Device files, not ``/proc/driver/nvidia/gpus``: procfs' driver entries are the host's even
+    in a container started without GPUs, whereas a container runtime creates the device files
+    only for the GPUs it hands in. And not ``CUDA_VISIBLE_DEVICES``: a value inherited from a
+    login shell or a launcher says nothing about this machine."""
+    from pathlib import Path
+
+    return sorted((p.name for p in Path(dev).glob("nvidia[0-9]*") if p.name[6:].isdigit()),
+                  key=lambda name: int(name[6:]))
+
+
+def cpu_requested(environ) -> bool:
+    """``CUDA_VISIBLE_DEVICES`` set to nothing (or to ``-1`` first, which CUDA reads as "no
+    device" too): the user hides the GPUs on purpose, the way to run on the CPU on a GPU node."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    return value is not None and value.split(",")[0].strip() in ("", "-1")
+
+
+def require_usable_cuda(*, dev: str = "/dev", environ=None, cuda_available=None,
+                        cuda_init=None, cuda_build=None) -> None:
+    """Refuse to run on a GPU node where torch cannot use CUDA, with torch's own reason.
+
+    Without this, ``torch.cuda.is_available()`` is merely False on such a node (e.g. torch's
+    CUDA 13 wheels on an R535 or R570 driver, which supports CUDA 12 at most), and everything
+    downstream takes the CPU path in silence: gloo, CPU tensors, and then either a crawl or a
+    failure far from its cause (e.g. the async checkpoint saver, refused without CUDA). A
+    GPU node is one with NVIDIA device files (``nvidia_device_files``); nothing is
+    checked where ``CUDA_VISIBLE_DEVICES`` hides the GPUs on purpose (``cpu_requested``), the
+    one way to ask for the CPU there (no other switch: a recipe key or variable that silences
+    this would be set once and forgotten on the GPU nodes it exists for).
+
+    The reason comes from initialising CUDA (``torch.cuda.init()``), whose exception carries
+    torch's diagnosis of the driver ("The NVIDIA driver on your system is too old (found version
+    12020)..."); a CPU build of torch (``torch.version.cuda`` None) is named as such.
+
+    The probes are parameters so that tests can stand in a GPU node on a CPU machine: ``dev``
+    (the folder of device files), ``environ`` (default ``os.environ``), ``cuda_available``,
+    ``cuda_init`` and ``cuda_build`` (callables; default torch's ``cuda.is_available``,
+    ``cuda.init`` and ``version.cuda``)."""
+    import os
+
+    import torch
+
+    environ = os.environ if environ is None else environ
+    if cpu_requested(environ):
+        return
+    devices = nvidia_device_files(dev)
+    if not devices:
+        return
+    if (cuda_available or torch.cuda.is_available)():
+        return
+    build = cuda_build() if cuda_build is not None else torch.version.cuda
+    node = f"this is a GPU node ({', '.join(f'{dev}/{d}' for d in devices[:4])}" + \
+        (", ..." if len(devices) > 4 else "") + ")"
+    cpu_hint = "to run on the CPU on purpose, set CUDA_VISIBLE_DEVICES= (empty)"
+    if build is None:
+        raise RuntimeError(
+            f"{node}, but a CPU build of torch is installed (torch {torch.__version__}, "
+            f"torch.version.cuda is None): install the GPU stack ({INSTALL_HELP}); {cpu_hint}")
+    try:
+        (cuda_init or torch.cuda.init)()
+    except Exception as error:  # torch's words about the driver are the diagnosis
+        reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    else:
+        reason = "torch.cuda.is_available() is False although CUDA initialised without an error"
+    raise RuntimeError(
+        f"{node}, but torch {torch.__version__} (built for CUDA {build}) cannot use CUDA: "
+        f"{reason}. torch's CUDA {build} needs an NVIDIA driver that supports it (CUDA 13: the "
+        f"R580 branch or newer; an older data-center driver only with the CUDA "
+        f"forward-compatibility package): see {CUDA_DRIVER_HELP}, and check with "
+        f"`python benchmarks/gpu_check.py`; {cpu_hint}")

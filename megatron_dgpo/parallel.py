@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo.cpu import apply_cpu_compat, cpu_only, seed_model_parallel_rng
-from megatron_dgpo.gpu_config import cuda_launch_env
+from megatron_dgpo.gpu_config import cuda_launch_env, require_usable_cuda
 from megatron_dgpo.watchdog import start_heartbeat
 
 DEFAULT_TIMEOUT_MINUTES = 120.0
@@ -117,7 +117,11 @@ def init_distributed(backend: str | None = None, *,
     default group: a rank waiting longer fails with gloo's/NCCL's timeout error.
     ``watchdog_minutes`` (``ParallelConfig.watchdog_minutes``), under torchrun, starts this
     rank's heartbeat and watcher (``megatron_dgpo.watchdog``).
+
+    First of all, a GPU node where torch cannot use CUDA is refused with torch's reason
+    (``gpu_config.require_usable_cuda``) instead of running on the CPU path.
     """
+    require_usable_cuda()
     if dist.is_initialized():
         return
     if not (isinstance(timeout_minutes, (int, float)) and timeout_minutes > 0):
