@@ -27,7 +27,9 @@ Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
     token dispatcher: ``moe_token_dispatcher_type`` (alltoall by default; allgather needs
         fixed sequence lengths, which only PP = 1 affords)
     TP > 1: Megatron requires sequence parallelism with MoE, on here only with CUDA (gloo has
-        no reduce-scatter), so an MoE model on CPU runs at TP 1 (EP and DP instead)
+        no reduce-scatter), so an MoE model on CPU runs at TP 1 (EP and DP instead); an
+        explicit ``sequence_parallel`` override skips that refusal (the converter's models at
+        TP > 1 on CPU, which never run forward)
 
 The model is built with ``parallel_output=True``: the last pipeline stage returns logits
 [B, S, V_padded / TP], this rank's contiguous vocab shard. Padded columns (global index >=
@@ -189,7 +191,10 @@ def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> di
                          "use 'alltoall'")
     if dispatcher == "flex" and not platform.cuda:
         raise ValueError("model.moe_token_dispatcher 'flex' needs a GPU (DeepEP / HybridEP)")
-    if tp > 1 and not sequence_parallel(tp, platform):
+    # An explicit sequence_parallel is the caller's choice, e.g. the converter's, whose models
+    # never run forward: Megatron builds an MoE at TP > 1 without SP and refuses only its
+    # training forward (MoELayer.forward).
+    if tp > 1 and "sequence_parallel" not in overrides and not sequence_parallel(tp, platform):
         raise ValueError(f"an MoE model at tensor_parallel={tp} needs Megatron's sequence "
                          f"parallelism, which runs on GPUs only here (gloo has no "
                          f"reduce-scatter): on CPU use tensor_parallel 1 with expert_parallel "

@@ -154,27 +154,35 @@ def parity_fn(rank, world_size, dirs: dict, references: dict):
 
 
 def convert_fn(rank, world_size, dirs: dict, out_root: str):
-    """Converter round trips: HF -> torch_dist written at EP=2 (MoE) and TP=2 (Qwen3), loaded
-    at EP=2, EP=1 and PP=2 / TP=2 and TP=1, exported back: each export vs the HF files,
-    bitwise. (MoE at TP > 1 needs sequence parallelism: GPU only.)"""
+    """Converter round trips: HF -> torch_dist written at EP=2 and at TP=2 (MoE; experts split
+    over expert TP 2 there) and TP=2 (Qwen3), loaded at EP=2, EP=1 and PP=2 / TP=2 and TP=1,
+    exported back: each export vs the HF files, bitwise. Checkpoints land in
+    ``out_root/<label>_mcore``. An MoE at TP 2 on CPU (no sequence parallelism: the builder
+    refuses it for training) is loaded with an explicit ``sequence_parallel=False``, as the
+    converter builds it; nothing runs forward."""
     from megatron_dgpo.convert import export_hf_weights, hf_to_megatron, load_model
     from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
-    cases = [("qwen3_moe", dict(ep=2), [dict(expert_parallel=2, expert_tensor_parallel=1),
-                                        dict(expert_parallel=1), dict(pipeline_parallel=2)]),
-             ("qwen3", dict(tp=2), [dict(tensor_parallel=2), dict(tensor_parallel=1)])]
+    no_sp = dict(sequence_parallel=False)
+    cases = [("qwen3_moe", "qwen3_moe", dict(ep=2),
+              [(dict(expert_parallel=2, expert_tensor_parallel=1), {}),
+               (dict(expert_parallel=1), {}), (dict(pipeline_parallel=2), {})]),
+             ("qwen3_moe_tp2", "qwen3_moe", dict(tp=2),
+              [(dict(tensor_parallel=2), no_sp), (dict(tensor_parallel=1), {})]),
+             ("qwen3", "qwen3", dict(tp=2), [(dict(tensor_parallel=2), {}),
+                                             (dict(tensor_parallel=1), {})])]
     out = {}
-    for name, write_layout, read_layouts in cases:
-        ckpt = os.path.join(out_root, f"{name}_mcore")
-        initialize_parallel(ParallelConfig(**read_layouts[0]))
+    for label, name, write_layout, read_layouts in cases:
+        ckpt = os.path.join(out_root, f"{label}_mcore")
+        initialize_parallel(ParallelConfig(**read_layouts[0][0]))
         hf_to_megatron(dirs[name], ckpt, **write_layout)
         destroy_parallel()
         disk = read_safetensors(dirs[name])
-        for layout in read_layouts:
+        for layout, overrides in read_layouts:
             initialize_parallel(ParallelConfig(**layout))
             for source in (ckpt, dirs[name]):
-                exported = dict(export_hf_weights(load_model(source)))
-                out[(name, tuple(sorted(layout.items())), source == ckpt)] = (
+                exported = dict(export_hf_weights(load_model(source, **overrides)))
+                out[(label, tuple(sorted(layout.items())), source == ckpt)] = (
                     set(exported) == set(disk)
                     and all(torch.equal(exported[k], v) for k, v in disk.items()))
             destroy_parallel()

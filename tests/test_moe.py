@@ -47,13 +47,15 @@ def test_converter_round_trips_bitwise_at_tp_and_ep_layouts(models, tmp_path):
     dirs, _ = models
     results = run_ranks(convert_fn, 2, dirs, str(tmp_path))
     for rank_results in results:
-        assert len(rank_results) == 10
+        assert len(rank_results) == 14
         assert all(rank_results.values()), [k for k, ok in rank_results.items() if not ok]
-    for name in ("qwen3_moe", "qwen3"):  # and back to HF files, in one process
-        out = megatron_to_hf(str(tmp_path / f"{name}_mcore"), str(tmp_path / f"{name}_hf"))
+    # and back to HF files, in one process (label: the checkpoint, name: its HF original)
+    for label, name in (("qwen3_moe", "qwen3_moe"), ("qwen3_moe_tp2", "qwen3_moe"),
+                        ("qwen3", "qwen3")):
+        out = megatron_to_hf(str(tmp_path / f"{label}_mcore"), str(tmp_path / f"{label}_hf"))
         back, original = read_safetensors(out), read_safetensors(dirs[name])
         assert set(back) == set(original)
-        assert all(torch.equal(back[k], v) for k, v in original.items()), name
+        assert all(torch.equal(back[k], v) for k, v in original.items()), label
 
 
 def test_training_split_over_expert_parallelism_and_resumed_across_ep(models, tmp_path):
@@ -130,6 +132,9 @@ def test_moe_transformer_config_choices():
                            pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="sequence parallelism"):
         transformer_kwargs(QWEN3_MOE, platform=cpu, tensor_model_parallel_size=2)
+    # the converter's explicit choice (its models never run forward) is not refused
+    assert transformer_kwargs(QWEN3_MOE, platform=cpu, tensor_model_parallel_size=2,
+                              sequence_parallel=False)["sequence_parallel"] is False
     gpu_tp2 = transformer_kwargs(QWEN3_MOE, platform=gpu, tensor_model_parallel_size=2)
     assert gpu_tp2["sequence_parallel"] is True
     with pytest.raises(ValueError, match="needs a GPU"):
@@ -164,11 +169,17 @@ def test_hf_to_megatron_refuses_an_ep_that_does_not_divide_the_experts(models, t
 
 
 def test_dgpo_convert_command_writes_and_reads_an_expert_parallel_layout(models, tmp_path):
-    """`dgpo-convert hf-to-megatron ... --ep 2` (two spawned ranks) and back, bitwise."""
+    """`dgpo-convert hf-to-megatron ... --tp 2 --ep 2` (two spawned CPU ranks; TP 2 as in
+    recipes/qwen3_30b_a3b.yaml, a layout the CPU trainer refuses for an MoE) and back,
+    bitwise."""
+    from megatron_dgpo.convert import read_metadata
     from megatron_dgpo.convert.cli import main
 
     dirs, _ = models
-    assert main(["hf-to-megatron", dirs["qwen3_moe"], str(tmp_path / "mcore"), "--ep", "2"]) == 0
+    assert main(["hf-to-megatron", dirs["qwen3_moe"], str(tmp_path / "mcore"),
+                 "--tp", "2", "--ep", "2"]) == 0
+    meta = read_metadata(str(tmp_path / "mcore"))
+    assert (meta["saved_tp"], meta["saved_ep"]) == (2, 2)
     assert main(["megatron-to-hf", str(tmp_path / "mcore"), str(tmp_path / "hf")]) == 0
     back, original = read_safetensors(str(tmp_path / "hf")), read_safetensors(dirs["qwen3_moe"])
     assert set(back) == set(original)

@@ -32,7 +32,8 @@ class HFSource:
     def _validate(self) -> None:
         """Refuse unsupported configs, missing or unmapped tensors and shape mismatches before
         anything is written."""
-        transformer_config_from_hf(self.config)  # the builder's refusals (RoPE scaling, act, ...)
+        # the builder's refusals (RoPE scaling, act, ...)
+        transformer_config_from_hf(self.config, **conversion_overrides(self.config))
         consumed = set()
         for pm, layer in iter_params(self.params, self.dims.layers):
             for name, expected in hf_tensors(pm, layer, self.dims):
@@ -59,6 +60,26 @@ class HFSource:
 
     def box(self, pm: ParamMap, layer: int | None, box) -> torch.Tensor:
         return megatron_box(pm, layer, box, self.reader.read, self.dims)
+
+
+def conversion_overrides(hf_config) -> dict:
+    """``TransformerConfig`` overrides for a model the converter builds but never runs forward,
+    at the TP of Megatron's parallel state (1 when it is not initialised).
+
+    An MoE at TP > 1: sequence parallelism as the platform gives it (on with CUDA), but stated
+    explicitly. Without CUDA it is off, and ``model.moe_kwargs`` refuses that for training (gloo
+    has no reduce-scatter, and Megatron refuses an MoE's training forward at TP > 1 without
+    SP); building the model and slicing tensors need no SP, and SP changes neither the
+    parameters nor their checkpoint layout, so the explicit value skips that refusal."""
+    from megatron.core import parallel_state
+
+    from megatron_dgpo.gpu_config import Platform, sequence_parallel
+
+    tp = (parallel_state.get_tensor_model_parallel_world_size()
+          if parallel_state.model_parallel_is_initialized() else 1)
+    if tp > 1 and describe(hf_config).dims.moe:
+        return {"sequence_parallel": sequence_parallel(tp, Platform.detect())}
+    return {}
 
 
 def iter_params(params: Sequence[ParamMap], num_layers: int):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_dgpo import comm
 from megatron_dgpo.convert import _megatron_compat as compat
 from megatron_dgpo.convert.checkpoint_format import model_sharded_state_dict, write_metadata
-from megatron_dgpo.convert.hf_source import HFSource
+from megatron_dgpo.convert.hf_source import HFSource, conversion_overrides
 from megatron_dgpo.cpu import cpu_only
 from megatron_dgpo.model import build_model
 from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
@@ -141,7 +141,8 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
         dtype = dtype or source.dtype
         # Weights never materialise on CPU: the planner produces every chunk on demand.
         with torch.device("meta") if cpu_only() else contextlib.nullcontext():
-            chunks = build_model(source.config, dtype=dtype, perform_initialization=False)
+            chunks = build_model(source.config, dtype=dtype, perform_initialization=False,
+                                 **conversion_overrides(source.config))
         if dist.get_rank() == 0:
             os.makedirs(out_dir, exist_ok=True)
         comm.barrier()
