@@ -141,6 +141,28 @@ def test_engine_kwargs_per_platform(cpu, placement):
     assert llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=True), cpu=cpu)["load_format"] == "dummy"
 
 
+def test_dedicated_engine_keeps_custom_all_reduce(monkeypatch):
+    """An engine on dedicated GPUs (in process over the rollout ranks like a colocated one, but
+    no trainer beside it) keeps vLLM's custom all-reduce; one on the trainer's GPUs turns it
+    off. GPU decisions, checked from the configs build_engine makes."""
+    from megatron_dgpo.recipe import RolloutConfig
+    from megatron_dgpo.rollout import generate, vllm_engine
+
+    configs = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", configs.append)
+    for dedicated in (False, True):
+        generate.build_engine(RolloutConfig(), "m", placement="colocated",
+                              tensor_parallel_size=2, refitted=True, dedicated=dedicated)
+    colocated, dedicated = (llm_kwargs(config, cpu=False) for config in configs)
+    assert colocated["disable_custom_all_reduce"] is True
+    assert "disable_custom_all_reduce" not in dedicated
+    assert (dedicated["distributed_executor_backend"], dedicated["tensor_parallel_size"],
+            dedicated["load_format"]) == ("external_launcher", 2, "dummy")
+    assert "enable_sleep_mode" not in dedicated and colocated["enable_sleep_mode"] is True
+    # on CPU neither asks (no custom all-reduce there)
+    assert not any("disable_custom_all_reduce" in llm_kwargs(c, cpu=True) for c in configs)
+
+
 class _RecordingLLM:
     """Stands in for ``vllm.LLM`` on a GPU platform (sleep mode cannot run on CPU): records the
     engine's calls so their order can be checked."""

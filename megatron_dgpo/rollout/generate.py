@@ -33,8 +33,8 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
     ``record_routing`` (``algorithm.routing_replay: r3``): every sample carries its MoE
     routing (``VLLMConfig.record_routing``); the transformers engine cannot and refuses.
     ``dedicated`` (``rollout.placement: dedicated``, on an engine rank): in process over the
-    engine ranks' own world, never asleep (its GPUs are its own), started from random weights
-    that the trainer's first broadcast replaces."""
+    engine ranks' own world, never asleep and with vLLM's custom all-reduce (its GPUs are its
+    own), started from random weights that the trainer's first broadcast replaces."""
     if config.engine == "hf":
         if record_routing:
             raise ValueError("algorithm.routing_replay: r3 needs the vllm engine (the "
@@ -54,7 +54,7 @@ def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int =
         kv_cache_memory_bytes=config.kv_cache_memory_bytes, enforce_eager=config.enforce_eager,
         sleep_mode=False if dedicated else config.sleep_mode, sleep_level=config.sleep_level,
         dummy_weights=True if dedicated else config.dummy_weights if refitted else False,
-        engine_kwargs=config.engine_kwargs, record_routing=record_routing))
+        engine_kwargs=config.engine_kwargs, record_routing=record_routing, dedicated=dedicated))
 
 
 def reward_pool() -> RewardPool:

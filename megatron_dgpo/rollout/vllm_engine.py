@@ -35,7 +35,8 @@ vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and does nothing.
 are on (``enforce_eager=False``) on GPU unless configured.
 
 Colocated engines as verl runs them: custom all-reduce off (its IPC buffers assume a process
-that owns its GPUs; with ``external_launcher`` the trainer's NCCL shares them), and
+that owns its GPUs; with ``external_launcher`` the trainer's NCCL shares them; an engine on
+dedicated GPUs, ``VLLMConfig.dedicated``, owns them and keeps it), and
 ``dummy_weights`` (default for colocated GPU engines) starts the engine from random weights
 instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
 weight before the first generation (``generate`` refuses to run before it).
@@ -108,6 +109,9 @@ class VLLMConfig:
     record_routing: every sample carries the experts each MoE layer routed it to
         (``Completion.routed_experts``; module docstring): vLLM's ``enable_return_routed_experts``
         on GPU, the router capture hook on CPU (colocated only; prefix caching off).
+    dedicated: the engine runs on GPUs of its own (``rollout.placement: dedicated``: in
+        process, external_launcher over the rollout ranks, but no trainer beside it), so it
+        keeps vLLM's custom all-reduce, which a colocated engine turns off.
     """
 
     model: str
@@ -129,6 +133,7 @@ class VLLMConfig:
     logprobs_mode: str = "processed_logprobs"
     engine_kwargs: dict = field(default_factory=dict)
     record_routing: bool = False
+    dedicated: bool = False
 
     def __post_init__(self):
         require_choice("VLLMConfig.placement", self.placement, PLACEMENTS)
@@ -194,7 +199,7 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
     if config.placement == "colocated":
         kwargs["distributed_executor_backend"] = "external_launcher"
-        if not cpu:
+        if not cpu and not config.dedicated:
             kwargs["disable_custom_all_reduce"] = True
     if dummy_weights_enabled(config, cpu=cpu):
         kwargs["load_format"] = "dummy"
