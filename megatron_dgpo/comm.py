@@ -20,13 +20,15 @@ group has one rank, so single-process code paths need no branches.
 ``PeerGroup`` is the one group outside the default world: a DP replica's leader and the ranks
 of its dedicated rollout engines (``rollout.placement: dedicated``), which live in two different
 default worlds (the trainer's and the engines'). It carries objects (host-pickled, on gloo)
-and weight buckets (on the device's backend: NCCL with CUDA tensors on GPUs, gloo on CPU).
+and weight buckets (on the device's backend: NCCL with CUDA tensors on GPUs, gloo on CPU),
+and its creation ends with one checked broadcast on the latter (the link is tried at start).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import zlib
 from datetime import timedelta
 
 import torch
@@ -157,7 +159,8 @@ class PeerGroup:
     and tensors on ``device_backend`` (``"nccl"``: CUDA tensors; ``"gloo"``: the same group as
     the objects, CPU tensors). Construction is collective: it returns once every member has
     joined (within ``timeout``, which also bounds every later wait, e.g. an engine waiting for
-    the trainer's next command while it trains)."""
+    the trainer's next command while it trains) and one broadcast from member 0 has crossed
+    the tensor channel with the value member 0 sent (``_warm_up``)."""
 
     def __init__(self, store, name: str, index: int, size: int, *, device_backend: str,
                  timeout: timedelta):
@@ -177,6 +180,29 @@ class PeerGroup:
         else:
             raise ValueError(f"PeerGroup {name}: device_backend must be nccl or gloo, got "
                              f"{device_backend!r}")
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small broadcast from member 0 on the tensor channel, its value checked.
+
+        NCCL opens its communicator at a group's first collective: without this, a broken link
+        between trainer and engine nodes would show only at the first refit, after the
+        collective timeout, in the middle of a step (NeMo-RL warms its refit group up the same
+        way). gloo runs the same code, so the CPU tests cover it."""
+        token = torch.tensor([self.size, zlib.crc32(self.name.encode())], dtype=torch.int64)
+        tensor = (token.clone() if self.index == 0 else torch.zeros_like(token)).to(self.device)
+        rank = f", global rank {dist.get_rank()}" if dist.is_initialized() else ""
+        where = (f"PeerGroup {self.name} (member {self.index} of {self.size}{rank}; member 0 is "
+                 f"the trainer's replica leader)")
+        try:
+            got = self.broadcast_(tensor, root=0).cpu()
+        except Exception as exc:
+            raise RuntimeError(f"{where}: the warm-up broadcast from member 0 on {self.device.type} "
+                               f"failed: {exc}") from exc
+        if not torch.equal(got, token):
+            raise RuntimeError(f"{where}: the warm-up broadcast from member 0 delivered "
+                               f"{got.tolist()}, expected [size, crc32(name)] = {token.tolist()}: "
+                               f"the members disagree on the group or the link corrupts data")
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In place: member ``root``'s ``tensor`` on every member (on ``self.device``)."""

@@ -92,6 +92,34 @@ def test_peer_group_objects_cross_in_pieces(monkeypatch):
     assert got[1] == {"k": 2}
 
 
+def test_peer_group_link_is_warmed_up_and_checked_at_creation(monkeypatch):
+    """Creating a PeerGroup sends one broadcast from member 0 over the tensor channel (NCCL
+    would otherwise open its communicator at the first refit, and a broken link would show
+    only after the collective timeout); a wrong value received fails the creation, naming the
+    group and the member."""
+    broadcast = comm.PeerGroup.broadcast_
+    received = []
+
+    def recording(group, tensor, root=0):
+        out = broadcast(group, tensor, root)
+        received.append((group.index, root, out.tolist()))
+        return out
+
+    monkeypatch.setattr(comm.PeerGroup, "broadcast_", recording)
+    _pair(dist.HashStore(), "warm", [lambda g: None] * 2)  # created, nothing else sent
+    assert sorted(r[:2] for r in received) == [(0, 0), (1, 0)]
+    assert received[0][2] == received[1][2] and received[0][2][0] == 2  # member 0's [size, ...]
+
+    def corrupting(group, tensor, root=0):
+        out = broadcast(group, tensor, root)
+        return out + 1 if group.index == 1 else out
+
+    monkeypatch.setattr(comm.PeerGroup, "broadcast_", corrupting)
+    with pytest.raises(RuntimeError, match=r"PeerGroup bad \(member 1 of 2.*warm-up broadcast "
+                                           r"from member 0 delivered"):
+        _pair(dist.HashStore(), "bad", [lambda g: None] * 2)
+
+
 def test_bucket_broadcast_is_bitwise_for_mixed_dtypes():
     bucket = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7).to(torch.bfloat16)),
               ("c", torch.arange(3, dtype=torch.int64)), ("d", torch.randn(2, 1).half())]

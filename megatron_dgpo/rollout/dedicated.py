@@ -11,6 +11,10 @@ ranks. DP replica d owns engines [d k, (d + 1) k), k = E / D, and talks to them 
 model-parallel group, where ``export_hf_weights(consumer="first")`` delivers the full HF
 tensors), then the engines' ranks in order. Only the replica's own samples reach it (samples
 never cross DP) and each replica refits its own engines: nothing funnels through global rank 0.
+The link is tried when it is made: ``PeerGroup`` sends one checked broadcast on its tensor
+channel at creation (NCCL opens its communicator there), so a broken link between trainer and
+engine nodes fails at start with the group's name, not after the collective timeout at the
+first refit.
 
 Protocol: the leader broadcasts a command, every engine rank takes part.
 
