@@ -1,51 +1,72 @@
-"""The GPU path, checked in one command on one 80 GB GPU (under 10 minutes; two more runs with 2 GPUs).
+"""The acceptance test of a CUDA node: the GPU path checked in one command on one 80 GB GPU
+(under 10 minutes; two more runs with 2 GPUs).
 
     python benchmarks/gpu_check.py [--out benchmarks/results] [--only NAME ...]
 
 Prints one row per check and writes ``<out>/gpu_check.md`` and ``<out>/gpu_check.json``
-(device, versions, every number). Each check is its own function; one that raises is reported
-as an error row and the others still run. Exit status 1 if a check failed, else 0. Without
-CUDA it prints one line saying it skipped and exits 0 (the CPU test suite runs it that way).
+(device, versions, the components found, every number). Each check is its own function; one
+that raises is reported as an error row and the others still run. Each check declares what it
+needs beyond torch, megatron-core and one CUDA GPU (``NEEDS``: Transformer-Engine ``TE``,
+``vLLM``, ``apex``, ``2 GPUs``; found by ``available_components``); where that is missing its
+row says "not run: needs ..." (no pass mark) and the check is not called. With only torch and
+megatron-core installed the checks marked "needs nothing" still run, the trainer included.
+Exit status 1 if a check failed, else 0. Without CUDA it prints one line saying it skipped and
+exits 0 (the CPU test suite runs it that way), unless this is a GPU node whose CUDA does not
+start (NVIDIA device files, ``torch.cuda.is_available()`` False: the wrong driver for torch's
+CUDA, a CPU torch): then it fails with torch's reason (``gpu_config.require_usable_cuda``).
 
 Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun runs at the end):
 
-* ``te_thd_bf16``: the Transformer-Engine layer spec with a packed row as THD
+* ``fp32_thd_refused`` (needs TE): the trainer refuses model.dtype float32 with TE at start
+  (``gpu_config.require_gpu_stack``) instead of failing at the first forward.
+* ``te_thd_bf16`` (needs TE): the Transformer-Engine layer spec with a packed row as THD
   ``PackedSeqParams`` (fused RoPE where TE has it) against Megatron's local spec with a
   block-diagonal causal mask, same weights, same packed row: log-probs and parameter gradients
   of sum_t w_t log p_t, each compared with the fp32 local model; TE's error must be within 2x
   (+ 1e-3) the local bf16 path's own error (bf16 rounding, not the attention kernel, sets the
   tolerance). TE's THD attention has no fp32 backend (flash and cuDNN take fp16/bf16, the
-  unfused one no THD), so there is no fp32 TE run:
-* ``fp32_thd_refused``: the trainer refuses model.dtype float32 with TE at start
-  (``gpu_config.require_gpu_stack``) instead of failing at the first forward.
-* ``logprobs_v152064``: ``vocab_parallel.logprobs_and_entropy`` forward + backward on bf16
-  logits [8192, 152064]: peak extra memory in multiples of the shard (goal <= 1.0x, the
-  gradient w.r.t. the logits, itself 1.0x, included, as in benchmarks/bench_logprob.py) and
-  time in multiples of one read of the shard (goal <= 2x), beside Megatron's
-  ``vocab_parallel_cross_entropy`` in the same run; log-probs against float32 ``log_softmax``
-  on 256 rows.
-* ``distopt_checkpoint``: the trainer's bf16 policy (``policy.wrap_policy``: Float16Module,
-  Megatron DDP with ``gpu_config.ddp_flags``: overlapped grad reduce and param gather) and the
-  distributed optimizer; one ``train_step`` update, an async dist-checkpoint save
+  unfused one no THD), so there is no fp32 TE run (hence ``fp32_thd_refused``).
+* ``logprobs_v152064`` (needs nothing): ``vocab_parallel.logprobs_and_entropy`` forward +
+  backward on bf16 logits [8192, 152064]: peak extra memory in multiples of the shard (goal
+  <= 1.0x, the gradient w.r.t. the logits, itself 1.0x, included, as in
+  benchmarks/bench_logprob.py) and time in multiples of one read of the shard (goal <= 2x),
+  beside Megatron's ``vocab_parallel_cross_entropy`` in the same run; log-probs against
+  float32 ``log_softmax`` on 256 rows.
+* ``distopt_checkpoint`` (needs nothing: TE's layer spec where TE imports, the local spec
+  otherwise): the trainer's bf16 policy (``policy.wrap_policy``: Float16Module, Megatron DDP
+  with ``gpu_config.ddp_flags``: overlapped grad reduce and param gather) and the distributed
+  optimizer; one ``train_step`` update, an async dist-checkpoint save
   (``checkpoint.AsyncSaver``, Megatron's real queue), then the next update from the live model
   and from a fresh model loaded from the checkpoint: bitwise equal parameters; the save is not
   published before its writer finished.
-* ``vllm_colocated``: CUDA vLLM (bf16, ``placement="colocated"``: inside this process, on the
-  trainer's GPU, sleep mode) beside the trainer's policy: generate -> ``sleep()`` -> one
-  ``train_step`` update -> refit (``update_weights`` wakes it; ``export_hf_weights``) ->
-  generate -> the rollout vs trainer log-prob mismatch (``rollout.mismatch``: mean |d|,
-  exp(mean |d|) - 1), before and after the update. The refit worked if the mismatch after it
-  is not larger than before (x3): a stale engine would be off by a 2e-3 learning-rate update.
-* ``throughput_1p5b``: a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights, the
-  trainer's policy and GPU flags, TE + THD) ``train_step`` (forward + DGPO loss + backward +
-  gradient reduction) on one packed 8192-token row of unequal samples: tokens/s and MFU (model
-  FLOPs, recompute not counted), recompute off and on. Goal on H100: MFU >= 45% without
+* ``throughput_1p5b`` (needs TE and apex: its goal is for the stack the recipes assume, and
+  without TE the local spec's dense [S, S] masks and scores of an 8192-token row ran out of
+  memory on a 139 GiB GPU): a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights,
+  the trainer's policy and GPU flags, TE + THD) ``train_step`` (forward + DGPO loss + backward
+  + gradient reduction) on one packed 8192-token row of unequal samples: tokens/s and MFU
+  (model FLOPs, recompute not counted), recompute off and on. Goal on H100: MFU >= 45% without
   recompute.
-* ``tiny_gpu_run``: ``python -m megatron_dgpo.train recipes/tiny_gpu.yaml`` for its 5 steps:
-  5 metric lines, the last checkpoint published by the async saver, the HF export.
-* ``tiny_gpu_tp2``, ``tiny_gpu_dp2``: the same under torchrun on 2 GPUs at TP = 2 and at DP = 2
-  (NCCL groups: where a CPU tensor in a reduction or a pickled CUDA tensor in a broadcast object
-  would fail); reported as not run with fewer than 2 GPUs.
+* ``vllm_colocated`` (needs vLLM; the trainer's side takes the local spec without TE): CUDA
+  vLLM (bf16, ``placement="colocated"``: inside this process, on the trainer's GPU, sleep mode)
+  beside the trainer's policy: generate -> ``sleep()`` -> one ``train_step`` update -> refit
+  (``update_weights`` wakes it; ``export_hf_weights``) -> generate -> the rollout vs trainer
+  log-prob mismatch (``rollout.mismatch``: mean |d|, exp(mean |d|) - 1), before and after the
+  update. The refit worked if the mismatch after it is not larger than before (x3): a stale
+  engine would be off by a 2e-3 learning-rate update.
+* ``tiny_gpu_stop_resume`` (needs nothing): ``python -m megatron_dgpo.train
+  recipes/tiny_gpu.yaml`` (scheduled saves off), SIGTERM once its first metrics line is
+  written: exit ``interrupt.EXIT_STOPPED`` (75), the step in flight saved as the checkpoint
+  ``latest`` names, no HF export; then the same command again: it resumes, the metrics lines
+  continue to step 5, the final checkpoint and the HF export are written.
+* ``tiny_gpu_run`` (needs nothing): the same recipe for its 5 steps uninterrupted: 5 metric
+  lines, the last checkpoint published by the async saver, the HF export.
+* ``tiny_gpu_tp2``, ``tiny_gpu_dp2`` (need 2 GPUs): the same under torchrun on 2 GPUs at
+  TP = 2 and at DP = 2 (NCCL groups: where a CPU tensor in a reduction or a pickled CUDA tensor
+  in a broadcast object would fail).
+
+The tiny runs take the recipe as it is on the full stack; without vLLM they sample with
+transformers' generate (``rollout.engine=hf``), without TE they build the local spec
+(``model.without_transformer_engine=true``): ``tiny_gpu_overrides``, named in their rows.
 """
 
 from __future__ import annotations
@@ -55,6 +76,7 @@ import json
 import math
 import os
 import platform as host
+import re
 import subprocess
 import sys
 import tempfile
@@ -435,8 +457,11 @@ def check_vllm_colocated() -> Row:
         tiny = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                     num_key_value_heads=2)
         hf_dir = str(make_tiny_model(Path(tmp) / "policy", seed=0, **tiny))
-        models, _, _ = build_policy(ModelConfig(tiny=tiny, dtype="bfloat16"), hf_dir,
-                                    use_distributed_optimizer=True)
+        # vLLM is what this checks: the trainer's side takes the local spec where TE is absent
+        without_te = not available_components()["TE"]
+        models, _, _ = build_policy(ModelConfig(tiny=tiny, dtype="bfloat16",
+                                                without_transformer_engine=without_te),
+                                    hf_dir, use_distributed_optimizer=True)
         optimizer = build_optimizer(OptimizerConfig(lr=2e-3, use_distributed_optimizer=True),
                                     models, lr=2e-3, bf16=True)
         engine = _colocated_engine(hf_dir)
@@ -549,6 +574,15 @@ TINY_GPU_LAYOUTS = {  # check name: (GPUs, recipe overrides)
     "tiny_gpu_tp2": (2, ["parallel.tensor_parallel=2"]),
     "tiny_gpu_dp2": (2, []),
 }
+TINY_GPU_STEPS = 5  # recipes/tiny_gpu.yaml's train.steps
+
+
+def tiny_gpu_overrides(available: dict) -> list[str]:
+    """What recipes/tiny_gpu.yaml needs changed to run with the components ``available`` has:
+    transformers' generate instead of vLLM, Megatron's local spec instead of TE (its dense
+    masks are small at the recipe's 1024-token rows). Empty on the full GPU stack."""
+    return ((["rollout.engine=hf"] if not available.get("vLLM") else [])
+            + (["model.without_transformer_engine=true"] if not available.get("TE") else []))
 
 
 def tiny_gpu_command(gpus: int, overrides: list[str], run_dir: str) -> list[str]:
@@ -562,36 +596,119 @@ def tiny_gpu_command(gpus: int, overrides: list[str], run_dir: str) -> list[str]
                        f"run_dir={run_dir}", "logging.progress_bar=false", *overrides]
 
 
+def _trainer_env() -> dict:
+    """This environment for a trainer child: no torchrun variables of ours, the checkout first."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run_state(run: Path) -> dict:
+    """What a tiny run left in ``run``: the steps of its metrics lines (in file order), the
+    checkpoint ``latest`` names, whether the HF export exists, the last metrics line."""
+    lines = []
+    if (run / "metrics.jsonl").is_file():
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    latest = run / "checkpoints" / "latest"
+    return dict(steps=[r["step"] for r in lines],
+                latest=latest.read_text().strip() if latest.is_file() else None,
+                exported=(run / "hf" / "config.json").is_file(), last=lines[-1] if lines else {})
+
+
+def _tail(text: str | None, n: int = 300) -> str:
+    return (text or "")[-n:].replace("\n", " ")
+
+
 def check_tiny_gpu(name: str) -> Row:
-    gpus, overrides = TINY_GPU_LAYOUTS[name]
-    goal = f"{gpus} GPU(s){' ' + ' '.join(overrides) if overrides else ''}: 5 steps, checkpoint step_000005 published, HF export"
-    if torch.cuda.device_count() < gpus:
-        return Row(name, None, f"not run: {torch.cuda.device_count()} GPU(s), needs {gpus}", goal)
+    gpus, layout = TINY_GPU_LAYOUTS[name]
+    overrides = layout + tiny_gpu_overrides(available_components())
+    goal = (f"{gpus} GPU(s){' ' + ' '.join(overrides) if overrides else ''}: "
+            f"{TINY_GPU_STEPS} steps, checkpoint step_{TINY_GPU_STEPS:06d} published, HF export")
     with tempfile.TemporaryDirectory() as tmp:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         begin = time.perf_counter()
         proc = subprocess.run(tiny_gpu_command(gpus, overrides, f"{tmp}/run"),
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                              cwd=ROOT, env=_trainer_env(), capture_output=True, text=True,
+                              timeout=600)
         seconds = time.perf_counter() - begin
-        run = Path(tmp) / "run"
-        lines = []
-        if (run / "metrics.jsonl").is_file():
-            lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        latest = (run / "checkpoints" / "latest")
-        latest = latest.read_text().strip() if latest.is_file() else None
-        exported = (run / "hf" / "config.json").is_file()
-    last = lines[-1] if lines else {}
-    ok = proc.returncode == 0 and len(lines) == 5 and latest == "step_000005" and exported
-    tail = "" if ok else " | " + (proc.stderr or proc.stdout)[-300:].replace("\n", " ")
+        state = _run_state(Path(tmp) / "run")
+    ok = (proc.returncode == 0 and state["steps"] == list(range(1, TINY_GPU_STEPS + 1))
+          and state["latest"] == f"step_{TINY_GPU_STEPS:06d}" and state["exported"])
+    tail = "" if ok else " | " + _tail(proc.stderr or proc.stdout)
     return Row(name, ok,
-               f"rc {proc.returncode}, {len(lines)} steps in {seconds:.0f} s, latest {latest}, "
-               f"export {exported}, last mismatch "
-               f"{last.get('mismatch/mean_abs_diff', float('nan')):.2e}{tail}", goal,
-               dict(returncode=proc.returncode, steps=len(lines), seconds=seconds,
-                    latest=latest, exported=exported, last_metrics=last,
+               f"rc {proc.returncode}, {len(state['steps'])} steps in {seconds:.0f} s, latest "
+               f"{state['latest']}, export {state['exported']}, last mismatch "
+               f"{state['last'].get('mismatch/mean_abs_diff', float('nan')):.2e}{tail}", goal,
+               dict(returncode=proc.returncode, steps=len(state["steps"]), seconds=seconds,
+                    latest=state["latest"], exported=state["exported"],
+                    last_metrics=state["last"], overrides=overrides,
                     stderr_tail=(proc.stderr or "")[-2000:]))
+
+
+def _stop_after_first_step(cmd: list[str], run: Path, log: Path) -> tuple[int, float]:
+    """Start the trainer, SIGTERM it once its first metrics line is written (the trainer
+    finishes the step in flight, saves it, exits ``EXIT_STOPPED``). Returns (exit status,
+    seconds from the signal to the exit). Its session is killed if it outlives the limits."""
+    import signal
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_trainer_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        metrics = run / "metrics.jsonl"
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.is_file() and metrics.read_text().strip():
+                break
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            return proc.returncode, 0.0  # ended before its first step was logged
+        if time.monotonic() >= deadline:
+            raise TimeoutError("no metrics line within 420 s")
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=240), time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:  # the trainer, its engines and reward workers share the session
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def check_tiny_gpu_stop_resume() -> Row:
+    from megatron_dgpo.interrupt import EXIT_STOPPED
+
+    overrides = tiny_gpu_overrides(available_components())
+    goal = (f"SIGTERM after the first metrics line: exit {EXIT_STOPPED}, the step in flight "
+            f"saved, no export; the same command again: steps continue to {TINY_GPU_STEPS}, "
+            f"final checkpoint, HF export{' (' + ' '.join(overrides) + ')' if overrides else ''}")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        # no scheduled saves: the checkpoint after the stop can only be the stop's own
+        cmd = tiny_gpu_command(1, overrides + ["checkpoint.save_every=0"], str(run))
+        begin = time.perf_counter()
+        rc, stop_s = _stop_after_first_step(cmd, run, Path(tmp) / "stopped.log")
+        stopped = _run_state(run)
+        stop_log = (Path(tmp) / "stopped.log").read_text(errors="replace")
+        resumed = subprocess.run(cmd, cwd=ROOT, env=_trainer_env(), capture_output=True,
+                                 text=True, timeout=600)
+        seconds = time.perf_counter() - begin
+        final = _run_state(run)
+    at = stopped["steps"][-1] if stopped["steps"] else None
+    stop_ok = (rc == EXIT_STOPPED and at is not None and at < TINY_GPU_STEPS
+               and stopped["steps"] == list(range(1, at + 1))
+               and stopped["latest"] == f"step_{at:06d}" and not stopped["exported"])
+    resume_ok = (resumed.returncode == 0 and final["steps"] == list(range(1, TINY_GPU_STEPS + 1))
+                 and final["latest"] == f"step_{TINY_GPU_STEPS:06d}" and final["exported"])
+    tail = ("" if stop_ok else " | stop: " + _tail(stop_log)) + (
+        "" if resume_ok else " | resume: " + _tail(resumed.stderr or resumed.stdout))
+    return Row("tiny_gpu_stop_resume", stop_ok and resume_ok,
+               f"stop: rc {rc} {stop_s:.0f} s after SIGTERM, steps {stopped['steps']}, latest "
+               f"{stopped['latest']}; resume: rc {resumed.returncode}, steps {final['steps']}, "
+               f"latest {final['latest']}, export {final['exported']}; {seconds:.0f} s{tail}",
+               goal, dict(stop_returncode=rc, stop_seconds_after_signal=stop_s,
+                          stopped=stopped, resume_returncode=resumed.returncode, final=final,
+                          seconds=seconds, overrides=overrides, stop_log_tail=stop_log[-2000:],
+                          resume_stderr_tail=(resumed.stderr or "")[-2000:]))
 
 
 CHECKS = (
@@ -601,8 +718,79 @@ CHECKS = (
     ("distopt_checkpoint", check_distopt_checkpoint),
     ("throughput_1p5b", check_throughput_1p5b),
     ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
+    ("tiny_gpu_stop_resume", check_tiny_gpu_stop_resume),
     *((name, partial(check_tiny_gpu, name)) for name in TINY_GPU_LAYOUTS),
 )
+
+NEEDS = {  # what each check needs beyond torch, megatron-core and one CUDA GPU (docstring)
+    "fp32_thd_refused": ("TE",),
+    "te_thd_bf16": ("TE",),
+    "logprobs_v152064": (),
+    "distopt_checkpoint": (),
+    "throughput_1p5b": ("TE", "apex"),
+    "vllm_colocated": ("vLLM",),
+    "tiny_gpu_stop_resume": (),
+    "tiny_gpu_run": (),
+    "tiny_gpu_tp2": ("2 GPUs",),
+    "tiny_gpu_dp2": ("2 GPUs",),
+}
+COMPONENTS = ("TE", "vLLM", "apex")
+
+
+def available_components() -> dict:
+    """What this machine offers the checks: ``TE`` (``transformer_engine.pytorch`` imports:
+    a TE built for another torch counts as absent, as ``gpu_config.Platform.detect`` has it),
+    ``vLLM`` (installed: found, not imported, so that vLLM enters this process only in the
+    last in-process check; an installed but broken vLLM fails its checks instead), ``apex``
+    (its ``fused_weight_gradient_mlp_cuda`` and ``fused_layer_norm_cuda`` extensions import),
+    ``GPUs`` (``torch.cuda.device_count()``)."""
+    import importlib.util
+
+    from megatron_dgpo.gpu_config import _import_error
+
+    return {"TE": _import_error("transformer_engine.pytorch") is None,
+            "vLLM": importlib.util.find_spec("vllm") is not None,
+            "apex": all(_import_error(m) is None
+                        for m in ("fused_weight_gradient_mlp_cuda", "fused_layer_norm_cuda")),
+            "GPUs": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def missing_requirements(needs, available: dict) -> list[str]:
+    """The entries of ``needs`` that ``available`` (``available_components``' form) lacks, in
+    order: a component name of ``COMPONENTS``, or ``"<n> GPUs"``. Anything else is a typo in
+    ``NEEDS`` and raises."""
+    missing = []
+    for need in needs:
+        count = re.fullmatch(r"([0-9]+) GPUs?", need)
+        if count:
+            if available.get("GPUs", 0) < int(count.group(1)):
+                missing.append(need)
+        elif need in COMPONENTS:
+            if not available.get(need):
+                missing.append(need)
+        else:
+            raise ValueError(f"NEEDS: unknown requirement {need!r}; one of {COMPONENTS} or "
+                             f"'<n> GPUs'")
+    return missing
+
+
+def run_check(name: str, fn, available: dict) -> Row:
+    """One check: a "not run: needs ..." row (ok None, ``fn`` not called) when ``available``
+    lacks what ``NEEDS[name]`` asks for; otherwise ``fn()``'s row, or an error row if it
+    raises. ``numbers["check_seconds"]`` is the time it took."""
+    begin = time.perf_counter()
+    missing = missing_requirements(NEEDS[name], available)
+    if missing:
+        row = Row(name, None, f"not run: needs {' and '.join(missing)}",
+                  f"needs {', '.join(NEEDS[name])}", dict(missing=missing))
+    else:
+        try:
+            row = fn()
+        except Exception as exc:  # reported in the table; the other checks still run
+            row = Row(name, False, f"error: {type(exc).__name__}: {exc}"[:400], "runs",
+                      dict(traceback=traceback.format_exc()))
+    row.numbers["check_seconds"] = time.perf_counter() - begin
+    return row
 
 
 # ------------------------------------------------------------------------------ driver
@@ -622,7 +810,8 @@ def _environment() -> dict:
                 torch=torch.__version__, cuda=torch.version.cuda,
                 megatron_core=version("megatron-core"),
                 transformer_engine=version("transformer-engine") or version("transformer_engine"),
-                vllm=version("vllm"), platform=asdict(_gpu_platform()))
+                vllm=version("vllm"), platform=asdict(_gpu_platform()),
+                available=available_components())
 
 
 def _table(rows: list[Row]) -> str:
@@ -632,11 +821,13 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run_checks(names=None) -> list[Row]:
-    """Every check (or those in ``names``) in this process; failures become rows."""
+def run_checks(names=None, available: dict | None = None) -> list[Row]:
+    """Every check (or those in ``names``) in this process; failures become rows, a check
+    whose needs ``available`` lacks a "not run" row."""
     from megatron_dgpo.parallel import ParallelConfig, init_distributed, initialize_parallel
     from megatron_dgpo.train import _single_process_world
 
+    available = available_components() if available is None else available
     _single_process_world()
     init_distributed()
     initialize_parallel(ParallelConfig(), seed=1234)
@@ -644,13 +835,7 @@ def run_checks(names=None) -> list[Row]:
     for name, fn in CHECKS:
         if names and name not in names:
             continue
-        begin = time.perf_counter()
-        try:
-            row = fn()
-        except Exception as exc:  # reported in the table; the other checks still run
-            row = Row(name, False, f"error: {type(exc).__name__}: {exc}"[:400], "runs",
-                      dict(traceback=traceback.format_exc()))
-        row.numbers["check_seconds"] = time.perf_counter() - begin
+        row = run_check(name, fn, available)
         print(f"{row.check:20s} {'pass' if row.ok else 'FAIL' if row.ok is False else '-':5s} "
               f"{row.result}", flush=True)
         rows.append(row)
@@ -677,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = _environment()
     begin = time.perf_counter()
-    rows = run_checks(args.only)
+    rows = run_checks(args.only, env["available"])
     env["total_seconds"] = time.perf_counter() - begin
     table = _table(rows)
     print(table)
@@ -685,8 +870,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     header = (f"# gpu_check.py on {env['device']}\n\n{env['date']}; torch {env['torch']} "
               f"(CUDA {env['cuda']}), megatron-core {env['megatron_core']}, TE "
-              f"{env['transformer_engine']}, vLLM {env['vllm']}; {env['total_seconds']:.0f} s "
-              f"in all.\n\n")
+              f"{env['transformer_engine']}, vLLM {env['vllm']}, apex extensions "
+              f"{'yes' if env['available']['apex'] else 'no'}, {env['available']['GPUs']} "
+              f"GPU(s); {env['total_seconds']:.0f} s in all.\n\n")
     (out / "gpu_check.md").write_text(header + table + "\n")
     (out / "gpu_check.json").write_text(json.dumps(
         dict(environment=env, checks=[asdict(r) for r in rows]), indent=2, default=str) + "\n")
