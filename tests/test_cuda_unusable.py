@@ -126,3 +126,14 @@ def test_gpu_check_fails_loudly_instead_of_skipping(tmp_path, monkeypatch, capsy
     assert gpu_check.SKIP_LINE not in out
     assert "found version 12020" in err and "GPU node" in err
     assert not (tmp_path / "results").exists()
+
+
+def test_the_error_points_at_a_section_that_exists():
+    path, title = gpu_config.CUDA_DRIVER_HELP.split(", ", 1)
+    text = (ROOT / path).read_text()
+    assert f"### {title.strip(chr(39))}\n" in text
+    # the section says what the message promises: the driver floor, the compat package, the
+    # way to run on the CPU on purpose
+    section = text.split(f"### {title.strip(chr(39))}\n", 1)[1].split("\n### ", 1)[0]
+    assert all(s in section for s in ("R580", "cuda-compat-13-0", "CUDA_VISIBLE_DEVICES=",
+                                      "benchmarks/gpu_check.py"))
