@@ -85,7 +85,8 @@ def test_a_check_whose_needs_are_missing_is_not_called(gpu_check):
     # with its needs met it runs; what it raises is a failed row, not a crash of the run
     row = gpu_check.run_check("tiny_gpu_tp2", must_not_run, FULL)
     assert row.ok is False and row.result == "error: AssertionError: called"
-    ran = gpu_check.run_check("logprobs_v152064", lambda: gpu_check.Row("logprobs_v152064", True, "r", "g"), NOTHING)
+    ran = gpu_check.run_check("logprobs_v152064",
+                              lambda: gpu_check.Row("logprobs_v152064", True, "r", "g"), NOTHING)
     assert ran.ok is True and "check_seconds" in ran.numbers
 
 
