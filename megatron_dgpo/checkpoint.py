@@ -12,7 +12,7 @@ Layout of ``<run_dir>/checkpoints``::
 Atomicity: every rank writes into ``.incomplete-<name>``; after a barrier, rank 0 renames the
 folder to ``<name>`` (one ``rename`` on one file system) and only then replaces ``latest``
 (write a temporary file, fsync, ``os.replace``). A process killed at any point leaves ``latest``
-naming a complete checkpoint. An async save (``AsyncSaver``, GPU) keeps that order: the rename
+naming a complete checkpoint. An async save (``AsyncSaver``) keeps that order: the rename
 and ``latest`` run as the save's finalize step, after every rank's writer has finished. The model keys are those of ``convert.hf_to_megatron``, so a
 training checkpoint is also a converter checkpoint: ``dgpo-convert megatron-to-hf`` exports it.
 
@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -118,7 +119,84 @@ def checkpoint_to_resume(root: str | os.PathLike, mode: str) -> Path | None:
     return latest
 
 
-def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
+OPTIMIZER_SHARDING_KEY = "distrib_optim_sharding_type"  # Megatron-LM's metadata key
+FULLY_RESHARDABLE = "fully_reshardable"
+
+
+def distributed_optimizers(optimizer) -> list:
+    """The ``DistributedOptimizer`` instances inside ``optimizer`` (through a ChainedOptimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(inner, DistributedOptimizer)]
+
+
+def _describable(optimizer) -> None:
+    """Megatron's distributed optimizer over torch's Adam (no apex nor Transformer-Engine
+    installed) reads Adam's ``step`` from torch's per-parameter state to describe itself
+    (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1``), and that state is empty
+    until the first update: a resumed run's fresh optimizer could not be loaded into, nor one
+    whose updates were all skipped be saved. Allocate the state the way Megatron's own
+    ``load_state_dict`` does, at step 0 (a load then overwrites every value)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:  # fused Adam keeps its step in the param groups
+        return
+    for inner in distributed_optimizers(optimizer):
+        if len(inner.optimizer.state) == 0:
+            groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
+                      for group in inner.optimizer.state_dict()["param_groups"]]
+            inner.load_state_dict({"optimizer": {"param_groups": groups}})
+
+
+@contextmanager
+def _adam_step_kept_by_bucket_loaders():
+    """Megatron's distributed-optimizer loaders copy every key of torch Adam's per-parameter
+    state from the loaded tensors, which hold ``step`` in the ``dp_reshardable`` format and not
+    in ``fully_reshardable`` (``KeyError: 'step'``, without apex or TE only: fused Adam keeps
+    no per-parameter step). Inside this block a missing ``step`` is left as it is;
+    ``_restore_adam_steps`` then sets it from the param groups."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main = self.optimizer.param_groups[group_index]["params"][group_order]
+            if "step" in self.optimizer.state[main]:
+                tensors = {**tensors, "step": self.optimizer.state[main]["step"]}
+        return original(self, model_param, tensors)
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
+        return
+    cls._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """After a load, torch Adam's per-parameter ``step`` of a distributed optimizer without apex
+    or TE (see ``_describable``) is the checkpoint's, held by the param groups: Megatron's
+    ``load_state_dict`` puts it there and in one tensor shared by every parameter, then its
+    bucket loader copies over it the step the state had before loading (``_describable``'s 0).
+    Each parameter gets its own tensor (Adam increments them in place)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in distributed_optimizers(optimizer):
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                inner.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def _sharded_state_dict(models: list, optimizer, *, is_loading: bool,
+                        optimizer_sharding: str) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -127,7 +205,11 @@ def _sharded_state_dict(models: list, optimizer, *, is_loading: bool) -> dict:
 
     model_sd = model_sharded_state_dict([unwrap_model(m) for m in models])
     state = dict(model_sd)
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    # The sharding type always explicit, as Megatron-LM's training passes it: Megatron's default
+    # (the deprecated fully_sharded_model_space) raises "flattened_range is not supported".
+    _describable(optimizer)
+    state["optimizer"] = optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding})
     # One RNG state per (PP, TP) rank, replicated over DP (as Megatron's training loop does).
     rng = {"python": random.getstate(), "numpy": np.random.get_state(),
            "torch": torch.get_rng_state(),
@@ -155,20 +237,24 @@ class AsyncSaver:
     one, whose clean-up would otherwise remove the new staging folder). Call ``wait`` before
     reading a checkpoint just saved (the final HF export) and before exiting.
 
-    ``queue`` is Megatron's ``AsyncCallsQueue(persistent=True)`` (default), which needs CUDA:
-    its finalisation all-reduces a CUDA tensor, so on CPU ``checkpoint.async_save`` is refused
-    here. ``close`` (after ``wait``) stops the writer.
+    ``queue`` is Megatron's ``AsyncCallsQueue(persistent=True)`` (default; on CPU through
+    ``megatron_dgpo.cpu`` patch 13). Collective: the writer is started here, by an empty write
+    that the first ``poll`` publishes, so that the first save does not wait for a process
+    to start (spawning one and importing torch there took 9.9 s of the first save on a GPU
+    node). ``close`` (after ``wait``) stops the writer.
     """
 
     def __init__(self, queue=None):
         if queue is None:
-            if not torch.cuda.is_available():
-                raise ValueError("checkpoint.async_save: Megatron's async checkpoint save needs "
-                                 "CUDA (its finalisation all-reduces a CUDA tensor); set it to "
-                                 "false on CPU")
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron.core.dist_checkpointing.strategies.async_utils import (AsyncCallsQueue,
+                                                                                 AsyncRequest)
 
+            from megatron_dgpo.cpu import apply_cpu_compat
+
+            apply_cpu_compat()
             queue = AsyncCallsQueue(persistent=True)
+            with children_keep_running():  # the writer outlives SLURM's stop signals
+                queue.schedule_async_request(AsyncRequest(_write_nothing, (), []))
         self._queue = queue
 
     @property
@@ -177,8 +263,15 @@ class AsyncSaver:
         return self._queue.get_num_unfinalized_calls()
 
     def schedule(self, request) -> None:
-        """Collective: start writing ``request`` (an ``AsyncRequest`` with its finalize fns)."""
+        """Collective: start writing ``request`` (an ``AsyncRequest`` with its finalize fns).
+
+        A rank with nothing to write (every tensor it holds is another rank's replica: DP > 1
+        with the plain optimizer, or ``fully_reshardable``) gets a request without a write
+        function, which Megatron's persistent caller does not queue, and then waits forever
+        for its completion: the writer is given an empty write instead."""
         self.wait()
+        if request.async_fn is None:
+            request = request._replace(async_fn=_write_nothing)
         self._queue.schedule_async_request(request)
 
     def poll(self) -> None:
@@ -195,10 +288,16 @@ class AsyncSaver:
         self._queue.close()
 
 
+def _write_nothing(*args, **kwargs) -> None:
+    """An empty write, run by ``AsyncSaver``'s writer process: the one that starts it, and a
+    rank's share of a checkpoint that holds nothing of that rank's."""
+
+
 def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, optimizer, *,
                     hf_config: dict, padded_vocab_size: int, dtype: torch.dtype,
                     hf_dir: str | None = None, keep_last: int = 2,
-                    saver: AsyncSaver | None = None, write_extra=None) -> Path:
+                    saver: AsyncSaver | None = None, write_extra=None,
+                    optimizer_sharding: str = "dp_reshardable") -> Path:
     """Collective: write checkpoint ``step_<state.step>`` atomically; returns its path.
 
     ``state`` is written to ``trainer_state.json`` with ``extra.layout`` set to the current
@@ -213,6 +312,9 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
 
     ``write_extra(folder)``, called on every rank, adds files to the staged checkpoint before it
     is published (the batch a one-step-off run generated ahead, ``rollout.dedicated.save_ahead``).
+
+    ``optimizer_sharding`` (``checkpoint.optimizer_sharding``): the distributed optimizer's
+    format, recorded in the checkpoint's content metadata, where ``load_checkpoint`` reads it.
     """
     from megatron.core import dist_checkpointing
 
@@ -237,8 +339,12 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
     # fork hook of Megatron's writers, raises at the block's end, before anything is published
     with stop_requests():
         with children_keep_running():  # its writers and their result queue's manager process
-            request = dist_checkpointing.save(_sharded_state_dict(models, optimizer, is_loading=False),
-                                              str(staging), async_sharded_save=saver is not None)
+            distributed = bool(distributed_optimizers(optimizer))
+            request = dist_checkpointing.save(
+                _sharded_state_dict(models, optimizer, is_loading=False,
+                                    optimizer_sharding=optimizer_sharding),
+                str(staging), async_sharded_save=saver is not None,
+                content_metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding if distributed else None})
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
         if rank0:
             write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
@@ -285,7 +391,8 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
     saved = json.loads((path / STATE_FILE).read_text())
     layout, now = saved.get("extra", {}).get(LAYOUT_KEY, {}), current_layout()
     same_layout = _rng_layout(layout) == _rng_layout(now)
-    sharded = _sharded_state_dict(models, optimizer, is_loading=True)
+    sharding = _saved_optimizer_sharding(path, optimizer, layout, now)
+    sharded = _sharded_state_dict(models, optimizer, is_loading=True, optimizer_sharding=sharding)
     if not same_layout:
         sharded.pop("rng_state")
         if dist.get_rank() == 0:
@@ -295,6 +402,7 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
                          layout.get("tensor_parallel"), layout.get("pipeline_parallel"),
                          now["tensor_parallel"], now["pipeline_parallel"])
     loaded = dist_checkpointing.load(sharded, str(path))
+    loaded.pop("content_metadata", None)  # the save's metadata, read above
     from megatron_dgpo.model import unwrap_model
 
     chunks = [unwrap_model(m) for m in models]
@@ -304,7 +412,11 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
     else:
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[f"model{i}"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    # float32 weights: the distributed optimizer's shards are views of the parameters, written
+    # in place
+    with torch.no_grad(), _adam_step_kept_by_bucket_loaders():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
     if same_layout:
         rng = loaded["rng_state"]
         random.setstate(rng["python"])
@@ -314,6 +426,32 @@ def load_checkpoint(path: str | os.PathLike, models: list, optimizer) -> Trainer
             torch.cuda.set_rng_state(rng["cuda"])
     saved["extra"] = {**saved.get("extra", {}), LAYOUT_KEY: now}
     return TrainerState(**saved)
+
+
+def _saved_optimizer_sharding(path: Path, optimizer, saved_layout: dict, layout: dict) -> str:
+    """The distributed-optimizer format ``path`` was saved in, checked against this run: the
+    same kind of optimizer, and for ``dp_reshardable`` the same model-parallel layout."""
+    from megatron.core import dist_checkpointing
+
+    saved = (dist_checkpointing.load_content_metadata(str(path)) or {}).get(OPTIMIZER_SHARDING_KEY)
+    distributed = bool(distributed_optimizers(optimizer))
+    if distributed != (saved is not None):
+        kinds = {True: "the distributed optimizer", False: "the plain (non-distributed) optimizer"}
+        raise ValueError(f"{path} was saved by {kinds[saved is not None]}; this run uses "
+                         f"{kinds[distributed]}: set optimizer.use_distributed_optimizer="
+                         f"{str(saved is not None).lower()} to resume it")
+    if saved is None:
+        return "dp_reshardable"  # unused by the plain optimizer
+    model_parallel = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
+    moved = [k for k in model_parallel if saved_layout.get(k, 1) != layout.get(k, 1)]
+    if saved != FULLY_RESHARDABLE and moved:
+        raise ValueError(
+            f"{path}: its distributed-optimizer state was saved as {saved!r}, which reshards "
+            f"across data parallelism only, and {', '.join(moved)} changed ("
+            + ", ".join(f"{k} {saved_layout.get(k, 1)} -> {layout.get(k, 1)}" for k in moved)
+            + "): resume at the saved layout, or save with checkpoint.optimizer_sharding="
+              "fully_reshardable to change it")
+    return saved
 
 
 def _write_json(path: Path, data: dict) -> None:

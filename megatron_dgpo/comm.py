@@ -73,6 +73,14 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tens
     return tensor
 
 
+def all_reduce_as_megatron(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                           async_op: bool = False):
+    """``torch.distributed.all_reduce`` with Megatron's arguments (a ``ReduceOp``; a work
+    handle when ``async_op``), for ``megatron_dgpo.cpu``'s gloo stand-ins of Megatron's
+    bucket collectives; inside Megatron's coalescing manager it is queued like Megatron's own."""
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
 def all_gather_(shards: list[torch.Tensor], shard: torch.Tensor, group=None) -> list[torch.Tensor]:
     """Every rank's ``shard`` into ``shards`` (preallocated, one per rank), in rank order."""
     if size(group) > 1:

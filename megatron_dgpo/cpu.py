@@ -26,8 +26,7 @@ Patched (all idempotent, process-wide, never undone):
    scale, grad-norm accumulators) with ``device="cuda"``: those modules see the same CPU-mapping
    ``torch``; ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients and
    is replaced by the same scaling (``grads *= max_norm / (total_norm + 1e-6)`` when < 1) on
-   CPU tensors. One optimizer and one checkpoint format then serve CPU and GPU. Megatron's
-   distributed optimizer refuses CPU tensors outright: on CPU the trainer uses the plain one.
+   CPU tensors. One optimizer and one checkpoint format then serve CPU and GPU.
 
 Mixture of experts (``shared/notes/qwen3-moe-on-cpu.md``; SequentialMLP experts, both the
 allgather and the alltoall token dispatcher over gloo):
@@ -46,6 +45,26 @@ allgather and the alltoall token dispatcher over gloo):
     saves and restores the CUDA generator's state around each recomputed layer ("Torch not
     compiled with CUDA enabled"); without CUDA there is none, and the CPU generator's state,
     which it restores too, is all there is.
+
+The distributed optimizer (``optimizer.use_distributed_optimizer``), so that its sharding, its
+checkpoint formats and the async save run in the CPU tests exactly as on a GPU:
+
+11. ``DistributedOptimizer.__init__`` accepts only parameters whose ``Tensor.type()`` is
+    ``torch.cuda.{Float,Half,BFloat16}Tensor``: during that call a CPU tensor's ``type()``
+    reads as its CUDA name. Its fully-reshardable checkpoint gather
+    (``get_parameter_state_dp_zero``) moves its shards with ``Tensor.cuda()``: the identity
+    there, as in patch 4.
+12. gloo has no reduce-scatter nor all-gather into one tensor (Megatron's gradient buffers
+    reduce-scatter each bucket into this rank's shard, and all-gather the updated parameters):
+    ``param_and_grad_buffer``'s two collectives become one all-reduce of the whole bucket, of
+    which the shard is a view (reduce-scatter: the shard then holds its reduced sum; all-gather:
+    every other rank's part is zeroed first, so the sum is each rank's own values, exactly).
+    Still inside Megatron's coalescing manager (all-reduces coalesce on gloo).
+13. The async checkpoint save's persistent writer (``PersistentAsyncCaller``, a spawned process
+    per rank) starts with ``torch.cuda.set_device(rank % device_count())`` and synchronises CUDA
+    before staging the tensors it writes: its CPU worker skips both and runs Megatron's own
+    loop. The queue's finalisation all-reduces a tensor on ``torch.cuda.current_device()``, the
+    CPU by patch 1.
 """
 
 from __future__ import annotations
@@ -54,6 +73,8 @@ import functools
 import types
 
 import torch
+
+from megatron_dgpo import comm
 
 _APPLIED = False
 
@@ -165,6 +186,82 @@ def _apply_moe_compat() -> None:
             token_dispatcher.maybe_move_tensor_to_cpu)
 
 
+def _cuda_named(original):
+    """``Tensor.type`` for which a CPU tensor's name (no argument) reads as its CUDA name."""
+
+    def type_(self, dtype=None, non_blocking=False, **rest):
+        if dtype is None and not rest and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **rest)
+
+    return type_
+
+
+def _shard_offset(shard: torch.Tensor, whole: torch.Tensor) -> int:
+    """Where ``shard`` (a view) starts inside the contiguous 1-D ``whole``."""
+    offset = shard.storage_offset() - whole.storage_offset()
+    if (shard.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+            or offset < 0 or offset + shard.numel() > whole.numel()):
+        raise NotImplementedError("cpu.py: the gloo stand-in for reduce-scatter / all-gather needs "
+                                  "the shard to be a view of the whole buffer, as Megatron's "
+                                  "gradient and parameter buckets are")
+    return offset
+
+
+def _reduce_scatter_by_all_reduce(output, input, op=torch.distributed.ReduceOp.SUM, group=None,
+                                  async_op=False):
+    """Megatron's bucket reduce-scatter over gloo: the whole bucket all-reduced in place, so its
+    shard ``output`` holds the reduced sum (the other shards too, where NCCL leaves partial sums
+    that nothing reads)."""
+    _shard_offset(output, input)
+    return comm.all_reduce_as_megatron(input, op=op, group=group, async_op=async_op)
+
+
+def _all_gather_by_all_reduce(output, input, group=None, async_op=False):
+    """Megatron's bucket all-gather over gloo: every part but this rank's shard ``input`` zeroed,
+    then the bucket all-reduced (a sum of one value and zeros: every rank's values, exactly)."""
+    _shard_offset(input, output)
+    own = input.clone()
+    output.zero_()
+    input.copy_(own)
+    return comm.all_reduce_as_megatron(output, group=group, async_op=async_op)
+
+
+def _apply_distributed_optimizer_compat() -> None:
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not getattr(DistributedOptimizer.__init__, "_dgpo_cpu_compat", False):
+        DistributedOptimizer.__init__ = _cuda_type_names(DistributedOptimizer.__init__)
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
+    if not getattr(gather, "_dgpo_cpu_compat", False):
+        DistributedOptimizer.get_parameter_state_dp_zero = _tensor_cuda_is_identity(gather)
+    param_and_grad_buffer.dist_reduce_scatter_func = _reduce_scatter_by_all_reduce
+    param_and_grad_buffer.dist_all_gather_func = _all_gather_by_all_reduce
+
+
+def _async_save_worker_on_cpu(*args, **kwargs):
+    """``PersistentAsyncCaller.async_loop`` in a spawned CPU process: no CUDA device to select."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.synchronize = _no_synchronize  # before staging the tensors it writes
+    # Megatron's loop: the class is unpatched in the child unless its main module patched it
+    loop = getattr(PersistentAsyncCaller, "_dgpo_async_loop", PersistentAsyncCaller.async_loop)
+    return loop(*args, **kwargs)
+
+
+def _apply_async_save_compat() -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    # The parent starts the worker with target=PersistentAsyncCaller.async_loop; the spawned
+    # child unpickles this function by name.
+    if not hasattr(PersistentAsyncCaller, "_dgpo_async_loop"):
+        PersistentAsyncCaller._dgpo_async_loop = PersistentAsyncCaller.async_loop
+        PersistentAsyncCaller.async_loop = staticmethod(_async_save_worker_on_cpu)
+
+
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
     """``megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32`` for CPU tensors."""
     if isinstance(parameters, torch.Tensor):
@@ -184,18 +281,28 @@ def _no_synchronize(device=None) -> None:
     return None
 
 
-def _tensor_cuda_is_identity(method):
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        try:
-            return method(*args, **kwargs)
-        finally:
-            torch.Tensor.cuda = original
+def _tensor_method_during(name: str, replacement):
+    """A decorator: while the decorated function runs, ``torch.Tensor.<name>`` is
+    ``replacement(the original method)``."""
 
-    wrapper._dgpo_cpu_compat = True
-    return wrapper
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, replacement(original))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                setattr(torch.Tensor, name, original)
+
+        wrapper._dgpo_cpu_compat = True
+        return wrapper
+
+    return decorate
+
+
+_tensor_cuda_is_identity = _tensor_method_during("cuda", lambda original: lambda self, *a, **k: self)
+_cuda_type_names = _tensor_method_during("type", _cuda_named)
 
 
 def apply_cpu_compat() -> bool:
@@ -225,6 +332,8 @@ def apply_cpu_compat() -> bool:
 
     tp_random._get_cuda_rng_state = _no_cuda_rng_state
     tp_random._set_cuda_rng_state = _no_cuda_rng_state
+    _apply_distributed_optimizer_compat()
+    _apply_async_save_compat()
     _APPLIED = True
     return True
 

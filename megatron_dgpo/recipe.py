@@ -352,7 +352,7 @@ class OptimizerConfig:
     """Global gradient-norm clip over all model-parallel shards (0 disables)."""
     use_distributed_optimizer: bool | None = None
     """Shard optimizer states over data parallel (Megatron's distributed optimizer). None: on
-    with a GPU, off on CPU (it needs CUDA tensors)."""
+    with a GPU, off on CPU (where it runs too, through ``megatron_dgpo.cpu``)."""
 
     def __post_init__(self):
         if isinstance(self.lr, str) and self.lr != "auto":
@@ -406,10 +406,18 @@ class CheckpointConfig:
     metrics lines past that checkpoint are replaced), else starts fresh; ``require`` fails
     without one; ``never`` starts fresh and fails if ``run_dir`` already holds a checkpoint."""
     async_save: bool = False
-    """Write checkpoints in the background (Megatron's async torch_dist save, GPU only):
-    training continues while a forked writer per rank writes the shards; the checkpoint is
-    renamed into place and named by ``latest`` only after every rank's writer has finished,
-    so a crash still leaves the previous complete checkpoint. Refused on CPU."""
+    """Write checkpoints in the background (Megatron's async torch_dist save): training
+    continues while a persistent writer process per rank (started with the run) writes the
+    shards; the checkpoint is renamed into place and named by ``latest`` only after every
+    rank's writer has finished, so a crash still leaves the previous complete checkpoint."""
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    """How the distributed optimizer's state is laid out in a checkpoint (Megatron-LM's
+    ``distrib_optim_sharding_type``; the plain optimizer has one format and ignores this).
+    ``dp_reshardable`` (Megatron-LM's default): each rank writes its own buffer shards, no
+    communication; the run resumes at another data-parallel size only. ``fully_reshardable``
+    (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``): the state is gathered per
+    parameter at save (more memory and time on data-parallel rank 0), and the run resumes at any
+    TP / PP / DP layout. A resume reads the type the checkpoint was saved with."""
 
     def saves_at(self, step: int, last_step: int) -> bool:
         """Whether a checkpoint is written after ``step``: every ``save_every`` steps and after

@@ -157,7 +157,8 @@ def train_sft(cfg: SFTRunConfig) -> int:
         begin = time.perf_counter()
         save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
                         hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                        dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last)
+                        dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
+                        optimizer_sharding=cfg.checkpoint.optimizer_sharding)
         return time.perf_counter() - begin
 
     stopped, save_seconds = False, 0.0

@@ -70,17 +70,6 @@ def test_offload_keeps_storages_the_model_shares():
 LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1, "expert_parallel": 1}
 
 
-def test_async_save_is_refused_on_cpu():
-    import torch
-
-    from megatron_dgpo.checkpoint import AsyncSaver
-
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the async save runs in benchmarks/gpu_check.py")
-    with pytest.raises(ValueError, match="checkpoint.async_save: .*needs CUDA"):
-        AsyncSaver()
-
-
 def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     results = run_ranks(fns.checkpoint_round_trip, 2, str(tmp_path))
     for result in results:
