@@ -7,10 +7,12 @@ the live machine; tests pass ``Platform(cuda=True, ...)`` to check the GPU decis
 
 | setting (where it goes)                           | on when                                   |
 | ------------------------------------------------- | ----------------------------------------- |
-| ``sequence_parallel`` (TransformerConfig)         | CUDA and TP > 1                           |
+| ``sequence_parallel`` (TransformerConfig)         | CUDA, Transformer-Engine and TP > 1       |
 | ``apply_rope_fusion`` (TransformerConfig)         | CUDA and Transformer-Engine               |
 | ``gradient_accumulation_fusion`` (Transformer...) | CUDA and apex's fused_weight_gradient_mlp |
-| bias/softmax/layer-norm fusions, GPU init         | CUDA                                      |
+| ``masked_softmax_fusion`` (TransformerConfig)     | CUDA and Megatron's softmax kernels       |
+| ``persist_layer_norm`` (TransformerConfig)        | never (RMSNorm families)                  |
+| bias-activation / bias-dropout fusions, GPU init  | CUDA                                      |
 | ``overlap_grad_reduce`` (DDP config)              | CUDA                                      |
 | ``overlap_param_gather`` (DDP + optimizer config) | CUDA and the distributed optimizer        |
 | logits dtype into ``logprobs_and_entropy``        | the model's dtype (bf16: no fp32 copy)    |
@@ -22,6 +24,15 @@ Why each condition (Megatron-Core 0.16):
   layer). It needs the packed row length divisible by t: samples are padded to ``pad_multiple``
   (t; 2 c t with context parallelism, which Megatron's THD split needs). Off on CPU: the CPU
   path keeps the configuration its tests were written against (and memory is no issue there).
+  Without Transformer-Engine the model is Megatron's local spec, whose torch norms
+  (``WrappedTorchNorm``) refuse sequence parallelism.
+* Softmax fusion: only the local spec's attention reads ``masked_softmax_fusion``, and then
+  imports Megatron's compiled ``scaled_masked_softmax_cuda`` kernel, which the megatron-core
+  wheel does not ship (apex's build or Megatron-LM's ``fused_kernels`` does): on only when it
+  imports ("No module named 'scaled_masked_softmax_cuda'" at the first forward otherwise).
+* ``persist_layer_norm`` selects apex's persistent LayerNorm kernel; every family here is
+  RMSNorm, which both specs build without it (TE's norms; the local spec's torch norms, which
+  assert it is off), so it stays off (on, the local spec does not build on a GPU).
 * RoPE fusion: without it THD RoPE takes Megatron's unfused path, which reads ``cu_seqlens``
   with ``.tolist()`` in every attention layer (a host sync per layer and micro-batch). The
   fused kernels (``fused_apply_rotary_pos_emb[_thd]``) come from Transformer-Engine only;
@@ -56,13 +67,18 @@ class Platform:
     """Transformer-Engine imports (its layer spec, THD attention and the fused RoPE kernels)."""
     apex_gradient_fusion: bool = False
     """apex's ``fused_weight_gradient_mlp_cuda`` extension imports."""
+    softmax_kernels: bool = False
+    """Megatron's compiled ``scaled_masked_softmax_cuda`` kernel imports (the local spec's fused
+    masked softmax)."""
     transformer_engine_error: str = field(default="", compare=False)
     """Why ``transformer_engine.pytorch`` did not import on a CUDA machine (``detect``), for
     the message of ``require_gpu_stack``."""
 
     def __post_init__(self):
-        if not self.cuda and (self.transformer_engine or self.apex_gradient_fusion):
-            raise ValueError("Platform: transformer_engine and apex_gradient_fusion need cuda")
+        if not self.cuda and (self.transformer_engine or self.apex_gradient_fusion
+                              or self.softmax_kernels):
+            raise ValueError("Platform: transformer_engine, apex_gradient_fusion and "
+                             "softmax_kernels need cuda")
 
     @classmethod
     def detect(cls) -> "Platform":
@@ -75,14 +91,15 @@ class Platform:
         # CUDA imports at the top level and fails here
         te_error = _import_error("transformer_engine.pytorch")
         return cls(cuda=True, transformer_engine=te_error is None, transformer_engine_error=te_error or "",
-                   apex_gradient_fusion=_import_error("fused_weight_gradient_mlp_cuda") is None)
+                   apex_gradient_fusion=_import_error("fused_weight_gradient_mlp_cuda") is None,
+                   softmax_kernels=_import_error("scaled_masked_softmax_cuda") is None)
 
 
 CPU = Platform(cuda=False)
 """The CPU path: every GPU choice off (what the CPU tests run)."""
-GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True)
+GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True, softmax_kernels=True)
 """A GPU node as the recipes assume it (the pinned GPU stack of ``docker/Dockerfile``: TE and
-apex); the planner's."""
+apex with its kernels); the planner's."""
 
 
 def _import_error(module: str) -> str | None:
@@ -138,8 +155,9 @@ def cuda_launch_env(tensor_parallel: int) -> dict[str, str]:
 
 
 def sequence_parallel(tp: int, platform: Platform) -> bool:
-    """Megatron sequence parallelism: on with CUDA whenever TP > 1."""
-    return platform.cuda and tp > 1
+    """Megatron sequence parallelism: on with CUDA and Transformer-Engine (its layer spec)
+    whenever TP > 1."""
+    return platform.cuda and platform.transformer_engine and tp > 1
 
 
 def pad_multiple(tp: int, cp: int = 1) -> int:
@@ -157,8 +175,8 @@ def transformer_flags(platform: Platform, tp: int) -> dict:
         use_cpu_initialization=not gpu,
         bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu,
-        masked_softmax_fusion=gpu,
-        persist_layer_norm=gpu,
+        masked_softmax_fusion=gpu and platform.softmax_kernels,
+        persist_layer_norm=False,
         sequence_parallel=sequence_parallel(tp, platform),
         apply_rope_fusion=gpu and platform.transformer_engine,
         gradient_accumulation_fusion=gpu and platform.apex_gradient_fusion,

@@ -196,9 +196,9 @@ def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> di
     # training forward (MoELayer.forward).
     if tp > 1 and "sequence_parallel" not in overrides and not sequence_parallel(tp, platform):
         raise ValueError(f"an MoE model at tensor_parallel={tp} needs Megatron's sequence "
-                         f"parallelism, which runs on GPUs only here (gloo has no "
-                         f"reduce-scatter): on CPU use tensor_parallel 1 with expert_parallel "
-                         f"and data parallelism")
+                         f"parallelism, which runs here on GPUs with Transformer-Engine only "
+                         f"(the local spec's torch norms refuse it): without them use "
+                         f"tensor_parallel 1 with expert_parallel and data parallelism")
     coeff = float(overrides.get("moe_aux_loss_coeff", 0.0))
     kwargs = dict(
         num_moe_experts=dims.experts,

@@ -5,6 +5,7 @@ combination, and the CPU path keeps every one of them off."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,9 +42,11 @@ def test_cpu_path_keeps_every_gpu_choice_off():
 
 def test_gpu_layout_gets_megatron_users_flags():
     """TP 4 on a GPU node with TE and apex: sequence parallel, fused RoPE, fused weight-gradient
-    accumulation, the bias/softmax/norm fusions, GPU initialisation."""
+    accumulation, the bias/softmax fusions, GPU initialisation (never the persistent LayerNorm
+    kernel: every family is RMSNorm, which neither spec builds with it)."""
     kwargs = transformer_kwargs(TINY_QWEN2, platform=GPU, tensor_model_parallel_size=4)
-    assert all(kwargs[name] for name in GPU_FLAGS)
+    assert all(kwargs[name] for name in GPU_FLAGS if name != "persist_layer_norm")
+    assert kwargs["persist_layer_norm"] is False
     assert kwargs["use_cpu_initialization"] is False
     assert kwargs["calculate_per_token_loss"] and kwargs["variable_seq_lengths"]
     # TP 1: nothing to split the sequence over (Megatron refuses SP without TP)
@@ -56,9 +59,42 @@ def test_gpu_layout_gets_megatron_users_flags():
     assert transformer_flags(no_te, 4)["gradient_accumulation_fusion"] is True
     assert transformer_flags(no_apex, 4)["gradient_accumulation_fusion"] is False
     assert transformer_flags(no_apex, 4)["apply_rope_fusion"] is True
+    # Megatron's softmax kernels decide the fused masked softmax; TE's spec decides SP
+    assert transformer_flags(replace(GPU, softmax_kernels=False), 4)["masked_softmax_fusion"] is False
+    assert transformer_flags(no_te, 4)["sequence_parallel"] is False and sequence_parallel(4, no_te) is False
     # explicit overrides still win
     assert transformer_kwargs(TINY_QWEN2, platform=GPU, tensor_model_parallel_size=4,
                               sequence_parallel=False)["sequence_parallel"] is False
+
+
+def test_a_gpu_node_with_only_torch_and_megatron_core_builds_the_local_spec():
+    """The first GPU run (issue 29): a GPU node without TE, apex or Megatron's compiled kernels
+    (``model.without_transformer_engine``). The flags were on with CUDA alone, and Megatron's
+    local spec refused them: its torch norms assert ``persist_layer_norm`` and
+    ``sequence_parallel`` off at build, and the fused masked softmax imports
+    ``scaled_masked_softmax_cuda`` at the first forward. Built here on CPU with exactly those
+    flags (the device aside): the norms accept them, the attention takes torch's softmax."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    bare = Platform(cuda=True)
+    for tp in (1, 4):
+        flags = transformer_flags(bare, tp)
+        assert not (flags["persist_layer_norm"] or flags["sequence_parallel"]
+                    or flags["masked_softmax_fusion"])
+        config, _ = transformer_config_from_hf(TINY_QWEN2, platform=bare,
+                                               tensor_model_parallel_size=tp,
+                                               use_cpu_initialization=True)
+        WrappedTorchNorm(config, hidden_size=config.hidden_size)  # asserted before the fix
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True,
+                                    attn_mask_type=AttnMaskType.causal,
+                                    scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+                                    mask_func=lambda scores, mask: scores.masked_fill(mask, -1e4),
+                                    softmax_in_fp32=True, scale=None)
+    # the shape the fused kernel takes (sk <= 4096, multiple of 4): only the flag keeps it away
+    assert not softmax.is_kernel_available(None, 2, 4, 128, 128)
 
 
 def test_megatron_accepts_the_gpu_config_and_enforces_the_requirements():
