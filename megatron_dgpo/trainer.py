@@ -70,7 +70,7 @@ def train(cfg: RunConfig) -> int:
     optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
     expert_load = ExpertLoad(models)  # MoE routing statistics of the updates (none if dense)
     replay = RoutingReplay(models) if r3 else None  # the engine's expert choices, replayed
-    saver = AsyncSaver() if cfg.checkpoint.async_save else None  # refused on CPU
+    saver = AsyncSaver() if cfg.checkpoint.async_save else None  # its writer starts now
     offload = TrainingStateOffload(models, optimizer, enabled=cfg.train.offload_training_state)
     state = TrainerState(extra=_run_record(cfg, lr))
     if (latest := checkpoint_to_resume(run_dir / "checkpoints", cfg.checkpoint.resume)) is not None:
@@ -113,11 +113,14 @@ def train(cfg: RunConfig) -> int:
 
             def save() -> dict:
                 begin = time.perf_counter()
+                if offload.enabled:  # engines awake since the refit: they free the GPU first
+                    rollout.sleep_engines()
                 with offload.resident():
                     save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
                                     hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
                                     dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
-                                    saver=saver, write_extra=lambda folder: save_ahead(
+                                    saver=saver, optimizer_sharding=cfg.checkpoint.optimizer_sharding,
+                                    write_extra=lambda folder: save_ahead(
                                         folder, ahead, dp_rank=ps.get_data_parallel_rank(),
                                         dp_size=dp_size, leader=getattr(rollout, "leader", False)))
                 return {"time/checkpoint": time.perf_counter() - begin}

@@ -221,6 +221,13 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     engine.update_weights(iter(pairs))  # awake: no wake-up calls
     assert [c[0] for c in llm.calls] == ["reload", "reload",
                                          "reset_prefix_cache"]
+    # around a checkpoint save (offloaded training state comes back): level 1 whatever the
+    # config says, the weights wait on the host and the next wake-up brings them back
+    llm.calls.clear()
+    engine.sleep(keep_weights=True)
+    assert llm.calls == [("sleep", 1)] and engine.holds_weights
+    engine._wake(None)
+    assert llm.calls[-1] == ("wake_up", ("kv_cache", "weights"))
     engine.sleep()  # level 2 drops the weights: generating before the next refit is refused
     with pytest.raises(RuntimeError, match="level-2 sleep"):
         engine.generate([[1, 2]], max_tokens=2)

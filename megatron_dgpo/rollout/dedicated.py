@@ -373,6 +373,9 @@ class DedicatedRollout:
                             "rollout/discarded_groups": float(sums[3])})
         return metrics, (1 + int(maxima[1])) * self.batch_prompts
 
+    def sleep_engines(self) -> None:
+        """Nothing to free: dedicated engines own their GPUs (``ReplicaRollout.sleep_engines``)."""
+
     def refit(self, models: list, version: int) -> dict[str, float]:
         """Broadcast the trained weights (step ``version``) to this replica's engines, in the
         colocated refit's buckets; between batches only. Collective (trainer world); returns

@@ -154,6 +154,14 @@ class ReplicaRollout:
                 flags[position] = float(not keep[k * self.config.group_size])
         return comm.reduce_values(flags, "max") > 0
 
+    def sleep_engines(self) -> None:
+        """This rank's engine frees its accelerator memory, its weights kept in host memory,
+        until the next ``sample`` wakes it: before a checkpoint save brings offloaded training
+        state back (``train.offload_training_state``), so the two never share the GPU."""
+        sleep = getattr(self.engine, "sleep", None) if self.role.has_engine else None
+        if sleep:
+            sleep(keep_weights=True)
+
     def refit(self, models: list, version: int) -> dict[str, float]:
         """Stream the trained weights (of step ``version``) into this rank's engine, a collective over the replica's
         model-parallel group only (each replica feeds its own engines): colocated engines take

@@ -562,9 +562,12 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------ sleep mode
 
-    def sleep(self) -> None:
-        """Free the engine's GPU memory for training (after generation). Without sleep mode
-        (always on CPU) it only logs, once."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Free the engine's GPU memory for training (after generation). ``keep_weights``:
+        vLLM's level-1 sleep whatever ``config.sleep_level`` says (the weights wait in host
+        memory and come back at the next wake-up, no refit needed: around a checkpoint save,
+        between a refit and the next generation). Without sleep mode (always on CPU) it only
+        logs, once."""
         self._check_open()
         if not self._sleep_mode:
             if not self._logged_no_sleep:
@@ -573,9 +576,10 @@ class VLLMEngine(RolloutEngine):
                 self._logged_no_sleep = True
             return
         if not self._asleep:
-            self._llm.sleep(level=self.config.sleep_level)
+            level = 1 if keep_weights else self.config.sleep_level
+            self._llm.sleep(level=level)
             self._asleep = {"weights", "kv_cache"}
-            if self.config.sleep_level == 2:
+            if level == 2:
                 self._weights_loaded = False
 
     def _wake(self, tags: list[str] | None) -> None:
