@@ -366,12 +366,17 @@ def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(fu
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_a_rerun_continues(full_run, tmp_path):
     """DP=2 under torchrun; SIGTERM to rank 1 only (as a node's slurmstepd may deliver it first):
     both ranks agree at the step boundary (without it rank 1 could not save, a collective,
-    and rank 0 would wait in the next step), save that step and exit 75. The same command continues it to the end, equal to the 1-rank run as DP=2 runs are."""
+    and rank 0 would wait in the next step), save that step and exit 75. The same command
+    continues it to the end, equal to the 1-rank run as DP=2 runs are. As a GPU recipe runs:
+    Megatron's distributed optimizer, checkpoints written by its async writer, the training
+    state offloaded between updates (the plain optimizer's DP=2 run is
+    ``test_data_parallel_two_engines_share_the_batch_and_equal_one``)."""
     run_dir = tmp_path / "sigterm"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port())]
     args = ["-m", "megatron_dgpo.train", str(RECIPE), f"run_dir={run_dir}", *QUIET,
-            "train.steps=4", "checkpoint.save_every=0"]
+            "train.steps=4", "checkpoint.save_every=0", "optimizer.use_distributed_optimizer=true",
+            "checkpoint.async_save=true", "train.offload_training_state=true"]
     def rank1(torchrun):
         return next(p for p in torchrun.children() if p.environ().get("RANK") == "1")
 
