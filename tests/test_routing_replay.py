@@ -113,7 +113,9 @@ def test_replayed_routing_is_the_engines_and_differs_after_updates(tiny_moe):
         assert all(shape[0] == length for length, shape in r["row_shapes"])
         # (a) on the engine's weights
         assert r["a_diff_frac"] == 0.0
-        assert r["a_replay_vs_free"] == 0.0
+        # the same experts, the gate weights through another sequence of ops: rounding only,
+        # which depends on the host's CPU kernels (4.8e-7 on one machine, 0 on another)
+        assert r["a_replay_vs_free"] < 1e-5
         assert r["a_replay_vs_engine"] < LOGPROB_ATOL
         # (a') routers perturbed: choices flip, replay keeps the engine's experts
         assert r["p_diff_frac"] > 0.05
