@@ -35,10 +35,11 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
 * ``distopt_checkpoint`` (needs nothing: TE's layer spec where TE imports, the local spec
   otherwise): the trainer's bf16 policy (``policy.wrap_policy``: Float16Module, Megatron DDP
   with ``gpu_config.ddp_flags``: overlapped grad reduce and param gather) and the distributed
-  optimizer; one ``train_step`` update, an async dist-checkpoint save
-  (``checkpoint.AsyncSaver``, Megatron's real queue), then the next update from the live model
-  and from a fresh model loaded from the checkpoint: bitwise equal parameters; the save is not
-  published before its writer finished.
+  optimizer; one ``train_step`` update, an async dist-checkpoint save in each sharding type
+  (``checkpoint.optimizer_sharding``; ``checkpoint.AsyncSaver``, Megatron's real queue, its
+  writer started before the save), then the next update from the live model and from a fresh
+  model loaded from the checkpoint: bitwise equal parameters; the save is not published before
+  its writer finished.
 * ``throughput_1p5b`` (needs TE and apex: its goal is for the stack the recipes assume, and
   without TE the local spec's dense [S, S] masks and scores of an 8192-token row ran out of
   memory on a 139 GiB GPU): a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights,
@@ -389,32 +390,34 @@ def check_distopt_checkpoint() -> Row:
         models = _policy(SMALL_QWEN2, seed=seed)
         return models, build_optimizer(config, models, lr=1e-3, bf16=True)
 
-    live, live_opt = policy(seed=1)
-    _update(live, live_opt, _micro_batch(PACKED_LENGTHS, vocab, seed=1, models=live))
-    second = _micro_batch(PACKED_LENGTHS, vocab, seed=2, models=live)  # old log-probs fixed
-    with tempfile.TemporaryDirectory() as root:
-        saver = AsyncSaver()
-        begin = time.perf_counter()
-        save_checkpoint(root, TrainerState(step=1), live, live_opt, hf_config=SMALL_QWEN2,
-                        padded_vocab_size=padded_vocab_of(live), dtype=torch.bfloat16,
-                        saver=saver)
-        blocked = time.perf_counter() - begin
-        published_early = latest_checkpoint(root) is not None
-        saver.wait()
-        _update(live, live_opt, second)
-        expected = _params(live)
-        fresh, fresh_opt = policy(seed=2)
-        load_checkpoint(latest_checkpoint(root), fresh, fresh_opt)
-        _update(fresh, fresh_opt, second)
-        got = _params(fresh)
-    unequal = [n for n in expected if not torch.equal(expected[n], got[n])]
-    ok = not unequal and not published_early
-    return Row("distopt_checkpoint", ok,
-               f"{len(expected) - len(unequal)}/{len(expected)} tensors bitwise equal; async "
-               f"save returned after {blocked:.2f} s, published before it finished: "
-               f"{published_early}", goal + "; async save published only when written",
-               dict(tensors=len(expected), unequal=unequal[:10], save_blocking_s=blocked,
-                    published_before_wait=published_early))
+    numbers, ok, results = {}, True, []
+    for sharding in ("dp_reshardable", "fully_reshardable"):  # checkpoint.optimizer_sharding
+        live, live_opt = policy(seed=1)
+        _update(live, live_opt, _micro_batch(PACKED_LENGTHS, vocab, seed=1, models=live))
+        second = _micro_batch(PACKED_LENGTHS, vocab, seed=2, models=live)  # old log-probs fixed
+        with tempfile.TemporaryDirectory() as root:
+            saver = AsyncSaver()  # its writer starts here, not in the first save
+            begin = time.perf_counter()
+            save_checkpoint(root, TrainerState(step=1), live, live_opt, hf_config=SMALL_QWEN2,
+                            padded_vocab_size=padded_vocab_of(live), dtype=torch.bfloat16,
+                            saver=saver, optimizer_sharding=sharding)
+            blocked = time.perf_counter() - begin
+            published_early = latest_checkpoint(root) is not None
+            saver.close()
+            _update(live, live_opt, second)
+            expected = _params(live)
+            fresh, fresh_opt = policy(seed=2)
+            load_checkpoint(latest_checkpoint(root), fresh, fresh_opt)
+            _update(fresh, fresh_opt, second)
+            got = _params(fresh)
+        unequal = [n for n in expected if not torch.equal(expected[n], got[n])]
+        ok = ok and not unequal and not published_early
+        results.append(f"{sharding}: {len(expected) - len(unequal)}/{len(expected)} bitwise, "
+                       f"save blocked {blocked:.2f} s, published early {published_early}")
+        numbers[sharding] = dict(tensors=len(expected), unequal=unequal[:10],
+                                 save_blocking_s=blocked, published_before_wait=published_early)
+    return Row("distopt_checkpoint", ok, "; ".join(results),
+               goal + " (both sharding types); async save published only when written", numbers)
 
 
 def _colocated_engine(hf_dir: str):
