@@ -253,8 +253,9 @@ def require_usable_cuda(*, dev: str = "/dev", environ=None, cuda_available=None,
 
     Without this, ``torch.cuda.is_available()`` is merely False on such a node (e.g. torch's
     CUDA 13 wheels on an R535 or R570 driver, which supports CUDA 12 at most), and everything
-    downstream takes the CPU path in silence: gloo, CPU tensors, and then either a crawl or a
-    failure far from its cause (e.g. the async checkpoint saver, refused without CUDA). A
+    downstream takes the CPU path in silence: gloo, CPU tensors, the CPU patches of
+    ``megatron_dgpo.cpu``, and a 14B job crawling on host memory or failing far from its
+    cause. A
     GPU node is one with NVIDIA device files (``nvidia_device_files``); nothing is
     checked where ``CUDA_VISIBLE_DEVICES`` hides the GPUs on purpose (``cpu_requested``), the
     one way to ask for the CPU there (no other switch: a recipe key or variable that silences
