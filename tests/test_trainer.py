@@ -452,3 +452,39 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(full_run,
                              {k: v for k, v in want.items() if k.startswith("adv/")}, rel=1e-12)
         _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
                              {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+
+
+def test_a_save_brings_offloaded_state_back_only_after_the_engines_sleep():
+    """With ``train.offload_training_state`` the trainer's save restores optimizer state and
+    gradient buffers on the device: only after the replica's engines, awake since the refit,
+    have gone to sleep (before, the save ran beside an awake engine). Without offload the
+    engines are left alone."""
+    import torch
+
+    from megatron_dgpo.offload import TrainingStateOffload
+    from megatron_dgpo.trainer import _resident_beside_sleeping_engines
+
+    events = []
+
+    class Rollout:
+        def sleep_engines(self):
+            events.append("engines asleep")
+
+    class Buffers(torch.nn.Module):  # Megatron DDP's two offload methods, recorded
+        def offload_grad_buffers(self, synchronize, empty_cache):
+            events.append("training state off")
+
+        def restore_grad_buffers(self, synchronize):
+            events.append("training state back")
+
+    model = Buffers()
+    optimizer = type("NoState", (), {"chained_optimizers": []})()
+    for enabled, want in ((True, ["training state off", "engines asleep", "training state back",
+                                  "saved", "training state off"]),
+                          (False, ["saved"])):
+        events.clear()
+        offload = TrainingStateOffload([model], optimizer, enabled=enabled)
+        offload.offload()
+        with _resident_beside_sleeping_engines(Rollout(), offload):
+            events.append("saved")
+        assert events == want
