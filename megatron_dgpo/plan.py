@@ -295,17 +295,20 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[Step
     """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
     dedicated engines, on the plan's ``rollout_gpus`` (synchronous and one-step-off). The
     colocated refit moves the pick's gradients and optimizer state to the host and back when
-    ``train.offload_training_state``."""
+    ``train.offload_training_state``. The trainer's TP x PP is the pick's (its TP
+    communication and pipeline bubble)."""
     arch, cluster, work = plan.architecture, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     reserve, weights, _ = engine_reserve(arch, cluster, work, t_r)
     colocated_kv = max(reserve - weights, 0)
     offloaded = (plan.pick.grads + plan.pick.optimizer
                  if plan.pick is not None and work.offload_training_state else 0)
+    layout = (plan.pick.layout.tp, plan.pick.layout.pp) if plan.pick is not None else (1, 1)
     return step_times(arch, replace(shape, offloaded_state_bytes_per_gpu=offloaded), hw,
                       world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
                       kv_cache_bytes_per_engine_gpu=plan.engine.kv_cache if plan.engine
-                      else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv)
+                      else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv,
+                      train_layout=layout)
 
 
 def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,

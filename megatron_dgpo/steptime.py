@@ -1,30 +1,40 @@
 """How long an RL step takes where generation runs: a roofline model of generation, training and
-refit for ``dgpo-plan`` (colocated engines vs dedicated ones, synchronous vs one-step-off).
+refit for ``dgpo-plan`` (colocated engines vs dedicated ones, synchronous vs one-step-off),
+checked against published step times (``PUBLISHED_STEPS``; docs/planner.md#published-step-times).
 
 A step is three phases. With E engines of t_r GPUs, a rollout batch of P prompts x G responses
-of mean length p (prompt) + r (response), longest response R, and N the parameters a token
-passes through (all of them for a dense model, the routed top-k experts for MoE):
+of mean length p (prompt) + r (response), longest response R, N the parameters a token passes
+through (all but the input embedding; for MoE the routed top-k experts), N_d the parameters
+every decode step reads whatever the batch (all but the input embedding and the routed
+experts), N_x the routed experts' parameters (0 dense), k of E experts per token:
 
-    generation  prefill + max(S a_w + D (p + r / 2) kv / (t_r B_hbm eta),   HBM: weights once
-                              D 2 N / (t_r F mfu_decode))                 a step, each decoded
-                + S o                                                     token's KV context;
-                                                                          or FLOPs, if larger
-                each engine decodes n = ceil(P G / E) responses, D = n r tokens, c at a time
-                (c = min(max_num_seqs, n, KV cache / (p + r))) in S = max(0, n - c) r / c + R
-                steps: continuous batching keeps c responses going, then the last ones started
-                take up to R more steps (the long tail: a step reads all the weights however
-                few responses are left); a_w = 2 N / (t_r B_hbm eta) reads the weights, o is a
-                step's fixed cost (scheduling, sampling, TP all-reduce latency)
+    generation  prefill + bulk + tail
+                each engine decodes n = ceil(P G / E) responses, c = min(max_num_seqs, n,
+                KV cache / (p + r)) at a time. Continuous batching keeps c running for
+                S_b = max(0, n - c) r / c steps (the bulk); the last min(c, n) started take up to
+                R more steps (the tail), min(c, n) r / R running on average (every response
+                decoded: S_b c + R c_t = n r tokens). A step with c running sequences costs
+    step(c)     max(2 (N_d + N_x share(c)) + c (p + r / 2) kv,   HBM: the weights the step
+                    / (t_r B_hbm eta)                            touches, the running KV
+                    2 N c / (t_r F mfu_decode))                  or FLOPs, if larger
+                + o + c V s_row                                  fixed cost; sampling
+    share(c)    1 - (1 - k / E)^c: the experts c sequences touch (each routed to k of E; ~1
+                at c = 128 for Qwen3-MoE's 8 of 128), 1 for a dense model
+    s_row       the sampler's cost per row and vocabulary entry: batched (vLLM's draw for
+                unseeded requests) or per row (seeded requests: vLLM draws their noise one
+                request at a time), ``StepShape.seeded_sampling``
     prefill     2 N n p / (t_r F mfu_prefill)
-    training    P G (p + r) (2 N (3 + recompute + 1) + 4 L h (p + r) / 2 (3 + recompute + 1))
-                / (T F mfu_train)   forward + backward (+ a recomputed forward), plus the
-                                    forward-only old log-probs; causal attention over packed
-                                    sequences of mean length p + r
-    refit       colocated: 2 N / t_r / B_nvlink + wake_sleep (+ the training state to the host
-                and back over PCIe when train.offload_training_state);
-                dedicated: 2 N / B_nvlink (the replica's leader gathers its TP x PP shards) +
-                2 N / B_net (the broadcast to its engines, one NIC's bandwidth however many
-                engines: NCCL pipelines a broadcast along a ring)
+    training    P G (p + r) (passes) (2 N + 2 L a d (p + r)) / (T F mfu x pipe x tp)
+                passes: forward + backward (3) + a recomputed forward (recompute) in the update;
+                the old log-probs' forward (1) and, in NeMo-RL's workload, the reference model's
+                forward (1, KL; DGPO has none) in the log-prob phase; mfu dense or MoE;
+                pipe = m / (m + pp - 1) (1F1B's bubble, m micro-batches per update and DP rank);
+                tp = 1 / (1 + comm / compute), sequence parallelism's four all-gathers /
+                reduce-scatters of [s, h] per layer over NVLink against the layer's FLOPs
+    refit       colocated: fixed + 2 N_all / B_refit + tensors x s_tensor (+ the training
+                state to the host and back over PCIe when train.offload_training_state);
+                dedicated: the same + 2 N_all / B_net (the broadcast to its engines, one NIC's
+                bandwidth however many engines: NCCL pipelines a broadcast along a ring)
 
 and the placements combine them as
 
@@ -34,23 +44,69 @@ and the placements combine them as
                      k+1 while the trainer updates on batch k; the refit is taken between)
 
 with the trainer idle for generation - training and the engines for training - generation
-(whichever is positive). F, B_hbm, B_nvlink, B_net and the efficiencies are ``Hardware``'s;
-they are the published peaks and typical shares, not measurements of this project (it has no
-GPU): the model ranks placements and shows which side waits, it does not promise seconds.
-docs/planner.md#step-time has its checks against published step times.
+(whichever is positive). F, B_hbm, B_nvlink, B_net are ``Hardware``'s published peaks; the
+efficiencies and costs are the module's named constants below, each with its source: a few
+fitted to five published NeMo-RL rows (``PUBLISHED_STEPS`` marks them), the sampler's measured,
+the rest typical published shares. docs/planner.md#published-step-times has the checks against
+published step times, the held-out rows included (tests/test_steptime_published.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from megatron_dgpo.memory import Architecture, kv_cache_bytes_per_token, param_count
+
+# --------------------------------------------------------------------------- constants
+
+DENSE_TRAIN_MFU = 0.40
+"""Dense training's share of F before pipeline bubbles and TP communication. Fitted: NeMo-RL v0.3
+blog, Llama-3.1-8B on 8 H100 (data parallel only, so nothing else to blame): policy training
+28 s + log-probs 18 s for 2048 x (128 + 795) tokens is 0.39-0.41."""
+MOE_TRAIN_MFU = 0.065
+"""MoE training's share of F (active parameters' FLOPs), Megatron-Core with EP all-to-alls,
+token-dropless routing without load balancing and many small expert GEMMs (NeMo-RL's
+`moe_permute_fusion: false`). Fitted to the two Qwen3-30B-A3B rows of issue 30, minimising the
+worst ratio: NeMo-RL v0.3 blog on 64 H100 (training 50 s implies 0.048, log-probs 23 s 0.07)
+and the v0.5 performance summary on 32 H100 (198 s; NeMo-RL's MoE training got faster between
+the two releases, so no single value fits both closer than ~1.2x)."""
+DECODE_HBM_EFFICIENCY = 0.6
+"""eta: the share of B_hbm a decode step's weight and KV reads reach (vLLM with CUDA graphs;
+the typical published share, not fitted)."""
+DECODE_STEP_OVERHEAD_S = 0.0045
+"""o: a decode step's fixed cost beyond its kernels and the sampler (vLLM's scheduler, input
+preparation, the TP all-reduces' latency), seconds. Fitted: NeMo-RL v0.3 blog, Llama-3.1-8B
+(generation 58 s) and Llama-3.1-70B (84 s), whose steps are mostly the long tail."""
+PREFILL_MFU = 0.5
+DECODE_MFU = 0.5
+SAMPLING_S_PER_ROW_VOCAB = 0.88e-3 / (1024 * 152064)
+"""The sampler's batched draw (unseeded requests): measured on an NVIDIA H200, 0.88 ms for
+vLLM's draw on probabilities [1024, 152064] (issue 30), per row and vocabulary entry; used for
+every GPU type (the draw is launch- and compute-bound, not HBM-bound)."""
+SEEDED_SAMPLING_S_PER_ROW_VOCAB = 8.9e-3 / (1024 * 152064)
+"""The same draw with every request seeded: vLLM's ``random_sample`` draws a seeded request's
+noise one row at a time; measured on the H200, 8.9 ms for 1024 seeded rows at vocab 152064
+(issue 30). ``StepShape.seeded_sampling=False`` removes it (a batched seeded draw costs the
+batched figure)."""
+REFIT_FIXED_S = 3.85
+"""A refit's fixed cost: a colocated engine's sleep and wake (free and re-allocate the KV
+cache, re-map the weights), the IPC handles, the cache resets, seconds. Fitted with
+``REFIT_GB_PER_S`` to NeMo-RL v0.3's refits of Llama-3.1-8B (5 s) and Llama-3.1-70B (14 s)."""
+REFIT_GB_PER_S = 13.9
+"""The effective bandwidth of the whole model's bf16 weights from the trainer's TP x PP shards
+into the engines (gather, HF-layout conversion, copy), GB/s. Fitted with ``REFIT_FIXED_S``."""
+REFIT_S_PER_TENSOR = 2.0e-4
+"""A refit's cost per HF-layout weight tensor (conversion and hand-over per tensor: Qwen3-30B-A3B
+has 18,800 of them, one per expert projection, against ~300-700 for the dense models). Fitted:
+NeMo-RL v0.3, Qwen3-30B-A3B's refit 12 s vs 8.2 s from its bytes (NeMo-RL's "Journey of
+Optimizing Weight Transfer in Large MoE Models by 10x" names the per-tensor cost)."""
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU type's published peaks and the shares of them RL phases typically reach."""
+    """One GPU type's published peaks and the shares of them RL phases reach (the module's
+    constants by default)."""
 
     name: str
     peak_tflops: float
@@ -64,18 +120,23 @@ class Hardware:
     25; 400 Gb/s NDR per H100: 50)."""
     pcie_gb_per_s: float
     """Host <-> GPU copies of offloaded training state, GB/s (PCIe 4 x16: 25; PCIe 5: 50)."""
-    train_mfu: float = 0.35
-    """Training's share of F (Megatron-Core dense models at 8-16k tokens with recompute)."""
-    decode_hbm_efficiency: float = 0.6
+    train_mfu: float = DENSE_TRAIN_MFU
+    """Dense training's share of F (``DENSE_TRAIN_MFU``)."""
+    moe_train_mfu: float = MOE_TRAIN_MFU
+    """MoE training's share of F for the active parameters (``MOE_TRAIN_MFU``)."""
+    decode_hbm_efficiency: float = DECODE_HBM_EFFICIENCY
     """eta: the share of B_hbm a decode step reaches (vLLM with CUDA graphs)."""
-    decode_mfu: float = 0.5
-    decode_step_overhead_s: float = 0.004
-    """o: a decode step's fixed cost beyond its kernels (vLLM's scheduler and sampler, the TP
-    all-reduces' latency: two per layer), seconds."""
-    prefill_mfu: float = 0.5
-    wake_sleep_s: float = 5.0
-    """A colocated engine's sleep + wake per step (free and re-allocate the KV cache, reload or
-    re-map the weights), seconds."""
+    decode_mfu: float = DECODE_MFU
+    decode_step_overhead_s: float = DECODE_STEP_OVERHEAD_S
+    """o: a decode step's fixed cost beyond its kernels, seconds."""
+    prefill_mfu: float = PREFILL_MFU
+    wake_sleep_s: float = REFIT_FIXED_S
+    """A refit's fixed cost (``REFIT_FIXED_S``), seconds."""
+    refit_gb_per_s: float = REFIT_GB_PER_S
+    """The whole model's weights into the engines, effective GB/s (``REFIT_GB_PER_S``)."""
+    refit_s_per_tensor: float = REFIT_S_PER_TENSOR
+    sampling_s_per_row_vocab: float = SAMPLING_S_PER_ROW_VOCAB
+    seeded_sampling_s_per_row_vocab: float = SEEDED_SAMPLING_S_PER_ROW_VOCAB
 
 
 HARDWARE = {
@@ -84,7 +145,7 @@ HARDWARE = {
     "h100": Hardware("H100-80GB-SXM", peak_tflops=989, hbm_gb_per_s=3350, nvlink_gb_per_s=450,
                      network_gb_per_s=50, pcie_gb_per_s=50),
 }
-"""``dgpo-plan --hardware``; the paper ran on A100 80GB (Appendix B)."""
+"""``dgpo-plan --hardware``; the paper ran on A100 80GB (Appendix B). The published rows are H100."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +168,18 @@ class StepShape:
     offloaded_state_bytes_per_gpu: int = 0
     """Colocated with ``train.offload_training_state``: gradients + optimizer state that leave
     each GPU and come back every step."""
+    seeded_sampling: bool = True
+    """Every request carries its own seed (this project: ``rollout.placement.prompt_seeds``), so
+    vLLM draws its sampling noise one row at a time (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``).
+    False: the batched draw (unseeded engines such as NeMo-RL's, or a batched seeded draw)."""
+    reference_forward: bool = False
+    """A reference model's forward in the log-prob phase (NeMo-RL's GRPO with a KL penalty;
+    DGPO has no reference model)."""
+    updates: int = 1
+    """Optimizer updates per step (``rollout_batch_prompts / mini_batch_prompts``): the
+    micro-batches of one update fill the pipeline once."""
+    micro_batch_tokens: int = 0
+    """One packed micro-batch row (``train.micro_batch_tokens``); 0: no pipeline bubble counted."""
 
     @classmethod
     def from_recipe(cls, run, *, mean_prompt_tokens: float = 200.0,
@@ -117,7 +190,18 @@ class StepShape:
                    max_response_tokens=run.rollout.max_response_tokens,
                    mean_prompt_tokens=min(mean_prompt_tokens, run.rollout.max_prompt_tokens),
                    mean_response_tokens=mean_response_fraction * run.rollout.max_response_tokens,
-                   max_num_seqs=run.rollout.max_num_seqs, recompute=run.model.recompute_activations)
+                   max_num_seqs=run.rollout.max_num_seqs, recompute=run.model.recompute_activations,
+                   seeded_sampling=getattr(run.rollout, "seeding", "per_sample") == "per_sample",
+                   updates=max(1, run.train.rollout_batch_prompts // run.train.mini_batch_prompts),
+                   micro_batch_tokens=run.train.micro_batch_tokens)
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def routed_expert_params(arch: Architecture) -> int:
+    """N_x: all routed experts' parameters (0 for a dense model)."""
+    return arch.layers * arch.experts * 3 * arch.hidden * arch.moe_ffn if arch.moe else 0
 
 
 def active_params(arch: Architecture) -> int:
@@ -130,42 +214,141 @@ def active_params(arch: Architecture) -> int:
     return n
 
 
-def generation_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, engines: int,
-                       engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> float:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (module docstring)."""
-    n_params = active_params(arch)
+def shared_params(arch: Architecture) -> int:
+    """N_d: what every decode step reads whatever the batch: N without the routed experts."""
+    return active_params(arch) - (arch.layers * arch.topk * 3 * arch.hidden * arch.moe_ffn
+                                  if arch.moe else 0)
+
+
+def experts_touched_share(arch: Architecture, running: float) -> float:
+    """share(c) = 1 - (1 - k / E)^c: the expected share of a layer's experts that ``running``
+    sequences, each routed to k of E (independently, uniformly), touch in one decode step."""
+    if not arch.moe:
+        return 1.0
+    return 1.0 - (1.0 - arch.topk / arch.experts) ** max(running, 1.0)
+
+
+def weight_tensors(arch: Architecture) -> int:
+    """The HF-layout weight tensors a refit hands over: per layer Q, K, V, O (+ 3 biases), two
+    norms (+ q/k norms), the MLP's gate, up, down (MoE: a router and 3 per expert); embedding,
+    final norm and output layer."""
+    per_layer = 4 + (3 if arch.qkv_bias else 0) + 2 + (2 if arch.qk_norm else 0)
+    per_layer += 1 + 3 * arch.experts if arch.moe else 3
+    return arch.layers * per_layer + 2 + (0 if arch.tie_word_embeddings else 1)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def decode_step_seconds(arch: Architecture, hw: Hardware, *, running: float, context: float,
+                        engine_tp: int, seeded: bool) -> dict[str, float]:
+    """One decode step of an engine with ``running`` sequences of mean context ``context``:
+    ``{"memory" | "compute" | "overhead" | "sampling" | "total": seconds}`` (module docstring)."""
+    kv = running * context * kv_cache_bytes_per_token(arch)
+    weights = 2 * (shared_params(arch) + routed_expert_params(arch)
+                   * experts_touched_share(arch, running))
+    memory = (weights + kv) / engine_tp / (hw.hbm_gb_per_s * 1e9 * hw.decode_hbm_efficiency)
+    compute = 2 * active_params(arch) * running / engine_tp / (hw.peak_tflops * 1e12
+                                                                * hw.decode_mfu)
+    per_row = hw.seeded_sampling_s_per_row_vocab if seeded else hw.sampling_s_per_row_vocab
+    sampling = running * arch.vocab * per_row
+    return dict(memory=memory, compute=compute, overhead=hw.decode_step_overhead_s,
+                sampling=sampling,
+                total=max(memory, compute) + hw.decode_step_overhead_s + sampling)
+
+
+def generation_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, engines: int,
+                     engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> dict[str, float]:
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, term by term: the
+    per-engine counts (responses, concurrent, bulk and tail steps, the tail's mean running
+    sequences) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
+    fixed cost and of the sampler), ``total`` their sum."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
+    tail_len = max(shape.max_response_tokens, r)
     kv_token = kv_cache_bytes_per_token(arch)
     kv_room_tokens = max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp / kv_token
     concurrent = max(1, min(shape.max_num_seqs, per_engine, int(kv_room_tokens // (p + r))))
-    steps = max(0, per_engine - concurrent) * r / concurrent + shape.max_response_tokens
-    decoded = per_engine * r
-    hbm = hw.hbm_gb_per_s * 1e9 * hw.decode_hbm_efficiency
-    memory = (steps * 2 * n_params + decoded * (p + r / 2) * kv_token) / engine_tp / hbm
-    compute = decoded * 2 * n_params / engine_tp / (hw.peak_tflops * 1e12 * hw.decode_mfu)
-    prefill = 2 * n_params * per_engine * p / engine_tp / (hw.peak_tflops * 1e12 * hw.prefill_mfu)
-    return prefill + max(memory, compute) + steps * hw.decode_step_overhead_s
+    bulk_steps = max(0, per_engine - concurrent) * r / concurrent
+    tail_running = max(1.0, min(concurrent, per_engine) * r / tail_len)
+    context = p + r / 2
+    step = dict(engine_tp=engine_tp, context=context, seeded=shape.seeded_sampling)
+    bulk = decode_step_seconds(arch, hw, running=concurrent, **step)
+    tail = decode_step_seconds(arch, hw, running=tail_running, **step)
+    prefill = 2 * active_params(arch) * per_engine * p / engine_tp / (hw.peak_tflops * 1e12
+                                                                       * hw.prefill_mfu)
+    return dict(responses=per_engine, concurrent=concurrent, bulk_steps=bulk_steps,
+                tail_steps=tail_len, tail_running=tail_running,
+                prefill_s=prefill, bulk_s=bulk_steps * bulk["total"],
+                tail_s=tail_len * tail["total"],
+                overhead_s=(bulk_steps + tail_len) * hw.decode_step_overhead_s,
+                sampling_s=bulk_steps * bulk["sampling"] + tail_len * tail["sampling"],
+                bulk_step_s=bulk["total"], tail_step_s=tail["total"],
+                total=prefill + bulk_steps * bulk["total"] + tail_len * tail["total"])
 
 
-def training_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: int) -> float:
-    """Forward + backward (+ recompute) of every token, and the old log-probs' forward, on
-    ``gpus`` trainer GPUs."""
+def generation_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, engines: int,
+                       engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> float:
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (module docstring)."""
+    return generation_terms(arch, shape, hw, engines=engines, engine_tp=engine_tp,
+                            kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
+
+
+def training_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: int,
+                   tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, float]:
+    """The trainer's phases on ``gpus`` GPUs laid out TP ``tp`` x PP ``pp`` (x CP ``cp``):
+    ``update_s`` (forward, backward, recomputed forward), ``logprobs_s`` (the old log-probs'
+    forward, plus the reference model's when ``shape.reference_forward``), the efficiency
+    factors, and ``total``."""
     seq = shape.mean_prompt_tokens + shape.mean_response_tokens
     tokens = shape.prompts * shape.group_size * seq
-    passes = 3 + int(shape.recompute) + 1  # fwd + 2x bwd, recomputed fwd, old log-probs fwd
-    per_token = passes * (2 * active_params(arch) + 4 * arch.layers * arch.q_dim * seq / 2)
-    return tokens * per_token / (gpus * hw.peak_tflops * 1e12 * hw.train_mfu)
+    n = active_params(arch)
+    per_pass = 2 * n + 4 * arch.layers * arch.q_dim * seq / 2
+    mfu = hw.moe_train_mfu if arch.moe else hw.train_mfu
+    dp = max(1, gpus // (tp * pp * cp))
+    if pp > 1 and shape.micro_batch_tokens:
+        micro = max(1, math.ceil(tokens / shape.updates / dp / shape.micro_batch_tokens))
+        pipe = micro / (micro + pp - 1)
+    else:
+        pipe = 1.0
+    if tp > 1:
+        comm = 8 * arch.hidden * (tp - 1) / tp / (hw.nvlink_gb_per_s * 1e9)
+        compute = 2 * n / arch.layers / tp / (hw.peak_tflops * 1e12 * mfu)
+        tp_eff = 1 / (1 + comm / compute)
+    else:
+        tp_eff = 1.0
+    rate = gpus * hw.peak_tflops * 1e12 * mfu * pipe * tp_eff
+    update = tokens * (3 + int(shape.recompute)) * per_pass / rate
+    logprobs = tokens * (1 + int(shape.reference_forward)) * per_pass / rate
+    return dict(update_s=update, logprobs_s=logprobs, mfu=mfu, pipeline_efficiency=pipe,
+                tp_efficiency=tp_eff, total=update + logprobs)
+
+
+def training_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: int,
+                     tp: int = 1, pp: int = 1, cp: int = 1) -> float:
+    """Forward + backward (+ recompute) of every token, and the old log-probs' forward, on
+    ``gpus`` trainer GPUs (``training_terms``)."""
+    return training_terms(arch, shape, hw, gpus=gpus, tp=tp, pp=pp, cp=cp)["total"]
+
+
+def refit_terms(arch: Architecture, shape: StepShape, hw: Hardware, *,
+                dedicated: bool) -> dict[str, float]:
+    """The trained weights into the engines, term by term (module docstring)."""
+    weights = 2 * param_count(arch)
+    out = dict(fixed_s=hw.wake_sleep_s, bytes_s=weights / (hw.refit_gb_per_s * 1e9),
+               tensors_s=weight_tensors(arch) * hw.refit_s_per_tensor,
+               network_s=weights / (hw.network_gb_per_s * 1e9) if dedicated else 0.0,
+               offload_s=0.0 if dedicated else
+               2 * shape.offloaded_state_bytes_per_gpu / (hw.pcie_gb_per_s * 1e9))
+    out["total"] = sum(out.values())
+    return out
 
 
 def refit_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, dedicated: bool,
-                  engine_tp: int) -> float:
-    """The trained weights into the engines (module docstring)."""
-    weights = 2 * param_count(arch)
-    if dedicated:
-        return weights / (hw.nvlink_gb_per_s * 1e9) + weights / (hw.network_gb_per_s * 1e9)
-    offload = 2 * shape.offloaded_state_bytes_per_gpu / (hw.pcie_gb_per_s * 1e9)
-    return weights / engine_tp / (hw.nvlink_gb_per_s * 1e9) + hw.wake_sleep_s + offload
+                  engine_tp: int = 1) -> float:
+    """The trained weights into the engines (module docstring; ``engine_tp`` is kept for
+    callers: the calibrated path moves the whole model whatever the engine's TP)."""
+    return refit_terms(arch, shape, hw, dedicated=dedicated)["total"]
 
 
 @dataclass(frozen=True)
@@ -180,12 +363,20 @@ class StepTime:
     generation_s: float
     training_s: float
     refit_s: float
+    terms: dict = field(default_factory=dict, compare=False, repr=False)
+    """The phases' terms (``generation_terms``, ``training_terms``, ``refit_terms``)."""
 
     @property
     def step_s(self) -> float:
         if self.placement == "one-step-off":
             return max(self.generation_s, self.training_s) + self.refit_s
         return self.generation_s + self.training_s + self.refit_s
+
+    @property
+    def dominant(self) -> str:
+        """The longest phase: "generation", "training" or "refit"."""
+        phases = dict(generation=self.generation_s, training=self.training_s, refit=self.refit_s)
+        return max(phases, key=phases.get)
 
     @property
     def trainer_idle_s(self) -> float:
@@ -212,31 +403,175 @@ class StepTime:
                     rollout_gpus=self.rollout_gpus, step_s=self.step_s,
                     generation_s=self.generation_s, training_s=self.training_s,
                     refit_s=self.refit_s, trainer_idle_s=self.trainer_idle_s,
-                    engine_idle_s=self.engine_idle_s)
+                    engine_idle_s=self.engine_idle_s, dominant=self.dominant)
 
 
 def step_times(arch: Architecture, shape: StepShape, hw: Hardware, *, world: int,
                rollout_gpus: int, engine_tp: int, kv_cache_bytes_per_engine_gpu: float,
-               colocated_kv_cache_bytes_per_gpu: float | None = None) -> list[StepTime]:
+               colocated_kv_cache_bytes_per_gpu: float | None = None,
+               train_layout: tuple[int, int] = (1, 1),
+               dedicated_train_layout: tuple[int, int] | None = None) -> list[StepTime]:
     """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
     0) dedicated engines on ``rollout_gpus`` of them, synchronous and one-step-off.
     ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
-    one's)."""
+    one's). ``train_layout``: the trainer's (TP, PP) on all GPUs, ``dedicated_train_layout``
+    on the GPUs the engines leave (default the same)."""
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
-    out = [StepTime("colocated", world, 0,
-                    generation_seconds(arch, shape, hw, engines=world // engine_tp,
-                                       engine_tp=engine_tp,
-                                       kv_cache_bytes_per_engine_gpu=colocated_kv),
-                    training_seconds(arch, shape, hw, gpus=world),
-                    refit_seconds(arch, shape, hw, dedicated=False, engine_tp=engine_tp))]
+    tp, pp = train_layout
+    gen = generation_terms(arch, shape, hw, engines=world // engine_tp, engine_tp=engine_tp,
+                           kv_cache_bytes_per_engine_gpu=colocated_kv)
+    train = training_terms(arch, shape, hw, gpus=world, tp=tp, pp=pp)
+    refit = refit_terms(arch, shape, hw, dedicated=False)
+    out = [StepTime("colocated", world, 0, gen["total"], train["total"], refit["total"],
+                    dict(generation=gen, training=train, refit=refit))]
     if rollout_gpus:
         trainer = world - rollout_gpus
-        gen = generation_seconds(arch, shape, hw, engines=rollout_gpus // engine_tp,
-                                 engine_tp=engine_tp,
-                                 kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
-        train = training_seconds(arch, shape, hw, gpus=trainer)
-        refit = refit_seconds(arch, shape, hw, dedicated=True, engine_tp=engine_tp)
-        out += [StepTime(mode, trainer, rollout_gpus, gen, train, refit)
+        tp, pp = dedicated_train_layout or train_layout
+        gen = generation_terms(arch, shape, hw, engines=rollout_gpus // engine_tp,
+                               engine_tp=engine_tp,
+                               kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
+        train = training_terms(arch, shape, hw, gpus=trainer, tp=tp, pp=pp)
+        refit = refit_terms(arch, shape, hw, dedicated=True)
+        out += [StepTime(mode, trainer, rollout_gpus, gen["total"], train["total"],
+                         refit["total"], dict(generation=gen, training=train, refit=refit))
                 for mode in ("dedicated", "one-step-off")]
     return out
+
+
+# --------------------------------------------------------------------------- published rows
+
+LLAMA31_8B = Architecture.from_hf_config(dict(
+    model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+    tie_word_embeddings=False, attention_bias=False), name="Llama-3.1-8B")
+"""meta-llama/Llama-3.1-8B(-Instruct)'s config.json (not in ``memory.PUBLISHED``: no recipe
+trains it; the published step times do)."""
+
+NEMO_RL_BLOG_V03 = "NeMo-RL v0.3 blog (nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3)"
+NEMO_RL_PERF_V04 = "NeMo-RL docs/about/performance-summary.md, v0.4 (H100 BF16)"
+NEMO_RL_PERF_V05 = "NeMo-RL docs/about/performance-summary.md, v0.5 (H100 BF16)"
+
+
+@dataclass(frozen=True)
+class PublishedStep:
+    """One published GRPO step time on H100s and the workload behind it, as NeMo-RL ran it:
+    64 prompts x 32 samples unless stated, 4 optimizer updates (train global batch 512),
+    packed rows of ``max_sequence`` tokens, a reference model's forward in the log-prob phase
+    (KL 0.01), unseeded vLLM requests (the batched sampler), vLLM's gpu_memory_utilization
+    0.6 colocated / 0.8 dedicated, max_num_seqs 1024 (vLLM's H100 default). Assumed where the
+    sources are silent: the mean prompt (128 tokens: the published tokens/s/GPU minus the
+    response lengths give 100-130), the longest response (the cap: max_sequence - prompt),
+    and the vLLM TP of the blog's Qwen3 rows (the later performance recipes': 4 for 32B, 2
+    for 30B-A3B)."""
+
+    label: str
+    source: str
+    model: str
+    """Hub id (``memory.PUBLISHED``) or "meta-llama/Llama-3.1-8B"."""
+    gpus: int
+    engine_tp: int
+    train_tp: int
+    train_pp: int
+    mean_response: float
+    """The published mean generated tokens (v0.3: "avg. generated tokens per sample"; v0.4+:
+    "G-Average Seq len", which the published tokens/s/GPU show to be the response alone)."""
+    published: dict
+    """{"step", and where published "generation", "training", "logprobs", "refit"}: seconds."""
+    fitted: bool
+    """Used to fit a constant above (else held out: a check of the model)."""
+    train_cp: int = 1
+    rollout_gpus: int = 0
+    """Dedicated engines' GPUs (one-step-off rows: NeMo-RL's async GRPO, half the nodes)."""
+    max_sequence: int = 4096
+    prompts: int = 64
+    group_size: int = 32
+    updates: int = 4
+    recompute: bool = False
+
+    @property
+    def arch(self) -> Architecture:
+        from megatron_dgpo.memory import PUBLISHED
+
+        return LLAMA31_8B if self.model == "meta-llama/Llama-3.1-8B" else PUBLISHED[self.model]
+
+
+PUBLISHED_STEPS: tuple[PublishedStep, ...] = (
+    PublishedStep("Llama-3.1-8B, 8 GPUs colocated", NEMO_RL_BLOG_V03, "meta-llama/Llama-3.1-8B",
+                  8, 1, 1, 1, 795, dict(step=112, generation=58, training=28, logprobs=18,
+                                        refit=5), fitted=True),
+    PublishedStep("Llama-3.1-70B, 64 GPUs TP4 PP4", NEMO_RL_BLOG_V03, "meta-llama/Llama-3.1-70B",
+                  64, 4, 4, 4, 398, dict(step=147, generation=84, training=28, logprobs=18,
+                                         refit=14), fitted=True),
+    PublishedStep("Qwen3-32B, 64 GPUs TP4 PP2", NEMO_RL_BLOG_V03, "Qwen/Qwen3-32B",
+                  64, 4, 4, 2, 3283, dict(step=213, generation=96, training=68, logprobs=40,
+                                          refit=7), fitted=False),
+    PublishedStep("Qwen3-30B-A3B, 64 GPUs TP2 EP8", NEMO_RL_BLOG_V03, "Qwen/Qwen3-30B-A3B",
+                  64, 2, 2, 1, 3251, dict(step=167, generation=78, training=50, logprobs=23,
+                                          refit=12), fitted=True),
+    PublishedStep("Llama-3.3-70B, 16k, 128 GPUs TP4 PP4 CP4", NEMO_RL_BLOG_V03,
+                  "meta-llama/Llama-3.3-70B-Instruct", 128, 4, 4, 4, 749,
+                  dict(step=445, generation=287, training=64, logprobs=75, refit=17),
+                  fitted=False, train_cp=4, max_sequence=16384),
+    PublishedStep("Llama-3.1-8B, 16 GPUs colocated PP2", NEMO_RL_PERF_V05,
+                  "meta-llama/Llama-3.1-8B", 16, 1, 1, 2, 1019, dict(step=92.8), fitted=False,
+                  recompute=True),
+    PublishedStep("Llama-3.1-8B, 8 + 8 one-step-off", NEMO_RL_PERF_V05, "meta-llama/Llama-3.1-8B",
+                  16, 1, 1, 1, 1123, dict(step=64.8), fitted=False, rollout_gpus=8,
+                  recompute=True),
+    PublishedStep("Qwen3-30B-A3B, 32 GPUs colocated, vLLM TP2", NEMO_RL_PERF_V05,
+                  "Qwen/Qwen3-30B-A3B", 32, 2, 1, 1, 3196, dict(step=198), fitted=False),
+    PublishedStep("Qwen3-32B, 32 GPUs colocated TP4 PP4", NEMO_RL_PERF_V05, "Qwen/Qwen3-32B",
+                  32, 4, 4, 4, 3251, dict(step=376), fitted=False),
+)
+"""The nine rows of issue 30 (``fitted`` marks the five whose phases set the constants)."""
+
+HELD_OUT_STEPS: tuple[PublishedStep, ...] = (
+    PublishedStep("Qwen3-32B, 32 + 32 one-step-off", NEMO_RL_PERF_V05, "Qwen/Qwen3-32B",
+                  64, 4, 4, 4, 3252, dict(step=200), fitted=False, rollout_gpus=32),
+    PublishedStep("Qwen3-30B-A3B, 16 + 16 one-step-off", NEMO_RL_PERF_V05, "Qwen/Qwen3-30B-A3B",
+                  32, 2, 1, 2, 3201, dict(step=154), fitted=False, rollout_gpus=16),
+    PublishedStep("Qwen3-30B-A3B, 32 GPUs colocated, vLLM TP4", NEMO_RL_PERF_V04,
+                  "Qwen/Qwen3-30B-A3B", 32, 4, 2, 1, 3154, dict(step=225), fitted=False),
+    PublishedStep("Qwen3-235B-A22B, 128 GPUs, vLLM TP16", NEMO_RL_PERF_V05,
+                  "Qwen/Qwen3-235B-A22B", 128, 16, 2, 8, 5700, dict(step=431), fitted=False,
+                  train_cp=2, max_sequence=8192, prompts=16, group_size=32, updates=1),
+    PublishedStep("Llama-3.1-8B, 16 GPUs colocated PP2", NEMO_RL_PERF_V04,
+                  "meta-llama/Llama-3.1-8B", 16, 1, 1, 2, 1060, dict(step=97.7), fitted=False,
+                  recompute=True),
+)
+"""Published rows outside issue 30's nine, none used for fitting: other layouts, placements,
+engine TPs and models of the same performance pages."""
+
+PUBLISHED_MEAN_PROMPT = 128.0
+PUBLISHED_GPU_GIB = 80.0
+
+
+def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[str, float]:
+    """The model on a published row's workload (NeMo-RL's, reference forward included):
+    {"step", "generation", "training" (the update), "logprobs", "refit"}, seconds."""
+    from megatron_dgpo.memory import GIB
+
+    hw = hw or HARDWARE["h100"]
+    arch = row.arch
+    p = PUBLISHED_MEAN_PROMPT
+    shape = StepShape(prompts=row.prompts, group_size=row.group_size,
+                      max_response_tokens=int(row.max_sequence - p), mean_prompt_tokens=p,
+                      mean_response_tokens=row.mean_response, max_num_seqs=1024,
+                      recompute=row.recompute, seeded_sampling=False, reference_forward=True,
+                      updates=row.updates, micro_batch_tokens=row.max_sequence)
+    utilization = 0.8 if row.rollout_gpus else 0.6
+    kv = utilization * PUBLISHED_GPU_GIB * GIB - 2 * param_count(arch) / row.engine_tp
+    engine_gpus = row.rollout_gpus or row.gpus
+    trainer_gpus = row.gpus - row.rollout_gpus
+    gen = generation_terms(arch, shape, hw, engines=engine_gpus // row.engine_tp,
+                           engine_tp=row.engine_tp, kv_cache_bytes_per_engine_gpu=kv)
+    train = training_terms(arch, shape, hw, gpus=trainer_gpus, tp=row.train_tp,
+                           pp=row.train_pp, cp=row.train_cp)
+    refit = refit_terms(arch, shape, hw, dedicated=bool(row.rollout_gpus))
+    if row.rollout_gpus:
+        step = max(gen["total"], train["total"]) + refit["total"]
+    else:
+        step = gen["total"] + train["total"] + refit["total"]
+    return dict(step=step, generation=gen["total"], training=train["update_s"],
+                logprobs=train["logprobs_s"], refit=refit["total"])

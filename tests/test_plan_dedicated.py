@@ -19,7 +19,7 @@ from megatron_dgpo.plan import candidate_layouts, main, make_plan, step_time_est
 from megatron_dgpo.recipe import load_recipe
 from megatron_dgpo.steptime import (Hardware, StepShape, StepTime, active_params,
                                     generation_seconds, refit_seconds, step_times,
-                                    training_seconds)
+                                    training_seconds, weight_tensors)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE_14B = os.path.join(ROOT, "recipes", "dgpo_14b.yaml")
@@ -33,7 +33,8 @@ SMALL = Architecture("small", hidden=64, layers=4, heads=4, kv_heads=2, intermed
 ROUND = Hardware("round", peak_tflops=100, hbm_gb_per_s=1000, nvlink_gb_per_s=100,
                  network_gb_per_s=10, pcie_gb_per_s=20, train_mfu=0.5,
                  decode_hbm_efficiency=0.5, decode_mfu=0.5, prefill_mfu=0.5, wake_sleep_s=3.0,
-                 decode_step_overhead_s=0.001)
+                 decode_step_overhead_s=0.001, refit_gb_per_s=10, refit_s_per_tensor=0.001,
+                 sampling_s_per_row_vocab=1e-9, seeded_sampling_s_per_row_vocab=1e-8)
 
 
 def _dedicated_work(**changes) -> Workload:
@@ -107,22 +108,31 @@ def test_step_time_formulas_by_hand():
     assert kv == 4 * 2 * 2 * 16 * 2  # L x (K, V) x g x d x bf16
     shape = StepShape(prompts=8, group_size=4, max_response_tokens=1000, mean_prompt_tokens=100,
                       mean_response_tokens=400, max_num_seqs=4)
-    # 2 engines of 1 GPU: 16 responses each, 4 at a time (max_num_seqs; the KV room holds more)
-    steps = (16 - 4) * 400 / 4 + 1000  # continuous batching, then the longest response's tail
-    decoded = 16 * 400
-    memory = (steps * 2 * n + decoded * (100 + 200) * kv) / (1000e9 * 0.5)
-    compute = decoded * 2 * n / (100e12 * 0.5)
+    # 2 engines of 1 GPU: 16 responses each, 4 at a time (max_num_seqs; the KV room holds more):
+    # 1200 bulk steps of 4 running, then the longest response's 1000-step tail with 4 x 400 /
+    # 1000 = 1.6 running on average; every step reads the weights and its sequences' KV
+    # (mean context 100 + 400 / 2), or is compute-bound; plus its fixed cost and the sampler
+    # (seeded: 1e-8 s per row and vocabulary entry)
+
+    def step(c, per_row=1e-8):
+        return (max((2 * n + c * 300 * kv) / (1000e9 * 0.5), 2 * n * c / (100e12 * 0.5))
+                + 0.001 + c * 1000 * per_row)
     prefill = 2 * n * 16 * 100 / (100e12 * 0.5)
-    expected = prefill + max(memory, compute) + steps * 0.001
+    expected = prefill + 1200 * step(4) + 1000 * step(1.6)
+    assert 1200 * 4 + 1000 * 1.6 == 16 * 400  # every response token decoded once
     got = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
                              kv_cache_bytes_per_engine_gpu=1e12)
     assert got == pytest.approx(expected, rel=1e-12)
+    # unseeded requests: the batched draw's 1e-9 per row and vocabulary entry
+    batched = generation_seconds(SMALL, replace(shape, seeded_sampling=False), ROUND, engines=2,
+                                 engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
+    assert batched == pytest.approx(prefill + 1200 * step(4, 1e-9) + 1000 * step(1.6, 1e-9),
+                                    rel=1e-12)
+    assert got - batched == pytest.approx((1200 * 4 + 1000 * 1.6) * 1000 * 9e-9, rel=1e-9)
     # a KV cache of 2 responses' room halves the concurrency: more steps
     tight = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
                                kv_cache_bytes_per_engine_gpu=2 * 500 * kv)
-    steps2 = (16 - 2) * 400 / 2 + 1000
-    assert tight == pytest.approx(prefill + max((steps2 * 2 * n + decoded * 300 * kv) / 500e9, compute)
-                                  + steps2 * 0.001, rel=1e-12)
+    assert tight == pytest.approx(prefill + 2800 * step(2) + 1000 * step(1), rel=1e-12)
     # training: 32 responses of 500 tokens, 5 passes (fwd, 2x bwd, recompute, old log-probs)
     shape_rc = replace(shape, recompute=True)
     per_token = 5 * (2 * n + 4 * 4 * 64 * 500 / 2)
@@ -130,14 +140,17 @@ def test_step_time_formulas_by_hand():
         32 * 500 * per_token / (4 * 100e12 * 0.5), rel=1e-12)
     assert training_seconds(SMALL, shape, ROUND, gpus=4) == pytest.approx(
         32 * 500 * 4 * (2 * n + 4 * 4 * 64 * 250) / (4 * 100e12 * 0.5), rel=1e-12)
-    # refit: colocated through NVLink per engine GPU + sleep/wake + offloaded state both ways;
-    # dedicated: the leader's gather, then one broadcast at one NIC's bandwidth
+    # refit: a fixed cost + the whole model's bytes at the refit bandwidth + a cost per HF
+    # tensor (4 layers x (Q, K, V, O, 3 biases, 2 norms, gate, up, down) + embedding, final
+    # norm, output = 51); colocated the offloaded state both ways over PCIe, dedicated the
+    # broadcast at one NIC's bandwidth
     w = 2 * param_count(SMALL)
+    assert weight_tensors(SMALL) == 51
     offl = replace(shape, offloaded_state_bytes_per_gpu=10**9)
     assert refit_seconds(SMALL, offl, ROUND, dedicated=False, engine_tp=2) == pytest.approx(
-        w / 2 / 100e9 + 3.0 + 2 * 1e9 / 20e9, rel=1e-12)
+        3.0 + w / 10e9 + 51 * 0.001 + 2 * 1e9 / 20e9, rel=1e-12)
     assert refit_seconds(SMALL, offl, ROUND, dedicated=True, engine_tp=2) == pytest.approx(
-        w / 100e9 + w / 10e9, rel=1e-12)
+        3.0 + w / 10e9 + 51 * 0.001 + w / 10e9, rel=1e-12)
 
     colocated, dedicated, one_step_off = step_times(
         SMALL, shape, ROUND, world=8, rollout_gpus=2, engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
