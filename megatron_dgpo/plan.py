@@ -449,6 +449,38 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     return "\n".join(lines)
 
 
+def explain_step_time(times: list[StepTime]) -> str:
+    """``dgpo-plan --explain``: every term of each placement's step time (``steptime``'s
+    generation, training and refit terms), seconds."""
+    lines = []
+    for t in times:
+        g, tr, r = (t.terms.get(k, {}) for k in ("generation", "training", "refit"))
+        lines.append(f"{t.placement} ({t.trainer_gpus} trainer GPUs"
+                     + (f", {t.rollout_gpus} rollout GPUs" if t.rollout_gpus else "")
+                     + f"): step {t.step_s:.1f} s, {t.dominant} dominates")
+        if g:
+            lines += [
+                f"  generation   {g['total']:.1f} s = prefill {g['prefill_s']:.1f} + bulk "
+                f"{g['bulk_steps']:.0f} steps x {g['bulk_step_s'] * 1e3:.1f} ms + tail "
+                f"{g['tail_steps']:.0f} steps x {g['tail_step_s'] * 1e3:.1f} ms   ({g['responses']} "
+                f"responses per engine, {g['concurrent']} at once, {g['tail_running']:.1f} running "
+                f"in the tail)",
+                f"    of it      step overhead {g['overhead_s']:.1f} s (o per decode step), "
+                f"sampler {g['sampling_s']:.1f} s (per row x vocabulary; seeded rows drawn one "
+                f"at a time)"]
+        if tr:
+            lines.append(f"  training     {tr['total']:.1f} s = update {tr['update_s']:.1f} + "
+                         f"log-probs {tr['logprobs_s']:.1f}   (mfu {tr['mfu']:.3f} x pipeline "
+                         f"{tr['pipeline_efficiency']:.2f} x TP communication "
+                         f"{tr['tp_efficiency']:.2f})")
+        if r:
+            lines.append(f"  refit        {r['total']:.1f} s = fixed {r['fixed_s']:.1f} + bytes "
+                         f"{r['bytes_s']:.1f} + tensors {r['tensors_s']:.1f}"
+                         + (f" + network {r['network_s']:.1f}" if r['network_s'] else "")
+                         + (f" + offloaded state {r['offload_s']:.1f}" if r['offload_s'] else ""))
+    return "\n".join(lines)
+
+
 def _dispatch_formula(dispatcher: str) -> str:
     """``memory.dispatcher_bytes``'s formula for ``dispatcher``."""
     return "T h b (ETP EP + 2 ETP k)" if dispatcher == "allgather" else "T k h b (1 + 2 ETP)"
@@ -708,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"trainer would refuse it")
         if args.explain and plan.pick is not None:
             print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
+            if plan.step_times:
+                print("\nstep-time terms (docs/planner.md#step-time):\n"
+                      + explain_step_time(plan.step_times))
     return 0 if plan.fits else 1
 
 

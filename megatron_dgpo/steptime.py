@@ -45,8 +45,8 @@ and the placements combine them as
 
 with the trainer idle for generation - training and the engines for training - generation
 (whichever is positive). F, B_hbm, B_nvlink, B_net are ``Hardware``'s published peaks; the
-efficiencies and costs are the module's named constants below, each with its source: a few
-fitted to five published NeMo-RL rows (``PUBLISHED_STEPS`` marks them), the sampler's measured,
+efficiencies and costs are the module's named constants below, each with its source: six
+fitted to four published NeMo-RL rows (``PUBLISHED_STEPS`` marks them), the sampler's measured,
 the rest typical published shares. docs/planner.md#published-step-times has the checks against
 published step times, the held-out rows included (tests/test_steptime_published.py).
 """
@@ -520,11 +520,12 @@ PUBLISHED_STEPS: tuple[PublishedStep, ...] = (
                   16, 1, 1, 1, 1123, dict(step=64.8), fitted=False, rollout_gpus=8,
                   recompute=True),
     PublishedStep("Qwen3-30B-A3B, 32 GPUs colocated, vLLM TP2", NEMO_RL_PERF_V05,
-                  "Qwen/Qwen3-30B-A3B", 32, 2, 1, 1, 3196, dict(step=198), fitted=False),
+                  "Qwen/Qwen3-30B-A3B", 32, 2, 1, 1, 3196, dict(step=198), fitted=True),
     PublishedStep("Qwen3-32B, 32 GPUs colocated TP4 PP4", NEMO_RL_PERF_V05, "Qwen/Qwen3-32B",
                   32, 4, 4, 4, 3251, dict(step=376), fitted=False),
 )
-"""The nine rows of issue 30 (``fitted`` marks the five whose phases set the constants)."""
+"""The nine rows of issue 30 (``fitted`` marks the four that set the constants; the other five
+are checks)."""
 
 HELD_OUT_STEPS: tuple[PublishedStep, ...] = (
     PublishedStep("Qwen3-32B, 32 + 32 one-step-off", NEMO_RL_PERF_V05, "Qwen/Qwen3-32B",
@@ -575,3 +576,19 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
         step = gen["total"] + train["total"] + refit["total"]
     return dict(step=step, generation=gen["total"], training=train["update_s"],
                 logprobs=train["logprobs_s"], refit=refit["total"])
+
+
+def published_table(hw: Hardware | None = None) -> list[str]:
+    """docs/planner.md's table of the published rows (issue 30's nine, then the held-out ones):
+    one markdown line per row, each published phase as "model / published = ratio"."""
+    phases = ("step", "generation", "training", "logprobs", "refit")
+    lines = ["| row | source | fit | " + " | ".join(phases) + " |",
+             "|" + " --- |" * (3 + len(phases))]
+    for row in PUBLISHED_STEPS + HELD_OUT_STEPS:
+        pred = predict_published(row, hw)
+        cells = [f"{pred[k]:.0f} / {row.published[k]:g} = {pred[k] / row.published[k]:.2f}"
+                 if k in row.published else f"({pred[k]:.0f})" for k in phases]
+        fit = "fitted" if row.fitted else ("held out" if row in HELD_OUT_STEPS else "check")
+        lines.append(f"| {row.label} | {row.source.split(' (')[0]} | {fit} | "
+                     + " | ".join(cells) + " |")
+    return lines
