@@ -259,7 +259,8 @@ class AsyncSaver:
 
     @property
     def pending(self) -> int:
-        """Saves scheduled and not yet published."""
+        """Writes scheduled and not yet published (the empty write that starts the writer
+        counts until a poll publishes it)."""
         return self._queue.get_num_unfinalized_calls()
 
     def schedule(self, request) -> None:
