@@ -287,6 +287,15 @@ class AsyncSaver:
         """Collective: publish what is pending, then stop the writer process."""
         self.wait()
         self._queue.close()
+        self._closed = True
+
+    def abort(self) -> None:
+        """Not collective: stop the writer process now, publishing nothing (a run ending on an
+        exception). Without it the process would hang at exit joining a writer that ignores
+        stop signals. A no-op after ``close``."""
+        if not getattr(self, "_closed", False):
+            self._queue.close(abort=True)
+            self._closed = True
 
 
 def _write_nothing(*args, **kwargs) -> None:

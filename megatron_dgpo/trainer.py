@@ -227,7 +227,7 @@ def train(cfg: RunConfig) -> int:
             comm.barrier()
             return EXIT_STOPPED if stopped else 0
         finally:  # a second signal included: free the engines and workers; nothing half-written is kept
-            for closer in (rollout and rollout.close, logger and logger.close):
+            for closer in (rollout and rollout.close, logger and logger.close, saver and saver.abort):
                 if closer:
                     closer()
 

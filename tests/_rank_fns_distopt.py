@@ -88,6 +88,12 @@ def train_save_and_resume(rank, world, root) -> dict:
                                           load_checkpoint, save_checkpoint)
 
     out = {"default_sharding": _megatron_default_sharding_fails()}
+    # a run ending on an exception stops its writer (else the process hangs at exit joining it)
+    probe = AsyncSaver()
+    writer = probe._queue.persistent_caller.process
+    probe.abort()
+    writer.join(timeout=30)
+    out["aborted"] = not writer.is_alive()
     for sharding in SHARDINGS:
         plain, plain_opt = _setup(1, distributed=False)
         models, optimizer = _setup(1, distributed=True, bucket_size=BUCKET, overlap=True)

@@ -26,6 +26,11 @@ def test_megatron_default_sharding_type_cannot_save(saved):
         assert "flattened_range is not supported" in result["default_sharding"]
 
 
+def test_an_aborted_saver_stops_its_writer(saved):
+    _, results = saved
+    assert all(result["aborted"] for result in results)
+
+
 @pytest.mark.parametrize("sharding", fns.SHARDINGS)
 def test_updates_equal_the_plain_optimizer_and_a_resume_is_bitwise(saved, sharding):
     _, results = saved
