@@ -344,7 +344,10 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
                 _sharded_state_dict(models, optimizer, is_loading=False,
                                     optimizer_sharding=optimizer_sharding),
                 str(staging), async_sharded_save=saver is not None,
-                content_metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding if distributed else None})
+                content_metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding if distributed else None},
+                # Megatron-Core's own writer, for AsyncSaver's queue (0.19 defaults to
+                # nvidia-resiliency-ext's, whose requests that queue cannot run)
+                async_strategy="mcore")
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
         if rank0:
             write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
