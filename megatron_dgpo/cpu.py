@@ -33,7 +33,7 @@ allgather and the alltoall token dispatcher over gloo):
 
 7. Router gating calls ``moe_utils.te_general_gemm`` when it is not None, but 0.16.1's
    import fallback never defines it (``NameError``): without TE it is set to None, the torch
-   path.
+   path. (0.19's fallback sets it to None itself: there the patch finds it and does nothing.)
 8. The alltoall dispatcher builds a ``torch.cuda.Stream`` for its device-to-host copies and
    synchronises on it: the ``token_dispatcher`` module sees a ``torch`` whose ``cuda`` streams
    are no-ops (CPU work is synchronous anyway).
