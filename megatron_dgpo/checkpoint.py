@@ -345,16 +345,20 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         staging.mkdir()
     comm.barrier()
     publish = partial(_publish, root, name, keep_last)
-    # A first stop signal lets the save finish; a second one's exception, even if dropped in the
-    # fork hook of Megatron's writers, raises at the block's end, before anything is published
+    # A first stop signal lets the save finish; a second one raises (megatron-core 0.19 writes
+    # with threads of this process; an exception dropped in a fork hook is raised again at the
+    # block's end), before anything is published
     with stop_requests():
-        with children_keep_running():  # its writers and their result queue's manager process
+        with children_keep_running():  # the writers' result queue's manager process
             distributed = bool(distributed_optimizers(optimizer))
             request = dist_checkpointing.save(
                 _sharded_state_dict(models, optimizer, is_loading=False,
                                     optimizer_sharding=optimizer_sharding),
                 str(staging), async_sharded_save=saver is not None,
-                content_metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding if distributed else None})
+                content_metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding if distributed else None},
+                # Megatron-Core's own writer, for AsyncSaver's queue (0.19 defaults to
+                # nvidia-resiliency-ext's, whose requests that queue cannot run)
+                async_strategy="mcore")
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
         if rank0:
             write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)

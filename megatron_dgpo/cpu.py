@@ -33,7 +33,7 @@ allgather and the alltoall token dispatcher over gloo):
 
 7. Router gating calls ``moe_utils.te_general_gemm`` when it is not None, but 0.16.1's
    import fallback never defines it (``NameError``): without TE it is set to None, the torch
-   path.
+   path. (0.19's fallback sets it to None itself: there the patch finds it and does nothing.)
 8. The alltoall dispatcher builds a ``torch.cuda.Stream`` for its device-to-host copies and
    synchronises on it: the ``token_dispatcher`` module sees a ``torch`` whose ``cuda`` streams
    are no-ops (CPU work is synchronous anyway).
@@ -65,6 +65,14 @@ checkpoint formats and the async save run in the CPU tests exactly as on a GPU:
     before staging the tensors it writes: its CPU worker skips both and runs Megatron's own
     loop. The queue's finalisation all-reduces a tensor on ``torch.cuda.current_device()``, the
     CPU by patch 1.
+
+Gradient synchronisation (megatron-core 0.19):
+
+14. ``param_and_grad_buffer``'s ``start_grad_sync`` calls ``torch.cuda.current_stream()`` on
+    every gradient reduction, to wait on the CUDA-graph events of the parameters that a local
+    CUDA-graph replay accumulated into (none on a CPU): the ``param_and_grad_buffer`` module
+    sees a ``torch`` whose ``cuda`` streams are no-ops (as patch 8), so the wait is over no
+    events.
 """
 
 from __future__ import annotations
@@ -116,6 +124,9 @@ class _NoStream:
 
     def record_event(self, event=None) -> "_NoStream":
         return self
+
+    def wait_event(self, event) -> None:
+        return None
 
     def synchronize(self) -> None:
         return None
@@ -240,6 +251,13 @@ def _apply_distributed_optimizer_compat() -> None:
     param_and_grad_buffer.dist_all_gather_func = _all_gather_by_all_reduce
 
 
+def _apply_grad_sync_compat() -> None:
+    from megatron.core.distributed import param_and_grad_buffer
+
+    if not isinstance(param_and_grad_buffer.torch, _TorchWithCpuStreams):
+        param_and_grad_buffer.torch = _TorchWithCpuStreams(torch)
+
+
 def _async_save_worker_on_cpu(*args, **kwargs):
     """``PersistentAsyncCaller.async_loop`` in a spawned CPU process: no CUDA device to select."""
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
@@ -334,6 +352,7 @@ def apply_cpu_compat() -> bool:
     tp_random._set_cuda_rng_state = _no_cuda_rng_state
     _apply_distributed_optimizer_compat()
     _apply_async_save_compat()
+    _apply_grad_sync_compat()
     _APPLIED = True
     return True
 

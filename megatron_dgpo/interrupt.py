@@ -20,8 +20,8 @@ signal)::
 Signals during a save: the first one lets the save finish and publish; a second raises, and the
 save block (``checkpoint.save_checkpoint`` nests a ``stop_requests()``) publishes nothing.
 
-Ctrl-C is never lost. A signal that lands while the process forks (Megatron's checkpoint writers
-fork; vLLM and the reward pool start workers) makes Python raise inside an at-fork hook, where
+Ctrl-C is never lost. A signal that lands while the process forks (vLLM and the reward pool
+start workers; megatron-core 0.16's checkpoint writers forked, 0.19's are threads) makes Python raise inside an at-fork hook, where
 CPython prints "Exception ignored" and DROPS the exception. The first signal raises nothing, so
 there is nothing to drop; a second one's exception can be dropped, and ``check()`` (and leaving
 the block) raises it again from the record.

@@ -100,7 +100,8 @@ def train_save_and_resume(rank, world, root) -> dict:
         got = {"distributed": [bool(distributed_optimizers(o)) for o in (plain_opt, optimizer)],
                "buckets": len(models[0].buffers[0].buckets)}
         saver = AsyncSaver()
-        got["writer_started"] = saver._queue.persistent_caller.process is not None
+        # megatron-core 0.19: the queue's persistent caller is class-wide (``_persistent_caller``)
+        got["writer_started"] = saver._queue._persistent_caller.process is not None
         got["norms"] = [(_update(plain, plain_opt, step), _update(models, optimizer, step))
                         for step in range(2)]
         got["vs_plain"] = _max_diff(_params(plain), _params(models))

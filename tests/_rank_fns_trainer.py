@@ -224,47 +224,48 @@ def checkpoint_round_trip(rank, world, root):
     return {"differs_before": differs_before, "loaded_equal": loaded_equal,
             "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed,
             "rng_restored": rng_restored, "extra": state.extra, "async": pending,
-            "ctrl_c": _ctrl_c_in_writer_fork(root, fresh, fresh_optimizer, meta)}
+            "ctrl_c": _ctrl_c_in_writer(root, fresh, fresh_optimizer, meta)}
 
 
-def _ctrl_c_in_writer_fork(root, models, optimizer, meta) -> dict:
+def _ctrl_c_in_writer(root, models, optimizer, meta) -> dict:
     """Save step 3 after a first stop signal (SIGTERM: a request) with a SIGINT delivered inside
-    the first fork of the save (Megatron's shard writer), as a Ctrl-C landing in ``os.fork`` is:
-    Python runs its handler in an at-fork hook, where the KeyboardInterrupt is dropped
-    ("Exception ignored"). The hook stays
-    registered in this rank process (one launch), delivering once."""
+    Megatron's shard writer (megatron-core 0.19 writes with threads of this process, no longer
+    in forked ones: ``FileSystemWriterAsync.write_preloaded_data``), as a Ctrl-C landing during
+    the write is. Delivered once, by the first writer call of this save only."""
     import os
     import signal
-    import traceback
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from megatron_dgpo.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
     from megatron_dgpo.interrupt import stop_requests
 
     deliver = [True]
+    write = FileSystemWriterAsync.write_preloaded_data
 
-    def sigint_in_fork():
-        # only Megatron's shard-writer fork: another fork of this process (a helper thread's,
-        # under load) must not take the one-shot signal outside the save (seen once in CI)
-        in_writer = any("write_preloaded_data" in frame.name for frame in traceback.extract_stack())
-        if deliver and in_writer:
+    def sigint_in_writer(*args, **kwargs):
+        if deliver:
             deliver.clear()
             signal.raise_signal(signal.SIGINT)
+        return write(*args, **kwargs)
 
     # Python's own handler, as in the trainer's process: an earlier test's in-process vLLM
     # engine core sets SIGINT to SIG_DFL when it shuts down, and these ranks inherit the
     # pytest process's handlers (seen in CI: the guard then stood aside)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.register_at_fork(after_in_parent=sigint_in_fork)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(sigint_in_writer)
     requested, interrupted = False, False
     try:
         with stop_requests() as stop:  # as around the trainer's loop
             signal.raise_signal(signal.SIGTERM)  # the first stop signal: only a request
             requested = stop.requested
-            # the second lands in the writer's fork, where its KeyboardInterrupt is dropped
+            # the second lands in the writer
             save_checkpoint(root, TrainerState(step=3), models, optimizer, **meta)
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(write)
     torch.distributed.barrier()  # both ranks are past the save before rank 0 lists the folder
     return {"interrupted": interrupted, "requested": requested, "delivered": not deliver,
             "latest": latest_checkpoint(root).name, "listing": sorted(os.listdir(root))}

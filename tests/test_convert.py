@@ -284,7 +284,7 @@ def test_private_api_adapter_names_package_version_and_api(monkeypatch):
     with pytest.warns(UserWarning, match="tested with torch 2.13, found 99.1.0"):
         compat.check_versions.__wrapped__()
     monkeypatch.setattr(compat, "_installed", lambda package: {"torch": "2.13.0+cpu",
-                                                              "megatron-core": "0.16.1"}[package])
+                                                              "megatron-core": "0.19.2"}[package])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compat.check_versions.__wrapped__()  # the tested versions: silent

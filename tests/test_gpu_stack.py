@@ -93,8 +93,8 @@ def test_gpu_constraints_pin_one_version_of_each_stack_package():
 
 def test_megatron_core_and_transformers_as_on_cpu():
     gpu, cpu = _pins(GPU_CONSTRAINTS), _pins(CPU_CONSTRAINTS)
-    assert Version(gpu["megatron-core"]).release[:2] == (0, 16), \
-        "megatron-core must stay 0.16.x (megatron_dgpo/convert/_megatron_compat.py)"
+    assert Version(gpu["megatron-core"]).release[:2] == (0, 19), \
+        "megatron-core must stay 0.19.x (megatron_dgpo/convert/_megatron_compat.py)"
     assert gpu["megatron-core"] == cpu["megatron-core"]
     assert gpu["transformers"] == cpu["transformers"]
 
@@ -108,8 +108,8 @@ def test_pyproject_admits_exactly_the_pinned_gpu_stack():
         admitted = [v for v in _candidates(pins[name]) if req.specifier.contains(v, prereleases=True)]
         assert admitted == [pins[name]], f"gpu extra {req} admits {admitted}, pinned {pins[name]}"
     mcore = next(r for r in _dependencies() if canonicalize_name(r.name) == "megatron-core")
-    for version, ok in (("0.16.0", True), ("0.16.1", True), ("0.16.9", True), ("0.15.2", False),
-                        ("0.17.0rc0", False), ("0.17.0", False), ("0.19.2", False)):
+    for version, ok in (("0.19.0", True), ("0.19.2", True), ("0.19.9", True), ("0.16.1", False),
+                        ("0.20.0rc0", False), ("0.20.0", False), ("0.18.2", False)):
         assert mcore.specifier.contains(version, prereleases=True) is ok, (str(mcore), version)
     assert mcore.specifier.contains(pins["megatron-core"])
 

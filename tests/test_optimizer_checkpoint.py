@@ -85,7 +85,7 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
         assert staged["latest"] == "step_000001"
         assert staged["listing"] == [".incomplete-step_000002", "latest", "step_000001"]
         assert not any(f.endswith(".distcp") for f in staged["staged_files"])
-        # A second Ctrl-C while the save of step 3 forks its writer: KeyboardInterrupt, not
+        # A second Ctrl-C while Megatron's writer writes step 3: KeyboardInterrupt, not
         # published (the first one was only a request: megatron_dgpo.interrupt)
         ctrl_c = result["ctrl_c"]
         assert ctrl_c["requested"] and ctrl_c["delivered"] and ctrl_c["interrupted"]

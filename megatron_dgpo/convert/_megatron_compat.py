@@ -1,7 +1,7 @@
 """The one adapter to the private torch.distributed.checkpoint (DCP) and Megatron-Core APIs the
 converter relies on; nothing else in ``megatron_dgpo.convert`` imports them.
 
-Tested with torch 2.13 and megatron-core 0.16 (``TESTED``). On first use the installed versions
+Tested with torch 2.13 and megatron-core 0.19 (``TESTED``; 0.16 before, with the same APIs). On first use the installed versions
 are compared with these: an untested version gives one ``UserWarning`` (the APIs below may still
 be there); a missing API raises ``IncompatibleDependency`` naming the package, its installed
 version and the API, before anything is read or written.
@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-TESTED = {"torch": ("2.13",), "megatron-core": ("0.16",)}
+TESTED = {"torch": ("2.13",), "megatron-core": ("0.19",)}
 """Package -> major.minor versions the converter's tests ran with."""
 
 
