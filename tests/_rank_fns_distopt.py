@@ -90,7 +90,7 @@ def train_save_and_resume(rank, world, root) -> dict:
     out = {"default_sharding": _megatron_default_sharding_fails()}
     # a run ending on an exception stops its writer (else the process hangs at exit joining it)
     probe = AsyncSaver()
-    writer = probe._queue.persistent_caller.process
+    writer = type(probe._queue)._persistent_caller.process  # class-wide in megatron-core 0.19
     probe.abort()
     writer.join(timeout=30)
     out["aborted"] = not writer.is_alive()
