@@ -17,7 +17,7 @@ the live machine; tests pass ``Platform(cuda=True, ...)`` to check the GPU decis
 | ``overlap_param_gather`` (DDP + optimizer config) | CUDA and the distributed optimizer        |
 | logits dtype into ``logprobs_and_entropy``        | the model's dtype (bf16: no fp32 copy)    |
 
-Why each condition (Megatron-Core 0.16):
+Why each condition (Megatron-Core 0.16 and 0.19):
 
 * Sequence parallelism shards the norm inputs, the layer inputs and every tensor the linear
   layers save over the TP ranks (activations / t instead of ~4 h unsharded per token and
