@@ -7,10 +7,37 @@
 # index to get the +cpu build instead.
 set -euo pipefail
 venv="${1:-.venv}"
-python="${PYTHON:-python3.12}"
-command -v "$python" >/dev/null || python=python3
 
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+is_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+# A Python >= 3.12 (megatron-core 0.19 needs it): $PYTHON, python3.12 or python3 when they run
+# it, else one that pyenv has installed without making it the default (its python3.12 shim
+# then refuses to run).
+find_python() {
+    local candidate version
+    for candidate in ${PYTHON:-} python3.12 python3; do
+        if command -v "$candidate" >/dev/null && is_312 "$candidate"; then
+            echo "$candidate"
+            return
+        fi
+    done
+    if command -v pyenv >/dev/null; then
+        # 3.12 first: the release the pins are tested with
+        version="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12\.[0-9]+$' | sort -V | tail -1)"
+        if [ -n "$version" ] && is_312 "$(pyenv root)/versions/$version/bin/python3"; then
+            echo "$(pyenv root)/versions/$version/bin/python3"
+            return
+        fi
+    fi
+    echo "setup_env.sh: no Python >= 3.12 found (megatron-core 0.19 needs it); install one, or set PYTHON=/path/to/python3.12" >&2
+    exit 1
+}
+
+# a venv of an older Python (the 3.11 environment of megatron-core 0.16) is made anew
+if [ -x "$venv/bin/python" ] && ! is_312 "$venv/bin/python"; then
+    echo "setup_env.sh: $venv is not Python >= 3.12: recreating it" >&2
+    rm -rf "$venv"
+fi
+[ -x "$venv/bin/python" ] || "$(find_python)" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 # Pip warns once per package about index locations it cannot list; keep real errors only.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
