@@ -21,8 +21,15 @@ different samples. ``seeds=[...]`` gives each prompt its own (the trainer's
 
 Weight refit: ``update_weights(named_tensors)`` takes an iterable of ``(hf_name, tensor)`` pairs
 in Hugging Face naming (what ``megatron_dgpo.convert.export_hf_weights`` yields) covering the
-whole model; ``update_weights_from_dir(hf_dir)`` reloads from a saved HF folder. Neither restarts
-the engine; both invalidate any cache computed with the old weights (prefix cache).
+whole model and returns its ``RefitStats`` (None from one that keeps none, transformers');
+``update_weights_from_dir(hf_dir)`` reloads from a saved HF folder. Neither restarts the engine;
+both invalidate any cache computed with the old weights (prefix cache). An engine that reloads
+bucket by bucket also takes a refit whose buckets arrive from elsewhere (a dedicated engine
+receives them by broadcast): ``begin_refit``, ``load_bucket`` per bucket, ``end_refit`` (an
+engine without them raises ``NotImplementedError``).
+
+Memory: ``sleep`` frees what the engine holds on the accelerator between generations, and
+``reset_prefix_cache`` forgets cached prompt KV; an engine without either keeps what it holds.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+
+from megatron_dgpo.rollout.refit import RefitStats
 
 
 @dataclass
@@ -80,12 +89,16 @@ class RolloutEngine(ABC):
         top_p: float = 1.0,
         max_tokens: int = 256,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """``n`` samples for each prompt: result[i][j] is sample j of prompt i."""
+        """``n`` samples for each prompt: result[i][j] is sample j of prompt i. ``seeds[i]``
+        seeds prompt i (the trainer's ``placement.prompt_seeds``), else ``seed + i n``, else
+        fresh randomness (see the module docstring)."""
 
     @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace all weights with the given (HF name, tensor) pairs."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitStats | None:
+        """Replace all weights with the given (HF name, tensor) pairs; what the refit did, or
+        None from an engine that keeps no statistics."""
 
     @abstractmethod
     def update_weights_from_dir(self, hf_dir: str) -> None:
@@ -100,6 +113,27 @@ class RolloutEngine(ABC):
         """Whether the engine can generate now; False while it waits for a refit to give it
         weights (a vLLM engine started from dummy weights, or after a level-2 sleep)."""
         return True
+
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Free the engine's accelerator memory until the next ``generate`` or refit wakes it
+        (``keep_weights``: the weights wait in host memory instead of being dropped). An engine
+        that cannot sleep stays awake."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt KV cached by earlier calls. Nothing to forget by default."""
+
+    def begin_refit(self) -> None:
+        """Start a refit made of ``load_bucket`` calls; sampling is refused until ``end_refit``."""
+        raise NotImplementedError(f"{type(self).__name__} has no bucketed refit")
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Reload one bucket of HF-named tensors holding whole fused groups
+        (``refit.bucket_named_tensors``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no bucketed refit")
+
+    def end_refit(self) -> None:
+        """Finish a refit of ``load_bucket`` calls: the engine samples with the new weights."""
+        raise NotImplementedError(f"{type(self).__name__} has no bucketed refit")
 
     def __enter__(self):
         return self

@@ -228,9 +228,7 @@ class HeldOutEvaluation:
                                         temperature=self.config.temperature, top_p=self.config.top_p)
                 if graded is not None:
                     counts.update(zip((w[0] for w in chunk), graded.correct))
-            forget = getattr(rollout.engine, "reset_prefix_cache", None)
-            if forget is not None:  # the next rollout finds the cache as the refit left it
-                forget()
+            rollout.engine.reset_prefix_cache()  # the next rollout finds it as the refit left it
         totals = combine_counts(self.num_slots, counts)
         metrics = {}
         for b in self.benchmarks:

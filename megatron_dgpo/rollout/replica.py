@@ -121,10 +121,8 @@ class ReplicaRollout:
                 generation_s += seconds
                 if piece is not None:
                     piece = piece.replace_groups(mine, fresh, group)
-        if self.role.has_engine:
-            sleep = getattr(self.engine, "sleep", None)
-            if sleep:  # GPU: free the KV cache for training; CPU: logs once
-                sleep()
+        if self.role.has_engine:  # GPU: free the KV cache for training; CPU: logs once
+            self.engine.sleep()
         # A rank that graded nothing takes its replica's samples from the ranks that did.
         batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(self.mp_group)
         batch.policy_version = self.version
@@ -158,9 +156,8 @@ class ReplicaRollout:
         """This rank's engine frees its accelerator memory, its weights kept in host memory,
         until the next ``sample`` wakes it: before a checkpoint save brings offloaded training
         state back (``train.offload_training_state``), so the two never share the GPU."""
-        sleep = getattr(self.engine, "sleep", None) if self.role.has_engine else None
-        if sleep:
-            sleep(keep_weights=True)
+        if self.role.has_engine:
+            self.engine.sleep(keep_weights=True)
 
     def refit(self, models: list, version: int) -> dict[str, float]:
         """Stream the trained weights (of step ``version``) into this rank's engine, a collective over the replica's
