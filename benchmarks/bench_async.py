@@ -25,7 +25,7 @@ the weights are 1 to float32 rounding). Per run, means over the steps after the 
 * accuracy: ``rollout/accuracy`` over the second half of the run and its last 10 steps.
 
 Then the planner's estimate for the paper's 14B recipe with dedicated engines on the paper's
-30 nodes (``megatron_dgpo.plan.step_time_estimate`` on ``recipes/dgpo_14b_async.yaml``),
+30 nodes (``megatron_dgpo.planner.search.step_time_estimate`` on ``recipes/dgpo_14b_async.yaml``),
 synchronous and one-step-off, in the same columns, and the colocated step beside them.
 """
 
@@ -103,8 +103,8 @@ def planner_rows() -> list[str]:
     engines on the paper's 30 nodes of 8 A100: synchronous and one-step-off on the recipe's 80
     rollout GPUs, and the colocated step for comparison (its speedup column is against the
     synchronous dedicated step, as the measured rows')."""
-    from megatron_dgpo.memory import Cluster
-    from megatron_dgpo.plan import step_time_estimate
+    from megatron_dgpo.planner.inputs import Cluster
+    from megatron_dgpo.planner.search import step_time_estimate
     from megatron_dgpo.recipe import load_recipe
 
     recipe = ROOT / "recipes" / "dgpo_14b_async.yaml"

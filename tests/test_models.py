@@ -13,9 +13,11 @@ import torch
 
 from megatron_dgpo.convert.hf_source import iter_params
 from megatron_dgpo.convert.transforms import hf_tensors, megatron_shape
-from megatron_dgpo.memory import PUBLISHED_CONFIGS, Architecture, padded_vocab, param_count
 from megatron_dgpo.model import transformer_config_from_hf
 from megatron_dgpo.models import FAMILIES, Family, describe
+from megatron_dgpo.planner.catalogue import PUBLISHED_CONFIGS
+from megatron_dgpo.planner.inputs import Architecture
+from megatron_dgpo.planner.parameters import padded_vocab, param_count
 from tests._rank_fns_model import TINY_QWEN2
 
 TINY_LLAMA_GQA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300,

@@ -1,4 +1,4 @@
-"""dgpo-plan and its memory formulas (megatron_dgpo.memory): memory terms computed by hand, parameter counts against Megatron-Core's built model
+"""dgpo-plan and its memory formulas (megatron_dgpo.planner): memory terms computed by hand, parameter counts against Megatron-Core's built model
 and the published totals, the published bytes-per-parameter figures, the paper's 14B recipe on
 8 x 80 GB, and the CLI's errors."""
 
@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dgpo.memory import (GIB, PUBLISHED, Architecture, Cluster, Layout, Workload,
-                                  activation_bytes, estimate, grad_bytes, optimizer_bytes,
-                                  padded_vocab, param_count, stage_params, vllm_bytes,
-                                  weight_bytes)
-from megatron_dgpo.plan import main, make_plan
+from megatron_dgpo.planner.catalogue import PUBLISHED
+from megatron_dgpo.planner.cli import main
+from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.memory_terms import (activation_bytes, grad_bytes, optimizer_bytes,
+                                                vllm_bytes, weight_bytes)
+from megatron_dgpo.planner.parameters import padded_vocab, param_count, stage_params
+from megatron_dgpo.planner.peak import estimate
+from megatron_dgpo.planner.search import make_plan
 from tests._rank_fns_model import TINY_QWEN2
 from tests.distributed import run_ranks
 
@@ -433,7 +436,7 @@ def test_explain_prints_every_term_with_its_value(capsys):
     own, the total their combination; every term has its row in docs/planner.md."""
     import re
 
-    from megatron_dgpo.memory import TERMS
+    from megatron_dgpo.planner.peak import TERMS
 
     code, out, _ = _run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4",
                                       "--gpu-memory-gb", "80", "--explain"])
@@ -473,7 +476,7 @@ SMALL_MOE = Architecture("small_moe", hidden=64, layers=4, heads=4, kv_heads=2, 
 def test_moe_parameter_counts_by_hand():
     """An MoE layer: attention + norms + q/k norms + the router [E, h] (replicated over TP),
     no dense MLP; the experts (E x 3 f_e h) split over EP x expert TP."""
-    from megatron_dgpo.memory import stage_expert_params
+    from megatron_dgpo.planner.parameters import stage_expert_params
 
     attention = 64 * 64 + 2 * 64 * 32 + 64 * 64
     replicated = 2 * 64 + 2 * 16 + 8 * 64
@@ -495,7 +498,7 @@ def _moe_estimate(layout: Layout, **work):
 def test_moe_memory_terms_follow_expert_parallelism():
     """Doubling EP halves the expert parameters per GPU and their weights, gradients and
     optimizer state (sharded over expert DP = world / (PP EP ETP)); the dense part stays."""
-    from megatron_dgpo.memory import stage_expert_params
+    from megatron_dgpo.planner.parameters import stage_expert_params
 
     small, large = (_moe_estimate(Layout(tp=2, pp=1, cp=1, dp=8, ep=e, etp=1)) for e in (2, 4))
     assert small.expert_params == 2 * large.expert_params == stage_expert_params(SMALL_MOE, 1, 2)
@@ -513,7 +516,8 @@ def test_moe_dispatcher_buffers_and_expert_activations():
     group's tokens; the routed copies' MLP activations are k (ETP h + 3 f_e) per token."""
     from dataclasses import replace
 
-    from megatron_dgpo.memory import activation_elements_per_token_layer, dispatcher_bytes
+    from megatron_dgpo.planner.memory_terms import (activation_elements_per_token_layer,
+                                                    dispatcher_bytes)
 
     lay = Layout(tp=2, pp=1, cp=1, dp=8, ep=4, etp=1)
     one = _moe_estimate(lay)
@@ -554,7 +558,7 @@ def replace_work(work: Workload, **changes) -> Workload:
 def test_moe_plan_searches_expert_parallelism_and_the_cli_fixes_it(capsys):
     """Every MoE candidate has EP | experts and EP x ETP | GPUs per stage; --expert-parallel
     fixes EP; the published 30B-A3B needs EP to fit 80 GB; dense models refuse the flags."""
-    from megatron_dgpo.plan import candidate_layouts
+    from megatron_dgpo.planner.search import candidate_layouts
 
     arch = PUBLISHED["Qwen/Qwen3-30B-A3B"]
     cluster = Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80)

@@ -1,5 +1,5 @@
 """dgpo-plan with dedicated rollout engines (``rollout.placement: dedicated``) and its step-time
-model (megatron_dgpo.steptime): the trainer planned on the GPUs the engines leave, the engines'
+model (megatron_dgpo.planner.steptime): the trainer planned on the GPUs the engines leave, the engines'
 own GPU, the step-time formulas recomputed by hand from round hardware numbers, and the CLI on
 the 14B recipes."""
 
@@ -12,14 +12,17 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dgpo.memory import (GIB, PUBLISHED, Architecture, Cluster, Layout, Workload,
-                                  dedicated_engine_estimate, estimate, kv_cache_bytes_per_token,
-                                  nccl_bytes, param_count)
-from megatron_dgpo.plan import candidate_layouts, main, make_plan, step_time_estimate
+from megatron_dgpo.planner.catalogue import PUBLISHED
+from megatron_dgpo.planner.cli import main
+from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token, nccl_bytes
+from megatron_dgpo.planner.parameters import param_count
+from megatron_dgpo.planner.peak import dedicated_engine_estimate, estimate
+from megatron_dgpo.planner.search import candidate_layouts, make_plan, step_time_estimate
+from megatron_dgpo.planner.steptime import (Hardware, StepShape, StepTime, active_params,
+                                            generation_seconds, refit_seconds, step_times,
+                                            training_seconds, weight_tensors)
 from megatron_dgpo.recipe import load_recipe
-from megatron_dgpo.steptime import (Hardware, StepShape, StepTime, active_params,
-                                    generation_seconds, refit_seconds, step_times,
-                                    training_seconds, weight_tensors)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE_14B = os.path.join(ROOT, "recipes", "dgpo_14b.yaml")

@@ -1,4 +1,4 @@
-"""The step-time model (megatron_dgpo.steptime) against published step times: issue 30's nine
+"""The step-time model (megatron_dgpo.planner.steptime) against published step times: issue 30's nine
 NeMo-RL rows on H100 (every total within 25%, every published phase within 35% but the two
 named misses), published rows no constant was fitted to, the table in docs/planner.md, the
 MoE decode's touched experts, the seeded sampler's switch, and ``dgpo-plan --explain``'s
@@ -11,11 +11,14 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dgpo.memory import GIB, PUBLISHED
-from megatron_dgpo.plan import main
-from megatron_dgpo.steptime import (HARDWARE, HELD_OUT_STEPS, PUBLISHED_STEPS, StepShape,
-                                    experts_touched_share, generation_terms, predict_published,
-                                    published_table, routed_expert_params, shared_params)
+from megatron_dgpo.planner.catalogue import PUBLISHED
+from megatron_dgpo.planner.cli import main
+from megatron_dgpo.planner.inputs import GIB
+from megatron_dgpo.planner.published_steps import (HELD_OUT_STEPS, PUBLISHED_STEPS,
+                                                   predict_published, published_table)
+from megatron_dgpo.planner.steptime import (HARDWARE, StepShape, experts_touched_share,
+                                            generation_terms, routed_expert_params,
+                                            shared_params)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_MOE = PUBLISHED["Qwen/Qwen3-30B-A3B"]

@@ -2,7 +2,7 @@
 
 Everything that depends on *which* decoder family a Hugging Face ``config.json`` describes lives
 here, once, and is read by the model builder (``megatron_dgpo.model``), the converter
-(``megatron_dgpo.convert``) and the memory planner (``megatron_dgpo.plan``):
+(``megatron_dgpo.convert``) and the memory planner (``megatron_dgpo.planner``):
 
     families.py   ``Family``: architectures, quirks (QKV / MLP bias, refused fields, q/k norms,
                   mixture of experts) and the HF <-> Megatron tensor name map; ``FAMILIES``,

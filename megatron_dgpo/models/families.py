@@ -3,7 +3,7 @@
 A family says which HF architectures it covers, its quirks (QKV bias, fields the Megatron
 builder cannot honour, the norm-epsilon field, tying default) and its declarative
 HF <-> Megatron-Core tensor name map. The builder (``megatron_dgpo.model``), the converter
-(``megatron_dgpo.convert``) and the planner (``megatron_dgpo.plan``) all read it through
+(``megatron_dgpo.convert``) and the planner (``megatron_dgpo.planner``) all read it through
 ``megatron_dgpo.models.describe``; adding a family is one entry in ``FAMILIES`` below.
 
 Each ``ParamMap`` ties one Megatron tensor to the HF tensor(s) it is made of and names the

@@ -1,0 +1,294 @@
+"""Per-GPU memory, term by term, as pure functions: weights, gradients, optimizer state,
+activations, the MoE dispatcher's buffers, logits and the log-prob kernel's workspace, NCCL's
+buffers, the allocator's cache, and vLLM's reserve on an engine's GPUs.
+
+Each function's docstring states its formula (notation: ``megatron_dgpo.planner``);
+``docs/planner.md`` collects them with their assumptions and the published figures they were
+checked against. ``megatron_dgpo.planner.peak`` adds them up for a layout's GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatron_dgpo.gpu_config import GPU
+from megatron_dgpo.gpu_config import sequence_parallel as gpu_sequence_parallel
+from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.parameters import param_count
+
+
+def weight_bytes(params: int, dtype_bytes: int = 2) -> int:
+    """Model weights: b N (b = 2 for bf16 parameters)."""
+    return dtype_bytes * params
+
+
+def grad_bytes(params: int, grad_dtype_bytes: int = 4) -> int:
+    """Gradient buffer: 4 N. Megatron DDP with ``grad_reduce_in_fp32`` keeps an fp32
+    ``main_grad`` for every local parameter (not sharded by the distributed optimizer, which
+    reduce-scatters into it); 2 N with 16-bit gradients."""
+    return grad_dtype_bytes * params
+
+
+def optimizer_bytes(params: int, dp: int, distributed: bool) -> int:
+    """Adam with fp32 master weights: (4 master + 4 m + 4 v) N = 12 N, divided by ``dp`` when
+    the distributed optimizer shards it over the data-parallel ranks (ZeRO stage 1; Megatron
+    shards over D c, the data-parallel group with context parallelism)."""
+    return 12 * params // (dp if distributed else 1)
+
+
+def activation_elements_per_token_layer(arch: Architecture, etp: int = 1) -> int:
+    """Elements one layer saves for backward per token, without recompute (flash attention,
+    no dropout, SwiGLU, RMSNorm; whole, before any TP sharding):
+
+        h [attn norm input] + h [QKV input] + a d [Q] + 2 g d [K, V] + a d [attention out = proj
+        input] + h [MLP norm input] + h [fc1 input] + 2 f [fc1 out = SwiGLU input] + f [fc2 in]
+        = 4 h + 2 a d + 2 g d + 3 f   (= 6 h + 2 g d + 3 f when a d = h)
+
+    Qwen3's q/k norms add their inputs, a d + g d. An MoE layer has no dense MLP: its h [fc1
+    input] is the router's input, and each token's k routed copies keep, per expert TP group
+    of u ranks, k (u h [the expert's gathered fc1 input] + 3 f_e [fc1 out, fc2 in])
+    (``SequentialMLP`` / ``TEGroupedMLP`` with the probabilities applied in the activation):
+
+        MoE: 4 h + 2 a d + 2 g d + k (u h + 3 f_e)
+
+    Routed counts are the balanced mean (T k tokens per EP rank); without the load-balancing
+    loss a hot expert's rank receives more. The attention's softmax statistics (a fp32 floats
+    per token), the router's fp32 scores (E per token) and RoPE tables are left out (< 1%).
+    """
+    attention = 2 * arch.q_dim + 2 * arch.kv_dim + (
+        arch.q_dim + arch.kv_dim if arch.qk_norm else 0)
+    mlp = arch.topk * (etp * arch.hidden + 3 * arch.moe_ffn) if arch.moe \
+        else 3 * arch.intermediate
+    return 4 * arch.hidden + attention + mlp
+
+
+def activation_split(arch: Architecture, sequence_parallel: bool, etp: int = 1
+                     ) -> tuple[int, int]:
+    """``activation_elements_per_token_layer`` as (whole on every TP rank, sharded over TP):
+
+        sequence parallel:  (0, E)                    every saved tensor is sharded
+        without it:         (4 h, E - 4 h)            the two norm inputs and the QKV and fc1
+                                                      (router) inputs are whole
+
+    An MoE layer's routed part counts as sharded: each rank routes its own s / t tokens
+    (Megatron needs sequence parallelism for MoE with TP > 1).
+    """
+    total = activation_elements_per_token_layer(arch, etp)
+    if sequence_parallel:
+        return 0, total
+    return 4 * arch.hidden, total - 4 * arch.hidden
+
+
+def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: int, tp: int,
+                     recompute: bool, dtype_bytes: int = 2, *,
+                     sequence_parallel: bool | None = None, etp: int = 1) -> int:
+    """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch, with
+    (W, S) = ``activation_split`` (W = 0, S = E with sequence parallelism; W = 4 h without):
+
+        no recompute:   in_flight  layers  tokens  (W + S / t) b
+        full recompute: in_flight  layers  tokens  h b / t'     [each layer's input]
+                        +          tokens  (W + S / t) b        [the one layer being recomputed]
+
+    t' = t with sequence parallelism (the layer inputs are sharded along the sequence), 1
+    without. ``sequence_parallel`` defaults to what the trainer runs on a GPU
+    (``gpu_config.sequence_parallel``: on whenever t > 1). ``in_flight`` micro-batches are
+    alive at once (1F1B: up to p on stage 0, 1 on the last stage). ``etp``: expert TP u of an
+    MoE model.
+    """
+    if sequence_parallel is None:
+        sequence_parallel = gpu_sequence_parallel(tp, GPU)
+    whole, sharded = activation_split(arch, sequence_parallel, etp)
+
+    def one_layer(count: int) -> int:  # bytes of `count` token-layers' full activations
+        return count * whole * dtype_bytes + count * sharded * dtype_bytes // tp
+
+    if not recompute:
+        return one_layer(in_flight * layers * tokens)
+    shard = tp if sequence_parallel else 1
+    checkpoints = in_flight * layers * tokens * arch.hidden * dtype_bytes // shard
+    return checkpoints + one_layer(tokens)
+
+
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""``model.moe_token_dispatcher`` values (``megatron_dgpo.recipe.ModelConfig``)."""
+
+
+def dispatcher_bytes(arch: Architecture, tokens: int, tp: int, ep: int, etp: int,
+                     dispatcher: str = "alltoall", dtype_bytes: int = 2) -> int:
+    """The token dispatcher's buffers of one MoE layer on one GPU (0 for a dense model), with
+    T = tokens / t the rank's tokens (sequence parallel) and u the expert TP:
+
+        alltoall, flex:  T k h b (1 + 2 u)
+        allgather:       T h b (u e + 2 u k)
+
+    They are transient (freed before the next layer runs; the expert MLP's saved input is in
+    the activations), so one layer's worth, forward or backward, is counted. Where they come
+    from in Megatron-Core 0.16 (``megatron/core/transformer/moe/token_dispatcher.py``):
+
+    - ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``: ``permute`` copies each token once
+      per chosen expert, the [T k, h] send buffer; ``token_dispatch``: ``all_to_all`` over the
+      EP group receives [T k, h] (balanced routing); ``dispatch_postprocess``: with expert TP
+      u > 1 ``gather_from_sequence_parallel_region`` makes it [u T k, h], and
+      ``sort_chunks_by_idxs`` (several local experts) copies it again, sorted by expert. Send
+      + gathered receive + sorted copy = T k h (1 + 2 u); the combine path
+      (``combine_preprocess``, ``token_combine``, ``combine_postprocess``'s ``unpermute``) and
+      backward mirror them.
+    - ``MoEAllGatherTokenDispatcher.token_dispatch`` gathers every token of the EP x ETP group,
+      [u e T, h], and ``dispatch_postprocess``'s ``permute`` keeps the local experts' [u T k, h]
+      (plus the mirrored output).
+    - flex (DeepEP / HybridEP) exchanges the same routed tokens as alltoall; its own
+      communication buffers (NVSHMEM) are not counted.
+    """
+    if not arch.moe:
+        return 0
+    local = -(-tokens // tp)
+    if dispatcher == "allgather":
+        copies = etp * ep + 2 * etp * arch.topk
+    else:
+        copies = arch.topk * (1 + 2 * etp)
+    return local * arch.hidden * dtype_bytes * copies
+
+
+def logits_bytes(tokens: int, vocab_rows: int, tp: int, dtype_bytes: int = 2) -> int:
+    """The logits shard and its gradient on the last stage: 2 tokens (V_pad / t) b_l.
+
+    b_l is the dtype the logits reach the log-prob kernel in: the trainer keeps them in the
+    model's dtype (``Float16Module`` with ``fp32_output=False``; the kernel upcasts chunk by
+    chunk), so b_l = b. The kernel saves them and its backward allocates a gradient of the
+    same shape and dtype. For bf16 this is 4 bytes per logit; fp32 logits out of
+    ``Float16Module``'s default would be 8 (+ the transient bf16 gradient of the cast).
+    """
+    return 2 * tokens * (vocab_rows // tp) * dtype_bytes
+
+
+def logprob_workspace_bytes(tokens: int, vocab_rows: int, tp: int,
+                            chunk_size: int | None) -> int:
+    """The chunked log-prob kernel's work buffers: 2 min(chunk, tokens) (V_pad / t) 4 bytes
+    (two float32 [chunk, V_local] buffers, V_local = V_pad / t on the first TP rank; chunk
+    defaults to 256 MiB / (4 V_local), ``vocab_parallel.default_chunk_size`` on GPU)."""
+    from megatron_dgpo.vocab_parallel import default_chunk_size
+
+    local = vocab_rows // tp
+    chunk = chunk_size or default_chunk_size(local, "cuda")
+    return 2 * min(chunk, tokens) * local * 4
+
+
+def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
+    """vLLM's KV cache per token (all layers, whole model): 2 [K, V] L g d b."""
+    return 2 * arch.layers * arch.kv_dim * dtype_bytes
+
+
+NCCL_CHANNEL_BYTES = (4 << 20) + 4_915_200 + (1 << 19)
+"""One NCCL channel's buffers for one connection with NCCL's default sizes: Simple
+``NCCL_BUFFSIZE`` 4 MiB + LL128 4,915,200 bytes (120 x 640 threads x 8 steps x 8 bytes) + LL
+512 KiB (8 lines x 512 threads x 8 steps x 16 bytes) = 9.19 MiB."""
+
+
+def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engine: bool,
+                       refit_link: bool = False) -> list[str]:
+    """The NCCL communicators one trainer GPU holds for the whole job (NCCL creates a
+    communicator at a group's first collective and keeps it):
+
+        TP [t > 1]  DP [D > 1: gradient reduce-scatter, parameter all-gather]
+        PP [p > 1: stage-to-stage send/recv]  model-parallel [t p > 1: gradient-norm and loss
+        reductions]  embedding [p > 1 and tied: tied-weight gradient sync]  world [D t p > 1:
+        ``comm.any_rank`` at every step boundary, step metrics]  vLLM TP [an engine of
+        t_r > 1 GPUs on this GPU: its own PyNccl communicator, kept while it sleeps]
+        refit link [a DP replica's leader with dedicated engines: the weight broadcast to them]
+
+    An MoE layout adds EP [e > 1: the dispatcher's all-to-all], expert-TP [u > 1: the
+    experts' TP collectives] and expert-DP [D_e > 1: the experts' gradient reduce-scatter and
+    parameter all-gather]; Megatron makes them groups of their own even where their ranks are
+    those of TP or DP, so each is a communicator of its own.
+    """
+    t, p, d = layout.tp, layout.pp, layout.dp
+    named = [("TP", t > 1), ("DP", d > 1), ("PP", p > 1), ("model-parallel", t * p > 1),
+             ("embedding", p > 1 and tied), ("world", t * p * d > 1),
+             ("vLLM TP", has_engine and engine_tp > 1), ("refit link", refit_link)]
+    if layout.moe:  # Megatron's expert grid: EP (token all-to-all), expert TP, expert DP
+        u, e = layout.expert_tp, layout.ep
+        named[3:3] = [("EP", e > 1), ("expert-TP", u > 1), ("expert-DP", layout.expert_dp > 1)]
+    return [name for name, used in named if used]
+
+
+def nccl_bytes(communicators: int, channels: int = 32) -> int:
+    """NCCL's buffers on one GPU: communicators x C x 9.19 MiB (``NCCL_CHANNEL_BYTES``), C the
+    channels per communicator (up to 32 on NVLink; ``--nccl-channels``). One connection per
+    channel: since NCCL 2.22 (``NCCL_RUNTIME_CONNECT=1``) only the algorithm a collective
+    uses is connected, a ring has one receive connection per channel (its send buffers are on
+    the next GPU). NCCL's maintainers: memory is linear in channels; ring uses 2 connections
+    regardless of scale (NVIDIA/nccl#986). With every algorithm connected (older NCCL, tree:
+    up to 3 more peers) one communicator measured ~1.1 GiB on 8 GPUs (NVIDIA/nccl#864), 4x
+    this. NVLS (NVLink SHARP) buffers are not counted: set ``NCCL_NVLS_ENABLE=0`` or leave
+    headroom."""
+    return communicators * channels * NCCL_CHANNEL_BYTES
+
+
+def allocator_cache_bytes(dynamic: int, slack: float) -> int:
+    """What PyTorch's caching allocator holds beyond the live tensors at training's peak:
+    slack x (activations + dispatch + logits). Those are the tensors freed and re-allocated
+    every micro-batch (the MoE dispatcher's every layer) at sizes that vary with the packed rows, so cached blocks do not fit the next
+    request exactly (fragmentation); weights, gradients and optimizer state are allocated once.
+    ``expandable_segments`` would shrink it but is refused by vLLM's sleep-mode allocator, so
+    the trainer leaves it off. The trainer empties the cache before a colocated engine wakes
+    (``train.py``), so rollout does not pay it."""
+    return int(slack * dynamic)
+
+
+def engine_weight_bytes(arch: Architecture, work: Workload, engine_tp: int) -> int:
+    """An engine's weights on each of its ``engine_tp`` GPUs: N b_r / t_r."""
+    return param_count(arch) * work.rollout_dtype_bytes // engine_tp
+
+
+def engine_reserve(arch: Architecture, cluster: Cluster, work: Workload, engine_tp: int
+                   ) -> tuple[int, int, list[str]]:
+    """vLLM's reserve on one GPU of an engine of ``engine_tp`` GPUs, wherever the engine lives
+    (``vllm_bytes``), the weights' share of it (the rest is KV cache, activations, graphs) and
+    ``vllm_bytes``' notes."""
+    reserve, notes = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True,
+                                                       rollout_tp=engine_tp))
+    return reserve, engine_weight_bytes(arch, work, engine_tp), notes
+
+
+def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
+    """vLLM's share of one of its GPUs when colocated, and notes:
+
+        kv_cache_memory_bytes set:  N b_r / t_r + kv_cache_memory_bytes
+        otherwise:                  gpu_memory_utilization x GPU memory   (vLLM's own reserve)
+
+    The KV cache that ``max_num_seqs`` full-length sequences need is
+    max_num_seqs (prompt + response) kv_cache_bytes_per_token / t_r; when the reserve holds
+    less, vLLM decodes fewer sequences at once (slower, not out of memory). When it holds
+    less than one, vLLM does not start: the share is then counted as N b_r / t_r + one
+    sequence's KV cache, the least that would run (an MoE engine holds every expert, so this
+    is where a too-small engine TP shows). ``work.rollout_tp`` must be resolved (``engine_tp``).
+    """
+    if not work.colocated_rollout:
+        return 0, []
+    weights = engine_weight_bytes(arch, work, work.rollout_tp)
+    per_seq = work.max_sequence * kv_cache_bytes_per_token(arch, work.rollout_dtype_bytes) \
+        // work.rollout_tp
+    needed = work.max_num_seqs * per_seq
+    if work.kv_cache_memory_bytes is not None:
+        reserve, kv = weights + work.kv_cache_memory_bytes, work.kv_cache_memory_bytes
+        how = "rollout.kv_cache_memory_bytes"
+    else:
+        reserve = int(work.gpu_memory_utilization * cluster.gpu_bytes)
+        kv = reserve - weights
+        how = f"rollout.gpu_memory_utilization={work.gpu_memory_utilization:g}"
+    notes = []
+    if kv < per_seq:
+        # vLLM refuses to start without room for one max-length sequence: count the least it
+        # needs, so a layout "fits" only where a larger reserve would
+        notes.append(f"vLLM: {how} leaves {max(kv, 0) / GIB:.1f} GiB for the KV cache after "
+                     f"{weights / GIB:.1f} GiB of weights per GPU, less than one full-length "
+                     f"sequence ({per_seq / GIB:.2f} GiB), so the engine would not start; counted "
+                     f"at the {(weights + per_seq) / GIB:.1f} GiB it needs (raise "
+                     f"gpu_memory_utilization / kv_cache_memory_bytes or "
+                     f"rollout.tensor_parallel_size)")
+        reserve = max(reserve, weights + per_seq)
+    elif kv < needed:
+        notes.append(f"vLLM: KV cache {kv / GIB:.1f} GiB holds ~{kv // per_seq} full-length "
+                     f"sequences at once, not max_num_seqs={work.max_num_seqs} "
+                     f"({needed / GIB:.1f} GiB)")
+    return reserve, notes

@@ -1,0 +1,243 @@
+"""``dgpo-plan``'s text: the table of every layout's memory terms with the pick and its reasons
+(``format_table``), and ``--explain``'s lines, every term of the pick with its formula
+(``explain``) and every term of each placement's step time (``explain_step_time``)."""
+
+from __future__ import annotations
+
+from megatron_dgpo.planner.inputs import GIB, Cluster
+from megatron_dgpo.planner.memory_terms import activation_elements_per_token_layer
+from megatron_dgpo.planner.parameters import padded_vocab, param_count, stage_params
+from megatron_dgpo.planner.peak import TERMS, EngineEstimate, Estimate
+from megatron_dgpo.planner.search import Plan, preference
+from megatron_dgpo.planner.steptime import StepTime
+
+
+def _stage_index(e: Estimate) -> int:
+    return {"only": 0, "first": 0, "last": e.layout.pp - 1}.get(e.stage) \
+        if not e.stage.isdigit() else int(e.stage)
+
+
+def explain(plan: Plan, e: Estimate | None = None) -> str:
+    """``dgpo-plan --explain``: every term of one estimate (default: the pick) as a line
+    ``term  formula = value  why``, the values those of ``e`` itself (docs/planner.md has the
+    same rows with their sources)."""
+    e = e or plan.pick
+    arch, work, lay = plan.architecture, plan.workload, e.layout
+    t, p, d = lay.tp, lay.pp, lay.dp
+    n = stage_params(arch, t, p, _stage_index(e), lay.ep, lay.expert_tp)
+    n_e = e.expert_params
+    rows = padded_vocab(arch.vocab, t)
+    gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    recompute = "full recompute: each layer's input kept, one layer recomputed" \
+        if work.recompute else "no recompute"
+    lines = [f"{lay}, {e.stage} pipeline stage GPU: {gib(e.total)} of {gib(e.gpu_bytes)}",
+             f"  weights      b N = {work.dtype_bytes} x {n:,} = {gib(e.weights)}"
+             f"   (N: this stage's parameters, V_pad = {rows}"
+             + (f"; of them N_e = {n_e:,} routed-expert parameters: (L / p) (E / EP) 3 f_e h / "
+                f"ETP, {arch.experts // lay.ep} of {arch.experts} experts per layer at EP "
+                f"{lay.ep}, ETP {lay.expert_tp})" if lay.moe else ")"),
+             f"  grads        4 N = {gib(e.grads)}   (fp32 main_grad for every local "
+             f"parameter: grad_reduce_in_fp32)",
+             (f"  optimizer    12 (N - N_e) / {d if work.distributed_optimizer else 1} + "
+              f"12 N_e / {lay.expert_dp if work.distributed_optimizer else 1} = "
+              if lay.moe else
+              f"  optimizer    12 N / {d if work.distributed_optimizer else 1} = ")
+             + f"{gib(e.optimizer)}   (fp32 master + Adam m, v"
+             + ((", the dense parameters sharded over DP, the experts over expert DP = "
+                 "world / (PP EP ETP) by the distributed optimizer)" if lay.moe else
+                 ", sharded over DP by the distributed optimizer)")
+                if work.distributed_optimizer else ", not sharded)"),
+             f"  activations  m (L / p) s E b / t = {gib(e.activations)}   (s = "
+             f"{work.micro_batch_tokens} tokens, E = "
+             f"{activation_elements_per_token_layer(arch, lay.expert_tp):,} elements per "
+             f"token and layer"
+             + (f" incl. the routed copies' k (ETP h + 3 f_e) = {arch.topk} x ({lay.expert_tp} x "
+                f"{arch.hidden} + 3 x {arch.moe_ffn})" if lay.moe else "")
+             + f", sequence parallel over TP {t}; {recompute})",
+             (f"  dispatch     {_dispatch_formula(work.moe_dispatcher)} = {gib(e.dispatch)}   "
+              f"({work.moe_dispatcher} token dispatcher, one MoE layer's transient buffers: "
+              f"T = s / t = {-(-work.micro_batch_tokens // t)} tokens, k = {arch.topk}, EP "
+              f"{lay.ep}, ETP {lay.expert_tp}; megatron/core/transformer/moe/"
+              f"token_dispatcher.py)" if lay.moe else
+              f"  dispatch     0 = {gib(0)}   (dense model: no token dispatcher)"),
+             f"  logits       2 s (V_pad / t) b + 2 chunk (V_pad / t) 4 = {gib(e.logits)}   "
+             + ("(last stage: the logits the log-prob kernel saves and their gradient, plus "
+                "its float32 chunks; no third copy: the logits leave Float16Module in bf16 and "
+                "packed rows are one sequence, so GPTModel's transpose copies nothing "
+                "(benchmarks/bench_logits_copies.py))" if e.logits else "(not on this stage)"),
+             f"  cache        {work.allocator_slack:g} (activations + dispatch + logits) = "
+             f"{gib(e.cache)}   "
+             f"(PyTorch's caching allocator: blocks freed by one micro-batch that the next "
+             f"cannot reuse; --allocator-slack)",
+             ]
+    if e.vllm:
+        how = (f"{work.gpu_memory_utilization:g} x GPU memory" if work.kv_cache_memory_bytes
+               is None else "weights / t_r + rollout.kv_cache_memory_bytes")
+        lines.append(f"  vllm         {how} = {gib(e.vllm)}   (the engine's reserve while it "
+                     f"generates: weights, KV cache, activations and, since vLLM 0.21, its "
+                     f"CUDA graphs; "
+                     + ("asleep while training runs)" if e.vllm_sleeps else "awake all along)"))
+    else:
+        lines.append("  vllm         0   (no engine on this GPU)")
+    lines.append(f"  graphs       --cuda-graph-gb = {gib(e.graphs)}   "
+                 + ("(the sleeping engine's CUDA-graph pool: sleep mode does not free it, so "
+                    "it stays through training)" if e.graphs else
+                    "(none held through training: " + ("rollout.enforce_eager" if
+                                                       work.enforce_eager and e.vllm_sleeps
+                                                       else "no sleeping engine here") + ")"))
+    comms = ", ".join(e.communicators) or "none"
+    lines.append(f"  nccl         {len(e.communicators)} communicators x {work.nccl_channels} "
+                 f"channels x 9.19 MiB = {gib(e.nccl)}   ({comms}; ring buffers of NCCL's "
+                 f"default sizes; --nccl-channels)")
+    lines.append(f"  overhead     --overhead-gb = {gib(e.overhead)}   (CUDA context, cuBLAS "
+                 f"and TE workspaces)")
+    state = e.grads + e.optimizer
+    training = state + e.activations + e.dispatch + e.logits + e.cache
+    if e.vllm_sleeps:
+        rollout = e.vllm + (0 if e.offloaded else state)
+        lines.append(f"  total        weights + nccl + overhead + max(training {gib(training + e.graphs)}"
+                     f" = grads + optimizer + activations + dispatch + logits + cache + graphs, "
+                     f"rollout {gib(rollout)} = vllm"
+                     + (" (grads and optimizer offloaded)" if e.offloaded else
+                        " + grads + optimizer") + f") = {gib(e.total)}")
+    else:
+        lines.append(f"  total        every term at once = {gib(e.total)}")
+    return "\n".join(lines)
+
+
+def explain_step_time(times: list[StepTime]) -> str:
+    """``dgpo-plan --explain``: every term of each placement's step time (``steptime``'s
+    generation, training and refit terms), seconds."""
+    lines = []
+    for t in times:
+        g, tr, r = (t.terms.get(k, {}) for k in ("generation", "training", "refit"))
+        lines.append(f"{t.placement} ({t.trainer_gpus} trainer GPUs"
+                     + (f", {t.rollout_gpus} rollout GPUs" if t.rollout_gpus else "")
+                     + f"): step {t.step_s:.1f} s, {t.dominant} dominates")
+        if g:
+            lines += [
+                f"  generation   {g['total']:.1f} s = prefill {g['prefill_s']:.1f} + bulk "
+                f"{g['bulk_steps']:.0f} steps x {g['bulk_step_s'] * 1e3:.1f} ms + tail "
+                f"{g['tail_steps']:.0f} steps x {g['tail_step_s'] * 1e3:.1f} ms   ({g['responses']} "
+                f"responses per engine, {g['concurrent']} at once, {g['tail_running']:.1f} running "
+                f"in the tail)",
+                f"    of it      step overhead {g['overhead_s']:.1f} s (o per decode step), "
+                f"sampler {g['sampling_s']:.1f} s (per row x vocabulary; seeded rows drawn one "
+                f"at a time)"]
+        if tr:
+            lines.append(f"  training     {tr['total']:.1f} s = update {tr['update_s']:.1f} + "
+                         f"log-probs {tr['logprobs_s']:.1f}   (mfu {tr['mfu']:.3f} x pipeline "
+                         f"{tr['pipeline_efficiency']:.2f} x TP communication "
+                         f"{tr['tp_efficiency']:.2f})")
+        if r:
+            lines.append(f"  refit        {r['total']:.1f} s = fixed {r['fixed_s']:.1f} + bytes "
+                         f"{r['bytes_s']:.1f} + tensors {r['tensors_s']:.1f}"
+                         + (f" + network {r['network_s']:.1f}" if r['network_s'] else "")
+                         + (f" + offloaded state {r['offload_s']:.1f}" if r['offload_s'] else ""))
+    return "\n".join(lines)
+
+
+def _dispatch_formula(dispatcher: str) -> str:
+    """``memory_terms.dispatcher_bytes``'s formula for ``dispatcher``."""
+    return "T h b (ETP EP + 2 ETP k)" if dispatcher == "allgather" else "T k h b (1 + 2 ETP)"
+
+
+def format_table(plan: Plan, headroom: float) -> str:
+    """The human-readable report: one row per layout (GiB on its peak GPU), then the pick."""
+    arch, cl, work = plan.architecture, plan.cluster, plan.workload
+    lines = [f"{arch.name}: {param_count(arch) / 1e9:.2f}B parameters (h={arch.hidden}, "
+             f"L={arch.layers}, heads={arch.heads}, kv={arch.kv_heads}, f={arch.intermediate}, "
+             f"V={arch.vocab}, tied={arch.tie_word_embeddings}"
+             + (f", {arch.experts} experts of f_e={arch.moe_ffn}, top-{arch.topk}, "
+                f"{work.moe_dispatcher} dispatcher" if arch.moe else "") + ")",
+             f"cluster: {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_memory_gb:g} GiB; "
+             f"micro-batch {work.micro_batch_tokens} tokens, recompute={work.recompute}, "
+             f"distributed optimizer={work.distributed_optimizer}, "
+             f"vLLM placement="
+             + (f"dedicated ({cl.rollout_gpus} of the {cl.gpus} GPUs; the trainer's world is the "
+                f"other {cl.world})" if work.rollout_placement == "dedicated"
+                else work.rollout_placement if work.colocated_rollout else "none"),
+             ""]
+    if plan.required_overrides:
+        lines[-1:] = [f"as configured, {plan.as_configured[0].lower()}{plan.as_configured[1:]}",
+                      f"planned with {' '.join(plan.required_overrides)}:", ""]
+    head = ["layout", "stage"] + list(TERMS) + ["total", "fits"]
+    rows = []
+    for e in sorted(plan.estimates, key=preference):
+        mark = ("yes" if e.fits_with(headroom) else "tight") if e.fits else "no"
+        if plan.pick is e:
+            mark += " <- pick"
+        rows.append([str(e.layout), e.stage] + [f"{getattr(e, k) / GIB:.1f}" for k in TERMS]
+                    + [f"{e.total / GIB:.1f}", mark])
+    lines += _aligned(head, rows)
+    lines.append(f"(GiB on each layout's most loaded GPU; 'tight' fits but with less than "
+                 f"{headroom:.0%} headroom)")
+    lines.append("")
+    if plan.pick:
+        lines.append("pick: " + plan.explanation)
+        lay = plan.pick.layout
+        lines.append(f"set: parallel.tensor_parallel={lay.tp} parallel.pipeline_parallel={lay.pp}"
+                     + (f" parallel.expert_parallel={lay.ep} parallel.expert_tensor_parallel="
+                        f"{lay.expert_tp}" if lay.moe else "")
+                     + "".join(f" {o}" for o in plan.required_overrides))
+        engine_gpus = (cl.world // max(plan.pick.engines, 1)
+                       if work.rollout_placement == "colocated" else work.rollout_tp or 1)
+        if plan.engine is not None:
+            lines.append(_engine_text(plan.engine, cl))
+        elif work.colocated_rollout:
+            lines.append(f"rollout: {plan.pick.engines} vLLM engine(s) of {engine_gpus} GPU(s) "
+                         f"({work.rollout_placement}"
+                         + (", sleep mode: KV cache freed and weights offloaded during training)"
+                            if plan.pick.vllm_sleeps else ")"))
+        else:
+            lines.append("rollout: transformers engine on each DP replica leader")
+        for note in plan.pick.notes:
+            lines.append("note: " + note)
+    else:
+        lines.append("DOES NOT FIT: " + plan.hint)
+        if plan.engine is not None:
+            lines.append(_engine_text(plan.engine, cl))
+    if plan.recipe_layout is not None and plan.recipe_layout is not plan.pick:
+        own = plan.recipe_layout
+        verdict = (("fits" if own.fits_with(headroom) else "fits, but tight") if own.fits
+                   else "does NOT fit")
+        lines.append(f"the recipe's own layout {own.layout}: {own.total / GIB:.1f} GiB, {verdict}")
+    if plan.step_times:
+        lines += ["", _step_time_table(plan)]
+    return "\n".join(lines)
+
+
+def _aligned(head: list[str], rows: list[list[str]]) -> list[str]:
+    """The header and rows as lines of left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
+
+
+def _engine_text(engine: EngineEstimate, cluster: Cluster) -> str:
+    gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    text = (f"rollout: {engine.engines} dedicated vLLM engine(s) of {engine.engine_tp} GPU(s) on "
+            f"the last {cluster.rollout_gpus} GPUs, outside the trainer's world; each of their "
+            f"GPUs holds vLLM's {gib(engine.reserve)} GiB reserve (weights {gib(engine.weights)}, "
+            f"KV cache and the rest {gib(engine.kv_cache)}) + NCCL {gib(engine.nccl)} = "
+            f"{gib(engine.total)} of {gib(engine.gpu_bytes)} GiB: "
+            + ("fits" if engine.fits else "DOES NOT FIT (lower rollout.gpu_memory_utilization)"))
+    return "\n".join([text] + ["note: " + n for n in engine.notes])
+
+
+def _step_time_table(plan: Plan) -> str:
+    """The step-time rows (seconds) and the balanced one-step-off split."""
+    head = ["step time", "trainer GPUs", "rollout GPUs", "generation", "training", "refit",
+            "step", "trainer idle", "engine idle"]
+    rows = [[t.placement, str(t.trainer_gpus), str(t.rollout_gpus or "-")]
+            + [f"{v:.0f}" for v in (t.generation_s, t.training_s, t.refit_s, t.step_s,
+                                     t.trainer_idle_s, t.engine_idle_s)] for t in plan.step_times]
+    lines = [f"step time in seconds ({plan.step_time_basis}; a roofline model, "
+             f"docs/planner.md#step-time):"] + _aligned(head, rows)
+    colocated = plan.step_times[0]
+    if plan.balanced is not None:
+        b = plan.balanced
+        lines.append(f"one-step-off is fastest with rollout.num_gpus={b.rollout_gpus} "
+                     f"({b.step_s:.0f} s per step: {colocated.step_s / b.step_s:.2f}x the "
+                     f"colocated step; generation {b.generation_s:.0f} s beside training "
+                     f"{b.training_s:.0f} s)")
+    return "\n".join(lines)

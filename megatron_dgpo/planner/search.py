@@ -1,0 +1,326 @@
+"""``dgpo-plan``'s search: every TP x PP x DP (x EP for MoE) layout the trainer can run on a
+cluster (``candidate_layouts``), each estimated (``peak.estimate``), the one to pick and why
+(``choose``, ``make_plan``: a ``Plan``); then the step time of the plan's placements
+(``estimate_step_times``) and the dedicated GPUs that balance one-step-off
+(``balanced_rollout_gpus``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from megatron_dgpo.planner.catalogue import architecture_for
+from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.memory_terms import engine_reserve
+from megatron_dgpo.planner.parameters import param_count
+from megatron_dgpo.planner.peak import (EngineEstimate, Estimate, dedicated_engine_estimate,
+                                        dedicated_engines, dedicated_split_problem, engine_tp,
+                                        estimate)
+from megatron_dgpo.planner.steptime import HARDWARE, Hardware, StepShape, StepTime, step_times
+
+
+def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
+                      expert_parallel: int | None = None,
+                      expert_tensor_parallel: int | None = None) -> list[Layout]:
+    """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f (a dense
+    model's MLP); p | L; t p | world; c = 1 (the trainer has no context parallelism); and
+    D = world / (t p) <= responses per update (every DP rank gets at least one response).
+
+    An MoE model's layouts add EP e and expert TP u (``expert_parallel`` /
+    ``expert_tensor_parallel`` fix them, else they are searched): e | E, u | f_e, u e | world
+    / p (Megatron's expert grid decomposes each stage's ranks again), u in {1, t} unless
+    fixed (whole experts per rank, or experts split like the dense layers: the two settings
+    Megatron users run); the allgather dispatcher needs p = 1. A colocated engine of a set
+    ``rollout.tensor_parallel_size`` t_r must lie in one replica's model-parallel group, as
+    the trainer requires (``rollout.placement.rollout_role``): t_r | t, or t_r | t p with
+    D = 1. Dedicated engines (``cluster.rollout_gpus`` of them, ``rollout_gpus / t_r``
+    engines) are shared out evenly over the DP replicas: D | engines."""
+    out = []
+    for t in range(1, cluster.gpus_per_node + 1):
+        if cluster.gpus_per_node % t or arch.heads % t or arch.kv_heads % t \
+                or (not arch.moe and arch.intermediate % t):
+            continue
+        for p in range(1, arch.layers + 1):
+            if arch.layers % p or cluster.world % (t * p):
+                continue
+            if arch.moe and work.moe_dispatcher == "allgather" and p > 1:
+                continue
+            d = cluster.world // (t * p)
+            if d > work.responses_per_update or not _engine_fits(work, t, p, d):
+                continue
+            if dedicated_split_problem(cluster, work, d):
+                continue
+            if not arch.moe:
+                out.append(Layout(t, p, 1, d))
+                continue
+            per_stage = cluster.world // p
+            etps = [expert_tensor_parallel] if expert_tensor_parallel else sorted({1, t})
+            eps = [expert_parallel] if expert_parallel else range(1, arch.experts + 1)
+            out += [Layout(t, p, 1, d, e, u) for u in etps for e in eps
+                    if arch.experts % e == 0 and arch.moe_ffn % u == 0
+                    and per_stage % (u * e) == 0]
+    return out
+
+
+def _engine_fits(work: Workload, t: int, p: int, d: int) -> bool:
+    """Whether colocated engines of ``rollout.tensor_parallel_size`` GPUs each lie in one DP
+    replica's TP x PP ranks (Megatron orders ranks TP innermost, PP outermost)."""
+    t_r = work.rollout_tp
+    if t_r is None or not work.colocated_rollout or work.rollout_placement != "colocated":
+        return True
+    return t % t_r == 0 or (d == 1 and (t * p) % t_r == 0)
+
+
+def preference(e: Estimate) -> tuple:
+    """Smallest model-parallel size first; then PP after TP (TP stays on NVLink; PP adds
+    bubbles and holds p micro-batches on stage 0); for MoE then the smallest expert-parallel
+    group e u (fewer all-to-all peers, more tokens per expert GEMM; a group within a node
+    comes first as the smallest), at equal size whole experts first (smaller u: no expert-TP
+    collectives around GEMMs of f_e / u columns), then the lowest peak."""
+    lay = e.layout
+    return (lay.model_parallel, lay.pp, lay.ep * lay.expert_tp, lay.expert_tp, e.total)
+
+
+def choose(estimates: list[Estimate], headroom: float) -> tuple[Estimate | None, str]:
+    """The preferred layout among those within (1 - headroom) of GPU memory, else among those
+    that fit at all; None when nothing fits. Returns it with the explanation."""
+    roomy = sorted((e for e in estimates if e.fits_with(headroom)), key=preference)
+    tight = sorted((e for e in estimates if e.fits), key=preference)
+    pick = roomy[0] if roomy else (tight[0] if tight else None)
+    if pick is None:
+        return None, ""
+    lay = pick.layout
+    smaller = [e for e in estimates if e.layout.model_parallel < lay.model_parallel]
+    why = [f"{lay} (model-parallel size {lay.model_parallel}, {lay.dp} data-parallel "
+           f"replica{'s' if lay.dp > 1 else ''}) peaks at {pick.total / GIB:.1f} of "
+           f"{pick.gpu_bytes / GIB:.0f} GiB on "
+           f"the {pick.stage} pipeline stage GPU."]
+    if lay.moe:
+        why.append(_experts_text(pick, estimates, headroom))
+    if roomy:
+        why.append(f"It is the smallest model-parallel size that leaves {headroom:.0%} "
+                   f"headroom;")
+    else:
+        why.append(f"No layout leaves {headroom:.0%} headroom; this is the smallest that fits "
+                   f"at all, so expect little margin for fragmentation;")
+    passed_over = [e for e in tight if e.layout.model_parallel == lay.model_parallel
+                   and preference(e) < preference(pick)] if roomy else []
+    if passed_over:
+        other = passed_over[0]
+        why.append(f"{other.layout} is as small and preferred by the rules below, but its "
+                   f"{other.total / GIB:.1f} GiB leaves less than {headroom:.0%} headroom;")
+    if smaller:
+        best_smaller = min(smaller, key=lambda e: e.total)
+        why.append(f"every smaller one needs at least {best_smaller.total / GIB:.1f} GiB "
+                   f"({best_smaller.layout}).")
+    else:
+        why.append("no smaller layout exists.")
+    why.append("Fewer model-parallel GPUs mean more data-parallel replicas and less "
+               "communication per token. At equal size, TP is preferred to PP (TP's all-reduces "
+               "stay on NVLink within a node, PP adds pipeline bubbles and keeps up to PP "
+               "micro-batches of activations on the first stage).")
+    if pick.vllm:
+        where = ("Every GPU also holds its colocated vLLM engine's" if pick.engines > lay.dp
+                 or pick.vllm_sleeps else "GPU 0 also holds vLLM's")
+        why.append(f"{where} {pick.vllm / GIB:.1f} GiB"
+                   + (" (asleep while training: counted against activations + logits, not "
+                      "added" + ("; gradients and optimizer state are offloaded while it is awake"
+                                 if pick.offloaded else "") + ")." if pick.vllm_sleeps else "."))
+    return pick, " ".join(why)
+
+
+def _experts_text(pick: Estimate, estimates: list[Estimate], headroom: float) -> str:
+    """Why this expert layout: what each GPU holds of the experts, and what the smaller
+    expert-parallel groups of the same TP x PP would need."""
+    lay = pick.layout
+    text = (f"Experts: EP {lay.ep} x expert TP {lay.expert_tp}, "
+            f"{pick.expert_params / 1e9:.2f}B expert parameters per GPU "
+            f"({lay.expert_dp} expert data-parallel replica{'s' if lay.expert_dp > 1 else ''} "
+            f"shard their optimizer state); the smallest expert-parallel group that leaves "
+            f"{headroom:.0%} headroom at this TP x PP")
+    smaller = [e for e in estimates if (e.layout.tp, e.layout.pp) == (lay.tp, lay.pp)
+               and e.layout.ep * e.layout.expert_tp < lay.ep * lay.expert_tp]
+    if smaller:
+        best = min(smaller, key=lambda e: e.total)
+        text += f" (the best smaller one, {best.layout}, needs {best.total / GIB:.1f} GiB)"
+    return text + "."
+
+
+
+@dataclass
+class Plan:
+    """Everything ``dgpo-plan`` prints."""
+
+    architecture: Architecture
+    cluster: Cluster
+    workload: Workload
+    estimates: list[Estimate]
+    pick: Estimate | None
+    explanation: str
+    recipe_layout: Estimate | None
+    """The recipe's own parallel.* layout, when it is a candidate."""
+    hint: str = ""
+    """Why nothing fits (when ``pick`` is None)."""
+    required_overrides: list[str] = field(default_factory=list)
+    """Recipe overrides the pick needs (full recompute when nothing fits without it)."""
+    as_configured: str = ""
+    """When ``required_overrides`` is set: the best the recipe as written can do."""
+    engine: EngineEstimate | None = None
+    """A dedicated engine's GPU (``rollout.placement: dedicated``)."""
+    step_times: list[StepTime] = field(default_factory=list)
+    """``estimate_step_times``: colocated, and with dedicated engines synchronous and one-step-off."""
+    balanced: StepTime | None = None
+    """The one-step-off step with the dedicated GPUs that make it fastest
+    (``balanced_rollout_gpus``)."""
+    step_time_basis: str = ""
+    """The hardware and lengths behind ``step_times``."""
+
+    @property
+    def fits(self) -> bool:
+        """The trainer has a layout and dedicated engines (if any) fit their GPUs."""
+        return self.pick is not None and (self.engine is None or self.engine.fits)
+
+    def as_dict(self) -> dict:
+        return dict(
+            model=asdict(self.architecture), params=param_count(self.architecture),
+            cluster=asdict(self.cluster), workload=asdict(self.workload),
+            layouts=[e.as_dict() for e in self.estimates],
+            pick=self.pick.as_dict() if self.pick else None, explanation=self.explanation,
+            recipe_layout=self.recipe_layout.as_dict() if self.recipe_layout else None,
+            hint=self.hint, required_overrides=list(self.required_overrides),
+            as_configured=self.as_configured,
+            dedicated_engine=self.engine.as_dict() if self.engine else None,
+            step_times=[t.as_dict() for t in self.step_times],
+            balanced_one_step_off=self.balanced.as_dict() if self.balanced else None,
+            step_time_basis=self.step_time_basis)
+
+
+def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
+              recipe_tp: int = 1, recipe_pp: int = 1, recipe_ep: int = 1,
+              recipe_etp: int | None = None, expert_parallel: int | None = None,
+              expert_tensor_parallel: int | None = None) -> Plan:
+    """Estimate every candidate layout and choose one (``choose``). When nothing fits and the
+    recipe does not recompute activations, plan again with full recompute: if a layout fits
+    then, that plan is returned with ``required_overrides`` naming the switch.
+    ``expert_parallel`` / ``expert_tensor_parallel`` fix an MoE model's EP / expert TP (None:
+    searched); ``recipe_*`` name the recipe's own layout (``recipe_etp`` None = its TP)."""
+    layouts = candidate_layouts(arch, cluster, work, expert_parallel=expert_parallel,
+                                expert_tensor_parallel=expert_tensor_parallel)
+    estimates = [estimate(arch, cluster, lay, work) for lay in layouts]
+    pick, why = choose(estimates, headroom)
+    recipe = (recipe_tp, recipe_pp) + ((recipe_ep, recipe_etp or recipe_tp) if arch.moe else ())
+    own = next((e for e in estimates if (e.layout.tp, e.layout.pp) + (
+        (e.layout.ep, e.layout.expert_tp) if arch.moe else ()) == recipe), None)
+    plan = Plan(arch, cluster, work, estimates, pick, why, own,
+                engine=dedicated_engine_estimate(arch, cluster, work))
+    if pick is not None:
+        return plan
+    plan.hint = _no_fit_text(arch, cluster, estimates, engines=dedicated_engines(cluster, work))
+    if not work.recompute and estimates:
+        retry = make_plan(arch, cluster, replace(work, recompute=True), headroom=headroom,
+                          recipe_tp=recipe_tp, recipe_pp=recipe_pp, recipe_ep=recipe_ep,
+                          recipe_etp=recipe_etp, expert_parallel=expert_parallel,
+                          expert_tensor_parallel=expert_tensor_parallel)
+        if retry.pick is not None:
+            retry.required_overrides = ["model.recompute_activations=true"]
+            retry.as_configured = plan.hint
+            retry.explanation = ("Nothing fits without activation recompute, so this plan "
+                                 "turns on model.recompute_activations (full recompute, ~1/3 "
+                                 "more compute). " + retry.explanation)
+            return retry
+        plan.hint += " Full activation recompute does not make any layout fit either."
+    plan.hint += " Use more GPUs, GPUs with more memory, or shorter micro-batches."
+    return plan
+
+
+def rollout_tensor_parallel(plan: Plan) -> int:
+    """GPUs per vLLM engine: dedicated, ``rollout.tensor_parallel_size`` (default 1); colocated,
+    as the trainer resolves it for the pick's layout."""
+    work = plan.workload
+    if work.rollout_placement == "dedicated" or plan.pick is None:
+        return work.rollout_tp or 1
+    return engine_tp(work, plan.pick.layout)
+
+
+def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[StepTime]:
+    """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
+    dedicated engines, on the plan's ``rollout_gpus`` (synchronous and one-step-off). The
+    colocated refit moves the pick's gradients and optimizer state to the host and back when
+    ``train.offload_training_state``. The trainer's TP x PP is the pick's (its TP
+    communication and pipeline bubble)."""
+    arch, cluster, work = plan.architecture, plan.cluster, plan.workload
+    t_r = rollout_tensor_parallel(plan)
+    reserve, weights, _ = engine_reserve(arch, cluster, work, t_r)
+    colocated_kv = max(reserve - weights, 0)
+    offloaded = (plan.pick.grads + plan.pick.optimizer
+                 if plan.pick is not None and work.offload_training_state else 0)
+    layout = (plan.pick.layout.tp, plan.pick.layout.pp) if plan.pick is not None else (1, 1)
+    return step_times(arch, replace(shape, offloaded_state_bytes_per_gpu=offloaded), hw,
+                      world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
+                      kv_cache_bytes_per_engine_gpu=plan.engine.kv_cache if plan.engine
+                      else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv,
+                      train_layout=layout)
+
+
+def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
+                          headroom: float = 0.1) -> StepTime | None:
+    """The one-step-off step with the dedicated GPUs (whole nodes on several nodes, whole
+    engines on one) that make it fastest, among those where the trainer still has a layout
+    and the engines fit: generation and training are as long as each other there."""
+    arch, cluster, work = plan.architecture, plan.cluster, plan.workload
+    t_r = rollout_tensor_parallel(plan)
+    unit = math.lcm(cluster.gpus_per_node if cluster.nodes > 1 else 1, t_r)
+    best = None
+    for gpus in range(unit, cluster.gpus, unit):
+        trial = make_plan(arch, replace(cluster, rollout_gpus=gpus),
+                          replace(work, rollout_placement="dedicated", colocated_rollout=False,
+                                  rollout_tp=t_r), headroom=headroom)
+        if not trial.fits:
+            continue
+        one_step_off = estimate_step_times(trial, shape, hw)[-1]
+        if best is None or one_step_off.step_s < best.step_s:
+            best = one_step_off
+    return best
+
+
+def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
+                       mean_prompt_tokens: float = 200.0, mean_response_fraction: float = 0.5,
+                       headroom: float = 0.1) -> dict[str, dict]:
+    """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
+    ``{"colocated" | "synchronous" | "one_step_off": StepTime.as_dict()}``, the latter two on
+    the recipe's ``rollout.num_gpus``, and ``"balanced"``, one-step-off on the dedicated GPUs
+    that make it fastest (``benchmarks/bench_async.py``)."""
+    if run.rollout.placement != "dedicated":
+        raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
+                         f"{run.rollout.placement!r}")
+    work = Workload.from_recipe(run)
+    cluster = replace(cluster, rollout_gpus=run.rollout.num_gpus)
+    plan = make_plan(architecture_for(run), cluster, work, headroom=headroom,
+                     recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
+    shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
+                                  mean_response_fraction=mean_response_fraction)
+    hw = HARDWARE[hardware]
+    colocated, synchronous, one_step_off = estimate_step_times(plan, shape, hw)
+    balanced = balanced_rollout_gpus(plan, shape, hw, headroom=headroom)
+    return {"colocated": colocated.as_dict(), "synchronous": synchronous.as_dict(),
+            "one_step_off": one_step_off.as_dict(),
+            "balanced": balanced.as_dict() if balanced else None}
+
+
+def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate], *,
+                 engines: int = 0) -> str:
+    where = (f"{arch.name} on {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
+             f"{cluster.gpu_memory_gb:g} GiB"
+             + (f" ({cluster.world} for the trainer, {cluster.rollout_gpus} for dedicated engines)"
+                if cluster.rollout_gpus else ""))
+    if not estimates:
+        return (f"no layout of {where} is possible: TP must divide {cluster.gpus_per_node} "
+                f"GPUs per node, {arch.heads} heads and {arch.kv_heads} KV groups, PP must "
+                f"divide {arch.layers} layers, and TP x PP the world size"
+                + (f"; EP must divide {arch.experts} experts and EP x ETP the GPUs per "
+                   f"pipeline stage" if arch.moe else "")
+                + (f"; DP must divide the {engines} dedicated engines (each replica refits "
+                   f"and samples with its own share)" if engines else ""))
+    least = min(estimates, key=lambda e: e.total)
+    return (f"no layout fits {where}: the smallest peak is {least.total / GIB:.1f} GiB "
+            f"({least.layout}).")
