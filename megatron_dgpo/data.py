@@ -24,7 +24,9 @@ their answers are single digits, and the tiny tokenizer (``megatron_dgpo.tiny``)
 ``\\boxed{d}`` as ONE token, so a random policy already earns +1 now and then (about 1 sample in
 500 per token position) and RL can raise the reward within minutes on a CPU.
 
-Prompts are rendered with the tokenizer's own chat template (``render_prompt``).
+Prompts are rendered with the tokenizer's own chat template (``render_prompt``). A run visits
+its prompts (or its SFT pairs) in ``prompt_order``: an endless stream, shuffled per epoch, that a
+resumed run picks up at the position it had reached.
 """
 
 from __future__ import annotations
@@ -366,3 +368,20 @@ def load_prompts(config, hf_dir: str | os.PathLike, max_prompt_tokens: int):
         raise ValueError(f"data.source {config.source!r}: no prompt fits in "
                          f"rollout.max_prompt_tokens={max_prompt_tokens}")
     return kept, tokenizer
+
+
+def prompt_order(num_prompts: int, seed: int, start: int, count: int) -> list[int]:
+    """Prompt indices ``start .. start+count-1`` of an endless stream that visits every prompt
+    once per epoch, in an order shuffled with ``seed + epoch``."""
+    import torch
+
+    if num_prompts < 1:
+        raise ValueError("the prompt dataset is empty")
+    out, permutations = [], {}
+    for position in range(start, start + count):
+        epoch, offset = divmod(position, num_prompts)
+        if epoch not in permutations:
+            generator = torch.Generator().manual_seed(seed + epoch)
+            permutations[epoch] = torch.randperm(num_prompts, generator=generator).tolist()
+        out.append(permutations[epoch][offset])
+    return out

@@ -10,7 +10,7 @@ Megatron's optimizer, distributed checkpoints with ``--resume``, metrics.jsonl, 
 export through the converter. The loss is the token-mean negative log-likelihood of the response
 tokens, the end-of-turn token included (so the policy learns to stop), normalised over the whole
 batch exactly like the RL loss (``train_step.sft_step``). Step s trains on samples
-``(s-1)*B .. s*B-1`` of an endless per-epoch shuffled order (``experience.prompt_order``), each
+``(s-1)*B .. s*B-1`` of an endless per-epoch shuffled order (``data.prompt_order``), each
 data-parallel replica taking every DP-th sample, so a run (and a resumed run) is a function of
 its recipe.
 
@@ -124,7 +124,7 @@ def train_sft(cfg: SFTRunConfig) -> int:
                                           load_checkpoint, save_checkpoint)
     from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
     from megatron_dgpo.config import to_dict
-    from megatron_dgpo.experience import prompt_order
+    from megatron_dgpo.data import prompt_order
     from megatron_dgpo.gpu_config import pad_multiple
     from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
     from megatron_dgpo.packing import pack

@@ -15,7 +15,8 @@ LR = 0.01  # large: a few steps move the routers enough to flip choices
 
 def _rows(prompts, groups):
     """Packed rows of the samples (advantages +-1, one row each)."""
-    from megatron_dgpo.experience import Experience, pack_update
+    from megatron_dgpo.batch import Experience
+    from megatron_dgpo.experience import pack_update
 
     samples = [s for g in groups for s in g]
     batch = Experience(prompt_tokens=[list(p) for p in prompts for _ in range(N)],

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_dgpo.data import boxed_instruction, load_prompts, PromptRecord
-from megatron_dgpo.experience import Experience, pack_update, plan_updates, prompt_order
+from megatron_dgpo.batch import Experience
+from megatron_dgpo.data import boxed_instruction, load_prompts, prompt_order, PromptRecord
+from megatron_dgpo.experience import pack_update, plan_updates
 from megatron_dgpo.recipe import DataConfig
 from megatron_dgpo.rollout.mismatch import logprob_mismatch, mismatch_metrics
 

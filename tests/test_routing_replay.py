@@ -31,7 +31,7 @@ LOGPROB_ATOL = 1e-5
 
 def test_off_by_default_and_refusals(tmp_path):
     from megatron_dgpo import policy
-    from megatron_dgpo.experience import Experience
+    from megatron_dgpo.batch import Experience
     from megatron_dgpo.recipe import RolloutConfig
     from megatron_dgpo.rollout.generate import build_engine
     from tests._rank_fns_moe import QWEN3, QWEN3_MOE

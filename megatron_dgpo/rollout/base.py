@@ -1,7 +1,7 @@
 """The rollout-engine interface: sample n responses per prompt with their log-probs, refit weights.
 
 Every engine returns, per prompt, ``n`` ``Completion`` objects (one sampled response each; the
-trainer's sequences are ``packing.Sample``, built from them by ``experience.Experience``) with
+trainer's sequences are ``packing.Sample``, built from them by ``batch.Experience``) with
     token_ids  [T_i]  the response tokens, the stop token included when the sample stopped;
     logprobs   [T_i]  log pi_sample(token_t | prompt, tokens_<t) in float, where pi_sample is the
                       distribution the token was drawn from (temperature and top-p applied; with

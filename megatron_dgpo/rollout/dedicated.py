@@ -56,7 +56,7 @@ import torch.distributed as dist
 from megatron_dgpo import comm, data
 from megatron_dgpo.advantages import drop_degenerate_groups
 from megatron_dgpo.convert import export_hf_weights
-from megatron_dgpo.experience import Experience, prompt_order
+from megatron_dgpo.batch import Experience
 from megatron_dgpo.optimizer import sync_params
 from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
 from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
@@ -190,7 +190,7 @@ class _EngineServer:
     def _sample(self, start: int, batch_prompts: int, positions: list[int]) -> Experience | None:
         if not positions:
             return Experience([], [], [], [], []) if self.leader else None
-        indices = prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
+        indices = data.prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
         return generate_experience(self.engine, self.pool, self.tokenizer, self.prompts, indices,
                                    positions, self.cfg.rollout, train_seed=self.cfg.train.seed,
                                    prompts_consumed=start)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_dgpo.experience import Experience
+from megatron_dgpo.batch import Experience
 from megatron_dgpo.recipe import RolloutConfig
 from megatron_dgpo.rewards import RewardPool
 from megatron_dgpo.rollout.placement import prompt_seeds

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_dgpo import comm, data
 from megatron_dgpo.advantages import drop_degenerate_groups
 from megatron_dgpo.convert import export_hf_weights
-from megatron_dgpo.experience import Experience, prompt_order
+from megatron_dgpo.batch import Experience
 from megatron_dgpo.optimizer import sync_params
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.recipe import DataConfig, RolloutConfig
@@ -135,7 +135,7 @@ class ReplicaRollout:
     def _generate(self, start: int, positions: list[int]) -> tuple[Experience | None, float]:
         """This engine's groups at batch ``positions`` of the batch that starts at stream
         position ``start`` (None on ranks that do not grade), and the seconds it took."""
-        indices = prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
+        indices = data.prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
         begin = time.perf_counter()
         piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
                                     indices, positions, self.config,
