@@ -41,7 +41,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from megatron_dgpo.parallel import init_distributed
-    from megatron_dgpo.rollout import vllm_engine
+    from megatron_dgpo.rollout import vllm_worker
     from megatron_dgpo.rollout.refit import run_bucketed_refit
     from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
     from tests.distributed import free_port
@@ -65,16 +65,16 @@ def main() -> None:
         def sample():
             return engine.generate(prompts, n=2, max_tokens=8, seed=3)
 
-        forget = vllm_engine._forget_moe_kernels
+        forget = vllm_worker.forget_moe_kernels
 
         def load_unchecked(bucket):
-            vllm_engine._forget_moe_kernels = lambda methods: None
+            vllm_worker.forget_moe_kernels = lambda methods: None
             try:
                 engine._load_bucket_in_process(bucket)
             except RuntimeError:  # the check's verdict on vLLM as is
                 pass
             finally:
-                vllm_engine._forget_moe_kernels = forget
+                vllm_worker.forget_moe_kernels = forget
 
         def refit(bucket_bytes, load):
             """One timed refit from model A to B; returns (seconds, RefitStats)."""

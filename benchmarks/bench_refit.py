@@ -71,11 +71,11 @@ def refit_as_one_blob(engine, named_tensors) -> dict:
     whole model copied into one safetensors payload, sent once through ``collective_rpc``."""
     from safetensors.torch import save
 
-    from megatron_dgpo.rollout.vllm_engine import _reload_from_safetensors_blob
+    from megatron_dgpo.rollout.vllm_worker import reload_from_safetensors_blob
 
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
     blob = save(tensors)
-    engine.llm.collective_rpc(_reload_from_safetensors_blob, args=(blob,))
+    engine.llm.collective_rpc(reload_from_safetensors_blob, args=(blob,))
     engine.llm.reset_prefix_cache()
     return {"buckets": 1, "max_bucket_bytes": len(blob)}
 

