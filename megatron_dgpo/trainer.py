@@ -28,15 +28,17 @@ from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
 from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume, export_latest,
                                       load_checkpoint, save_checkpoint)
 from megatron_dgpo.config import to_dict
+from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_stats, rollout_metrics
 from megatron_dgpo.expert_load import ExpertLoad
 from megatron_dgpo.gpu_config import pad_multiple
 from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.offload import TrainingStateOffload
-from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
+from megatron_dgpo.optimizer import build_optimizer, step_if_finite, sync_params, use_distributed_optimizer
 from megatron_dgpo.parallel import init_distributed, initialize_parallel, split_world
 from megatron_dgpo.recipe import RunConfig, save_recipe
+from megatron_dgpo.rollout.base import Rollout
 from megatron_dgpo.rollout.dedicated import DedicatedRollout, load_ahead, save_ahead
 from megatron_dgpo.rollout.dedicated import serve as serve_engines
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
@@ -104,7 +106,7 @@ def train(cfg: RunConfig) -> int:
             logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
             logger.truncate_after(state.step)
             if state.step or rollout.needs_first_refit:  # resumed, or an engine without weights
-                rollout.refit(models, version=state.step)
+                _refit(rollout, models, version=state.step)
             # the batch a stopped one-step-off run had generated ahead, sampled by the weights
             # before its checkpoint's: the resumed run trains on exactly what it would have
             ahead = (load_ahead(latest, replica_prompts=rollout.replica_prompts, group_size=group)
@@ -121,7 +123,7 @@ def train(cfg: RunConfig) -> int:
                                     saver=saver, optimizer_sharding=cfg.checkpoint.optimizer_sharding,
                                     write_extra=lambda folder: save_ahead(
                                         folder, ahead, dp_rank=ps.get_data_parallel_rank(),
-                                        dp_size=dp_size, leader=getattr(rollout, "leader", False)))
+                                        dp_size=dp_size, leader=rollout.leader))
                 return {"time/checkpoint": time.perf_counter() - begin}
 
             save_time, last_save_seconds, stopped = {}, 0.0, False
@@ -183,7 +185,7 @@ def train(cfg: RunConfig) -> int:
                     with timer("rollout_wait"):  # the trainer idles until the engines are done
                         ahead = rollout.collect()
                 with timer("refit"):  # the engines take step's weights between batches
-                    refit_stats = rollout.refit(models, version=step)
+                    refit_stats = _refit(rollout, models, version=step)
                 eval_metrics = {}
                 if evaluation is not None and cfg.eval.due(step, cfg.train.steps):
                     with timer("eval"):  # the refitted engines; outside time/step and throughput
@@ -232,8 +234,16 @@ def train(cfg: RunConfig) -> int:
                     closer()
 
 
+def _refit(rollout: Rollout, models: list, version: int) -> dict[str, float]:
+    """The engines take the weights of step ``version``: the updated parameters gathered (with
+    overlapped param gather the last step left them to the next forward), then exported to the
+    ranks that feed an engine. Collective."""
+    sync_params(models)
+    return rollout.refit(export_hf_weights(models, consumer=rollout.weight_consumer), version)
+
+
 @contextlib.contextmanager
-def _resident_beside_sleeping_engines(rollout, offload: TrainingStateOffload):
+def _resident_beside_sleeping_engines(rollout: Rollout, offload: TrainingStateOffload):
     """The training state on the device for a checkpoint save. Offloaded, it comes back only
     after the engines, awake since the refit, have gone to sleep: the two never share the GPU
     (about 26 GB of optimizer state and fp32 gradients against ~10 GB free beside an awake

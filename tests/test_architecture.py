@@ -304,7 +304,7 @@ def test_the_checks_see_a_planted_error():
     assert missing == ["megatron_dgpo/rollout/refit.py"]
     assert unknown == ["megatron_dgpo.comm.no_such_function", "megatron_dgpo.nowhere",
                        "megatron_dgpo/rollout/nowhere.py"]
-    assert imported_modules("megatron_dgpo/rollout/replica.py") >= {"megatron_dgpo.convert",
+    assert imported_modules("megatron_dgpo/rollout/replica.py") >= {"megatron_dgpo.data",
                                                                    "megatron_dgpo.rollout.refit"}
     assert comm_uses("megatron_dgpo/interrupt.py") == {"any_rank"}
     assert defines("megatron_dgpo/rollout/replica.py", "ReplicaRollout.refit")

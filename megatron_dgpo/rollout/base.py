@@ -1,4 +1,6 @@
-"""The rollout-engine interface: sample n responses per prompt with their log-probs, refit weights.
+"""The two interfaces of the rollout: ``RolloutEngine`` (one engine: sample n responses per prompt
+with their log-probs, refit weights) and ``Rollout`` (one DP replica's rollout as the trainer's
+loop drives it, whatever the engines' placement).
 
 Every engine returns, per prompt, ``n`` ``Completion`` objects (one sampled response each; the
 trainer's sequences are ``packing.Sample``, built from them by ``batch.Experience``) with
@@ -30,16 +32,20 @@ engine without them raises ``NotImplementedError``).
 
 Memory: ``sleep`` frees what the engine holds on the accelerator between generations, and
 ``reset_prefix_cache`` forgets cached prompt KV; an engine without either keeps what it holds.
+
+The loop and the rollout meet in ``Rollout`` only: the trainer makes its weights current and
+hands their export to ``Rollout.refit``, and takes each step's batch as a ``Sampled``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, NamedTuple, Protocol, Sequence
 
 import torch
 
+from megatron_dgpo.batch import Experience
 from megatron_dgpo.rollout.refit import RefitStats
 
 
@@ -140,3 +146,65 @@ class RolloutEngine(ABC):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class Sampled(NamedTuple):
+    """A replica's batch of one step, as a ``Rollout`` hands it to the trainer."""
+
+    batch: Experience
+    """The replica's prompt groups, graded, identical on every rank of the replica."""
+    metrics: dict[str, float]
+    """``rollout/*``, ``throughput/*`` (and the dedicated engines' ``time/engine_*``), the same
+    on every rank."""
+    prompts_used: int
+    """Prompts of the stream the step consumed (more than the batch after refill rounds)."""
+
+
+class Rollout(Protocol):
+    """One DP replica's rollout: ``ReplicaRollout`` (engines in the trainer's ranks) and
+    ``DedicatedRollout`` (engines on GPUs of their own). Every trainer rank holds one and calls
+    every method: they are collective over the trainer's world."""
+
+    @property
+    def replica_prompts(self) -> range:
+        """The batch positions (whole prompt groups) this replica samples and trains on."""
+
+    @property
+    def leader(self) -> bool:
+        """This rank leads its replica (the first rank of its model-parallel group): it keeps
+        the replica's batch generated ahead in a checkpoint."""
+
+    @property
+    def needs_first_refit(self) -> bool:
+        """The engines hold no weights yet: ``refit`` before the first ``sample``."""
+
+    @property
+    def weight_consumer(self) -> Literal["all", "first"]:
+        """Which ranks of the model-parallel group ``refit`` takes the weights on
+        (``export_hf_weights``' ``consumer``)."""
+
+    @property
+    def submitted(self) -> bool:
+        """A batch was submitted and not collected yet."""
+
+    def sample(self, prompts_consumed: int, refill_rounds: int = 0) -> Sampled:
+        """The batch that starts at stream position ``prompts_consumed``, with DAPO's
+        ``refill_rounds``, sampled with the weights the engines hold."""
+
+    def submit(self, prompts_consumed: int, refill_rounds: int = 0) -> None:
+        """``sample``'s batch, started with the weights the engines hold now and collected
+        later: one step ahead of the trainer (``rollout.max_staleness: 1``)."""
+
+    def collect(self) -> Sampled:
+        """The submitted batch; waits for it."""
+
+    def refit(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """The engines take ``weights`` (the export of step ``version``'s model, exhausted on
+        every rank) between batches; returns ``refit/*`` metrics (largest over the engines)."""
+
+    def sleep_engines(self) -> None:
+        """Free the engines' accelerator memory, weights kept, until the next ``sample``."""
+
+    def close(self) -> None:
+        """Free the engines and the grader workers."""
+

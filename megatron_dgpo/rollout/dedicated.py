@@ -54,13 +54,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo import comm, data
-from megatron_dgpo.advantages import drop_degenerate_groups
-from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.batch import Experience
-from megatron_dgpo.optimizer import sync_params
-from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
+from megatron_dgpo.rollout.base import Sampled
+from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
+                                            refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
-from megatron_dgpo.rollout.refit import RefitStats, run_bucketed_refit
+from megatron_dgpo.rollout.refit import RefitStats, refit_engines, run_bucketed_refit
 
 AHEAD_DIR = "rollout_ahead"
 """A checkpoint's folder for the batch generated ahead (one file per DP replica)."""
@@ -165,22 +164,19 @@ class _EngineServer:
         positions = command["positions"]
         mine = [positions[j] for j in shard_prompts(len(positions), self.layout.engines_per_replica,
                                                     self.engine_index)]
-        begin = time.perf_counter()
-        piece = self._sample(start, batch_prompts, mine)
-        rounds, discarded, group = 0, 0, self.cfg.rollout.group_size
-        while rounds < command["refill_rounds"]:
-            redo = comm.broadcast_object(
-                None if piece is None else
-                [k for k, keep in enumerate(drop_degenerate_groups(piece.rewards, group).keep[::group])
-                 if not keep], src=dist.get_rank() - dist.get_rank() % self.layout.engine_tp,
-                group=self.group)
-            if not redo:
-                break
-            rounds, discarded = rounds + 1, discarded + len(redo)
-            fresh = self._sample(start + rounds * batch_prompts, batch_prompts,
-                                 [mine[k] for k in redo])
-            if piece is not None:
-                piece = piece.replace_groups(redo, fresh, group)
+        begin, group = time.perf_counter(), self.cfg.rollout.group_size
+
+        def redo(piece: Experience | None) -> tuple[list[int], int]:
+            # the engine's leader grades; its TP peers sample again what it says
+            groups = comm.broadcast_object(
+                None if piece is None else degenerate_groups(piece, group),
+                src=dist.get_rank() - dist.get_rank() % self.layout.engine_tp, group=self.group)
+            return groups, len(groups)
+
+        piece, rounds, discarded = refill_degenerate_groups(
+            self._sample(start, batch_prompts, mine), mine, command["refill_rounds"],
+            start=start, batch_prompts=batch_prompts, group_size=group,
+            sample=lambda at, share: self._sample(at, batch_prompts, share), redo=redo)
         if piece is not None:
             piece.policy_version = self.version
         tokens = sum(len(r) for r in piece.response_tokens) if piece is not None else 0
@@ -293,6 +289,7 @@ class DedicatedRollout:
         self.replica_prompts = shard_prompts(batch_prompts, dp_size, dp_rank)
         self.leader = dist.get_rank() == min(dist.get_process_group_ranks(self.mp_group))
         self.needs_first_refit = True  # the engines start from random weights
+        self.weight_consumer = "first"  # the leader broadcasts the weights to its engines
         self.link, self._submitted, self._in_protocol = None, False, False
         if self.leader:
             self.link = comm.PeerGroup(launch_store(parallel.timeout_minutes),
@@ -324,7 +321,7 @@ class DedicatedRollout:
                                         "refill_rounds": int(refill_rounds)})
         self._submitted, self._refill = True, refill_rounds
 
-    def collect(self) -> tuple[Experience, dict[str, float], int]:
+    def collect(self) -> Sampled:
         """The submitted batch (``ReplicaRollout.sample``'s triple): waits for the engines,
         then shares the replica's samples inside its model-parallel group. Collective."""
         if not self._submitted:
@@ -342,10 +339,9 @@ class DedicatedRollout:
         batch.policy_version = comm.broadcast_object(
             pieces[0].policy_version if self.leader else None,
             src=min(dist.get_process_group_ranks(self.mp_group)), group=self.mp_group)
-        return batch, *self._metrics(stats)
+        return Sampled(batch, *self._metrics(stats))
 
-    def sample(self, prompts_consumed: int, refill_rounds: int = 0
-               ) -> tuple[Experience, dict[str, float], int]:
+    def sample(self, prompts_consumed: int, refill_rounds: int = 0) -> Sampled:
         """Synchronous: ``submit`` then ``collect``."""
         self.submit(prompts_consumed, refill_rounds)
         return self.collect()
@@ -376,36 +372,32 @@ class DedicatedRollout:
     def sleep_engines(self) -> None:
         """Nothing to free: dedicated engines own their GPUs (``ReplicaRollout.sleep_engines``)."""
 
-    def refit(self, models: list, version: int) -> dict[str, float]:
-        """Broadcast the trained weights (step ``version``) to this replica's engines, in the
-        colocated refit's buckets; between batches only. Collective (trainer world); returns
-        ``refit/*`` as ``ReplicaRollout.refit``."""
+    def refit(self, weights, version: int) -> dict[str, float]:
+        """Broadcast the trained weights of step ``version`` (the export, taken on the leader)
+        to this replica's engines, in the colocated refit's buckets; between batches only.
+        Collective (trainer world); returns ``refit/*`` as ``ReplicaRollout.refit``."""
         if self._submitted:
             raise RuntimeError("DedicatedRollout.refit: collect the batch in flight first (the "
                                "engines take weights between batches)")
-        sync_params(models)
-        pairs = export_hf_weights(models, consumer="first")
-        stats = None
-        if self.leader:
-            self._in_protocol = True
-            self.link.broadcast_object({"kind": "refit", "version": int(version)})
-            stats = run_bucketed_refit(pairs, self.config.refit_bucket_bytes,
-                                       lambda bucket: send_bucket(self.link, bucket))
-            self.link.broadcast_object({"kind": "end"})
-            answers = [self.link.recv_object(i) for i in range(1, self.layout.link_size)]
-            self._in_protocol = False
-            errors = [a for a in answers if a != "ok"]
-            if errors:
-                raise RuntimeError(f"refit of the dedicated engines failed: {errors[0]}")
-        else:
-            for _ in pairs:  # the other ranks take part in the gathers
-                pass
+        metrics = refit_engines(weights, (lambda pairs: self._broadcast_weights(pairs, version))
+                                if self.leader else None)
         self.version = version
         self.needs_first_refit = False
-        keys = tuple(RefitStats().as_metrics())
-        values = comm.reduce_values([stats.as_metrics()[k] if stats is not None else 0.0
-                                     for k in keys], "max")
-        return dict(zip(keys, values.tolist()))
+        return metrics
+
+    def _broadcast_weights(self, weights, version: int) -> RefitStats:
+        """Leader: the ``refit`` command, the buckets, ``end``; raises the engines' first error."""
+        self._in_protocol = True
+        self.link.broadcast_object({"kind": "refit", "version": int(version)})
+        stats = run_bucketed_refit(weights, self.config.refit_bucket_bytes,
+                                   lambda bucket: send_bucket(self.link, bucket))
+        self.link.broadcast_object({"kind": "end"})
+        answers = [self.link.recv_object(i) for i in range(1, self.layout.link_size)]
+        self._in_protocol = False
+        errors = [a for a in answers if a != "ok"]
+        if errors:
+            raise RuntimeError(f"refit of the dedicated engines failed: {errors[0]}")
+        return stats
 
     def close(self) -> None:
         """Stop the engines (their ranks exit 0). After an error in the middle of a command the
@@ -461,4 +453,4 @@ def load_ahead(checkpoint: Path | None, *, replica_prompts: range, group_size: i
                       joined.rollout_logprobs[lo:hi], joined.rewards[lo:hi], joined.truncated[lo:hi],
                       routed_experts=None if joined.routed_experts is None else joined.routed_experts[lo:hi])
     mine.policy_version = batches[0].policy_version
-    return mine, first["metrics"], first["prompts_used"]
+    return Sampled(mine, first["metrics"], first["prompts_used"])

@@ -13,7 +13,9 @@ random stream.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
+from megatron_dgpo.advantages import drop_degenerate_groups
 from megatron_dgpo.batch import Experience
 from megatron_dgpo.recipe import RolloutConfig
 from megatron_dgpo.rewards import RewardPool
@@ -96,3 +98,35 @@ def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: lis
                       rewards=[float(r) for r in rewards],
                       truncated=[s.finish_reason == "length" for s in samples],
                       routed_experts=routed if samples and routed[0] is not None else None)
+
+
+def degenerate_groups(piece: Experience, group_size: int) -> list[int]:
+    """The groups of ``piece`` whose rewards are all equal (their advantages are all 0)."""
+    keep = drop_degenerate_groups(piece.rewards, group_size).keep
+    return [k for k in range(len(piece) // group_size) if not keep[k * group_size]]
+
+
+def refill_degenerate_groups(piece: Experience | None, positions: list[int], max_rounds: int, *,
+                             start: int, batch_prompts: int, group_size: int,
+                             sample: Callable[[int, list[int]], Experience | None],
+                             redo: Callable[[Experience | None], tuple[list[int], int]]
+                             ) -> tuple[Experience | None, int, int]:
+    """DAPO's dynamic sampling (``algorithm.refill_rounds``) of ``piece``, the groups at batch
+    ``positions`` of the batch that starts at stream position ``start``: up to ``max_rounds``
+    times, the groups ``redo`` names are sampled again from the same positions of the stream's
+    next batch (``sample(stream position, batch positions)``), so a position's fate depends only
+    on its own stream, whatever the engines and replicas. ``redo(piece)`` gives the indices into
+    ``positions`` to sample again here and the groups discarded this round as the caller
+    counts them (0 ends the rounds); the ranks that sample together must agree on both. Returns
+    the piece, the rounds taken and the groups discarded."""
+    rounds = discarded = 0
+    while rounds < max_rounds:
+        mine, count = redo(piece)
+        if not count:
+            break
+        rounds, discarded = rounds + 1, discarded + count
+        if mine:
+            fresh = sample(start + rounds * batch_prompts, [positions[k] for k in mine])
+            if piece is not None:
+                piece = piece.replace_groups(mine, fresh, group_size)
+    return piece, rounds, discarded

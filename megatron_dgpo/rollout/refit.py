@@ -39,6 +39,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megatron_dgpo import comm
+
 DEFAULT_BUCKET_BYTES = 512 << 20
 """512 MiB, slime's default bucket for ``update_weight_from_tensor``."""
 
@@ -202,3 +204,21 @@ def run_bucketed_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket
         raise ValueError("refit: the weight stream is empty")
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def refit_engines(weights: Iterable[tuple[str, torch.Tensor]],
+                  load: Callable[[Iterable[tuple[str, torch.Tensor]]], RefitStats | None] | None
+                  ) -> dict[str, float]:
+    """A rank's part in a refit: ``load(weights)`` into the engines it feeds, or, on a rank
+    that feeds none (``load`` None), the export drained, since its gathers need every rank of
+    the model-parallel group. Returns ``RefitStats.as_metrics()``, each the largest over the
+    world, or {} when no engine kept statistics. Collective (world)."""
+    stats = None
+    if load is not None:
+        stats = load(weights)
+    else:
+        for _ in weights:
+            pass
+    keys = tuple(RefitStats().as_metrics())
+    values = comm.reduce_values([stats.as_metrics()[k] if stats is not None else 0.0 for k in keys], "max")
+    return dict(zip(keys, values.tolist())) if values.any() else {}

@@ -1,9 +1,11 @@
-"""One data-parallel replica's rollout, as the trainer drives it:
+"""One data-parallel replica's rollout on engines in the trainer's own ranks (colocated, or a
+separate engine on the replica's leader), as the trainer drives it (``base.Rollout``):
 
     rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=..., batch_prompts=...)
-    if resumed or rollout.needs_first_refit: rollout.refit(models, version=step)
+    weights = export_hf_weights(models, consumer=rollout.weight_consumer)  # after sync_params
+    if resumed or rollout.needs_first_refit: rollout.refit(weights, version=step)
     batch, metrics, used = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
-    metrics = rollout.refit(models, version=step)       # each engine from its own model-parallel group
+    metrics = rollout.refit(weights, version=step)      # each engine from its own model-parallel group
     rollout.close()
 
 Every rank constructs it and calls every method (they are collective). Where the engines sit
@@ -24,15 +26,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo import comm, data
-from megatron_dgpo.advantages import drop_degenerate_groups
-from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.batch import Experience
-from megatron_dgpo.optimizer import sync_params
 from megatron_dgpo.parallel import ParallelConfig
 from megatron_dgpo.recipe import DataConfig, RolloutConfig
-from megatron_dgpo.rollout.generate import build_engine, generate_experience, reward_pool
+from megatron_dgpo.rollout.base import Sampled
+from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
+                                            refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role, seed_root
-from megatron_dgpo.rollout.refit import RefitStats
+from megatron_dgpo.rollout.refit import refit_engines
 
 
 class ReplicaRollout:
@@ -60,7 +61,10 @@ class ReplicaRollout:
                                model_parallel_ranks=dist.get_process_group_ranks(self.mp_group),
                                dp_rank=dp_rank, dp_size=dp_size)
         self.role = rollout_role(**self._placement, num_prompts=batch_prompts)
+        self.leader = dist.get_rank() == min(self._placement["model_parallel_ranks"])
+        self.weight_consumer = "all" if self.colocated else "first"  # colocated: each rank's engine
         self.engine = self.pool = None
+        self._request = None  # the batch submitted and not collected yet
         if self.role.has_engine:
             self.prompts, self.tokenizer = data.load_prompts(data_config, hf_dir,
                                                              rollout.max_prompt_tokens)
@@ -92,65 +96,70 @@ class ReplicaRollout:
         empty without an engine): the held-out problems of an evaluation."""
         return rollout_role(**self._placement, num_prompts=num_items).prompts
 
-    def sample(self, prompts_consumed: int, refill_rounds: int = 0
-               ) -> tuple[Experience, dict[str, float], int]:
+    def sample(self, prompts_consumed: int, refill_rounds: int = 0) -> Sampled:
         """The replica's samples of the step that starts at stream position
         ``prompts_consumed`` (graded; identical on every rank of the replica), its metrics
         (``rollout/engines``, generation tokens/s per engine; with refill, the rounds and the
         discarded groups) and how many prompts of the stream the step used. Collective (world).
+        With ``refill_rounds`` (``generate.refill_degenerate_groups``) only a vector of flags
+        over the batch's positions crosses ranks."""
+        positions, seconds = list(self.role.prompts), []
 
-        ``refill_rounds`` (DAPO's dynamic sampling, ``algorithm.refill_rounds``): after each
-        round, every batch position whose group is degenerate is sampled again from the same
-        position of the next ``batch_prompts`` prompts of the stream, up to that many extra
-        rounds. A position's fate depends only on its own stream, so the result is the same
-        for any number of engines and replicas; only a vector of flags crosses ranks."""
-        piece, generation_s, group = None, 0.0, self.config.group_size
-        positions = list(self.role.prompts)
-        if self.role.has_engine:
-            piece, generation_s = self._generate(prompts_consumed, positions)
-        rounds, discarded = 0, 0.0
-        while rounds < refill_rounds:
-            redo = self._degenerate_positions(piece, positions)
-            if not redo.any():
-                break
-            rounds, discarded = rounds + 1, discarded + float(redo.sum())
-            mine = [k for k, p in enumerate(positions) if redo[p]]
-            if self.role.has_engine and mine:
-                start = prompts_consumed + rounds * self.batch_prompts
-                fresh, seconds = self._generate(start, [positions[k] for k in mine])
-                generation_s += seconds
-                if piece is not None:
-                    piece = piece.replace_groups(mine, fresh, group)
+        def generate(start: int, share: list[int]) -> Experience | None:
+            begin = time.perf_counter()
+            indices = data.prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
+            piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
+                                        indices, share, self.config,
+                                        train_seed=self.seed, prompts_consumed=start)
+            seconds.append(time.perf_counter() - begin)
+            return piece
+
+        piece = generate(prompts_consumed, positions) if self.role.has_engine else None
+        piece, rounds, discarded = refill_degenerate_groups(
+            piece, positions, refill_rounds, start=prompts_consumed,
+            batch_prompts=self.batch_prompts, group_size=self.config.group_size,
+            sample=generate, redo=lambda p: self._degenerate_positions(p, positions))
         if self.role.has_engine:  # GPU: free the KV cache for training; CPU: logs once
             self.engine.sleep()
         # A rank that graded nothing takes its replica's samples from the ranks that did.
         batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(self.mp_group)
         batch.policy_version = self.version
-        metrics = self._engine_metrics(piece, generation_s)
+        metrics = self._engine_metrics(piece, sum(seconds))
         if refill_rounds:
             metrics.update({"rollout/refill_rounds": float(rounds),
-                            "rollout/discarded_groups": discarded})
-        return batch, metrics, (1 + rounds) * self.batch_prompts
+                            "rollout/discarded_groups": float(discarded)})
+        return Sampled(batch, metrics, (1 + rounds) * self.batch_prompts)
 
-    def _generate(self, start: int, positions: list[int]) -> tuple[Experience | None, float]:
-        """This engine's groups at batch ``positions`` of the batch that starts at stream
-        position ``start`` (None on ranks that do not grade), and the seconds it took."""
-        indices = data.prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
-        begin = time.perf_counter()
-        piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
-                                    indices, positions, self.config,
-                                    train_seed=self.seed, prompts_consumed=start)
-        return piece, time.perf_counter() - begin
+    @property
+    def submitted(self) -> bool:
+        """A batch was submitted and not collected yet."""
+        return self._request is not None
 
-    def _degenerate_positions(self, piece: Experience | None, positions: list[int]) -> torch.Tensor:
-        """[batch_prompts] bool, the same on every rank: which batch positions hold a group whose
-        rewards are all equal (each grading rank flags its own positions; one MAX all-reduce)."""
+    def submit(self, prompts_consumed: int, refill_rounds: int = 0) -> None:
+        """``sample``'s batch, sampled at ``collect``: these engines share the trainer's ranks,
+        so they generate while the trainer waits, with the weights they hold then (the refit
+        comes after ``collect``)."""
+        if self._request is not None:
+            raise RuntimeError("ReplicaRollout.submit: the previous batch was not collected")
+        self._request = (prompts_consumed, refill_rounds)
+
+    def collect(self) -> Sampled:
+        """The submitted batch, sampled now."""
+        if self._request is None:
+            raise RuntimeError("ReplicaRollout.collect: nothing was submitted")
+        request, self._request = self._request, None
+        return self.sample(*request)
+
+    def _degenerate_positions(self, piece: Experience | None, positions: list[int]
+                              ) -> tuple[list[int], int]:
+        """Which of ``positions`` hold a degenerate group, and how many batch positions do on
+        the whole job (each grading rank flags its own; one MAX all-reduce of the flags)."""
         flags = torch.zeros(self.batch_prompts, dtype=torch.float64)
         if piece is not None:
-            keep = drop_degenerate_groups(piece.rewards, self.config.group_size).keep
-            for k, position in enumerate(positions):
-                flags[position] = float(not keep[k * self.config.group_size])
-        return comm.reduce_values(flags, "max") > 0
+            for k in degenerate_groups(piece, self.config.group_size):
+                flags[positions[k]] = 1.0
+        redo = comm.reduce_values(flags, "max") > 0
+        return [k for k, p in enumerate(positions) if redo[p]], int(redo.sum())
 
     def sleep_engines(self) -> None:
         """This rank's engine frees its accelerator memory, its weights kept in host memory,
@@ -159,25 +168,17 @@ class ReplicaRollout:
         if self.role.has_engine:
             self.engine.sleep(keep_weights=True)
 
-    def refit(self, models: list, version: int) -> dict[str, float]:
-        """Stream the trained weights (of step ``version``) into this rank's engine, a collective over the replica's
+    def refit(self, weights, version: int) -> dict[str, float]:
+        """The trained weights of step ``version`` (the export, ``weight_consumer``'s ranks
+        taking the pairs) into this rank's engine, a collective over the replica's
         model-parallel group only (each replica feeds its own engines): colocated engines take
         the full HF tensors on every rank (each engine rank slices its TP shard); a separate or
         transformers engine on the replica leader takes them there. Returns ``refit/buckets``,
         ``refit/max_bucket_bytes``, ``refit/seconds`` (largest over the engines; collective:
         world), or {} without bucket statistics (transformers engine)."""
-        sync_params(models)  # overlapped param gather: the updated weights, not the last forward's
-        pairs = export_hf_weights(models, consumer="all" if self.colocated else "first")
-        if self.engine is not None:
-            stats = self.engine.update_weights(pairs)
-        else:
-            for _ in pairs:  # the other ranks take part in the gathers
-                pass
-            stats = None
+        metrics = refit_engines(weights, self.engine.update_weights if self.engine is not None else None)
         self.version = version
-        keys = tuple(RefitStats().as_metrics())
-        values = comm.reduce_values([stats.as_metrics()[k] if stats is not None else 0.0 for k in keys], "max")
-        return dict(zip(keys, values.tolist())) if values.any() else {}
+        return metrics
 
     def close(self) -> None:
         """Free the engine and the reward workers (Ctrl-C included)."""
