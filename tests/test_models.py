@@ -16,7 +16,7 @@ from megatron_dgpo.convert.transforms import hf_tensors, megatron_shape
 from megatron_dgpo.model import transformer_config_from_hf
 from megatron_dgpo.models import FAMILIES, Family, describe
 from megatron_dgpo.planner.catalogue import PUBLISHED_CONFIGS
-from megatron_dgpo.planner.inputs import Architecture
+from megatron_dgpo.planner.inputs import PlannedModel
 from megatron_dgpo.planner.parameters import padded_vocab, param_count
 from tests._rank_fns_model import TINY_QWEN2
 
@@ -81,7 +81,7 @@ def test_planner_counts_published_moe_models_as_transformers_does(hub_id):
     the parameters of transformers' model of the config (meta device: fused experts, same
     count), and the model card's size."""
     cfg = PUBLISHED_CONFIGS[hub_id]
-    ours = param_count(Architecture.from_hf_config(cfg))
+    ours = param_count(PlannedModel.from_hf_config(cfg).description)
     assert ours == sum(p.numel() for p in _transformers_model(cfg).parameters())
     assert f"{ours / 1e9:.1f}" == {"Qwen/Qwen3-30B-A3B": "30.5",
                                    "Qwen/Qwen3-235B-A22B": "235.1"}[hub_id]
@@ -98,12 +98,9 @@ def _check_one_description(cfg: dict, tp: int = 2) -> None:
     assert tc.add_qkv_bias == desc.qkv_bias and not tc.add_bias_linear
     assert (spec.family, spec.vocab_size, spec.tie_word_embeddings) == \
         (desc.family.name, d.vocab, desc.tie_word_embeddings)
-    # the planner
-    arch = Architecture.from_hf_config(cfg)
-    assert (arch.hidden, arch.layers, arch.heads, arch.kv_heads, arch.head_dim,
-            arch.intermediate, arch.vocab, arch.qkv_bias, arch.tie_word_embeddings) == \
-        (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim, d.ffn, d.vocab, desc.qkv_bias,
-         desc.tie_word_embeddings)
+    # the planner holds this very description (read at TP 1: it pads the vocabulary per layout)
+    planned = PlannedModel.from_hf_config(cfg).description
+    assert planned == describe(cfg)
     assert padded_vocab(d.vocab, tp) == d.padded_vocab
     # the converter's HF side against transformers' own model of the config
     reference = _transformers_shapes(cfg)
@@ -111,11 +108,11 @@ def _check_one_description(cfg: dict, tp: int = 2) -> None:
     ours = {name: shape for pm, layer in iter_params(params, d.layers)
             for name, shape in hf_tensors(pm, layer, d)}
     assert ours == reference
-    assert param_count(arch) == sum(torch.Size(s).numel() for s in reference.values())
+    assert param_count(planned) == sum(torch.Size(s).numel() for s in reference.values())
     # the converter's Megatron side against the planner's count at the padded vocabulary
     megatron = sum(torch.Size(megatron_shape(pm, d)).numel() * (d.layers if pm.per_layer else 1)
                    for pm in params)
-    assert megatron == param_count(arch, vocab_rows=d.padded_vocab)
+    assert megatron == param_count(planned, vocab_rows=d.padded_vocab)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -128,7 +125,7 @@ def test_a_refused_quirk_is_refused_by_all_readers():
     does not cover: builder, converter (via describe) and planner all refuse it."""
     assert "model.layers.0.self_attn.o_proj.bias" in _transformers_shapes(
         dict(TINY_LLAMA_GQA, attention_bias=True))
-    for reader in (describe, transformer_config_from_hf, Architecture.from_hf_config):
+    for reader in (describe, transformer_config_from_hf, PlannedModel.from_hf_config):
         with pytest.raises(ValueError, match="attention_bias=True is not supported"):
             reader(dict(TINY_LLAMA_GQA, attention_bias=True))
 
@@ -146,7 +143,7 @@ def test_a_family_is_one_registry_entry(monkeypatch):
                tie_word_embeddings=False)
     _check_one_description(cfg)
     windowed = dict(cfg, sliding_window=4096)
-    for reader in (describe, transformer_config_from_hf, Architecture.from_hf_config):
+    for reader in (describe, transformer_config_from_hf, PlannedModel.from_hf_config):
         with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
             reader(windowed)
     monkeypatch.delitem(FAMILIES, "mistral")

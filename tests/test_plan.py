@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from megatron_dgpo.models import describe
 from megatron_dgpo.planner.catalogue import PUBLISHED
 from megatron_dgpo.planner.cli import main
-from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, PlannedModel, Workload
 from megatron_dgpo.planner.memory_terms import (activation_bytes, grad_bytes, optimizer_bytes,
                                                 vllm_bytes, weight_bytes)
 from megatron_dgpo.planner.parameters import padded_vocab, param_count, stage_params
@@ -33,9 +35,11 @@ TINY_CONFIGS = {"qwen2_untied": TINY_QWEN2,
                 "qwen2_tied": dict(TINY_QWEN2, tie_word_embeddings=True),
                 "llama_tied_mha": TINY_LLAMA}
 
-# h=64, L=4, a=4 heads of d=16, g=2 KV groups, f=96, V=1000, untied, QKV bias
-SMALL = Architecture("small", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=96,
-                     vocab=1000, tie_word_embeddings=False, qkv_bias=True)
+# h=64, L=4, a=4 heads of d=16, g=2 KV groups, f=96, V=1000, untied, QKV bias (Qwen2)
+SMALL = describe(dict(model_type="qwen2", hidden_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                      vocab_size=1000, tie_word_embeddings=False))
+SMALL_MODEL = PlannedModel("small", SMALL)
 
 
 # --------------------------------------------------------------------------- by hand
@@ -48,7 +52,7 @@ def test_parameter_counts_by_hand():
     norms = 64 + 64
     layer = q + k + v + bias + o + gate + up + down + norms  # 30976
     assert param_count(SMALL) == 1000 * 64 + 4 * layer + 64 + 1000 * 64
-    assert param_count(replace_arch(SMALL, tie_word_embeddings=True)) == \
+    assert param_count(replace(SMALL, tie_word_embeddings=True)) == \
         1000 * 64 + 4 * layer + 64
     assert padded_vocab(1000, 1) == 1024 and padded_vocab(1000, 2) == 1024
     assert padded_vocab(1000, 8) == 1024 and padded_vocab(1100, 8) == 2048
@@ -58,17 +62,16 @@ def test_parameter_counts_by_hand():
     assert stage_params(SMALL, 2, 2, 0) == 2 * layer_tp2 + 1024 * 64 // 2
     assert stage_params(SMALL, 2, 2, 1) == 2 * layer_tp2 + 64 + 1024 * 64 // 2
     # tied at PP1: no output matrix; tied at PP2: the last stage keeps its copy
-    tied = replace_arch(SMALL, tie_word_embeddings=True)
+    tied = replace(SMALL, tie_word_embeddings=True)
     assert stage_params(tied, 1, 1, 0) == 4 * layer + 64 + 1024 * 64
     assert stage_params(tied, 1, 2, 1) == 2 * layer + 64 + 1024 * 64
     with pytest.raises(ValueError, match="pipeline_parallel 3 does not divide 4 layers"):
         stage_params(SMALL, 1, 3, 0)
 
 
-def replace_arch(arch: Architecture, **changes) -> Architecture:
-    from dataclasses import replace
-
-    return replace(arch, **changes)
+def with_dims(desc, **changes):
+    """``desc`` with some of its dimensions changed (a what-if)."""
+    return replace(desc, dims=replace(desc.dims, **changes))
 
 
 def _small_work(**changes) -> Workload:
@@ -96,7 +99,7 @@ def test_memory_terms_by_hand():
     vllm = 251968 * 2 + (1 << 30)  # all weights in bf16 on vLLM's one GPU + its KV cache
 
     # a separate engine on global rank 0's GPU (stage 0), awake through training: added
-    first = estimate(SMALL, cluster, layout, _small_work(rollout_placement="separate"))
+    first = estimate(SMALL_MODEL, cluster, layout, _small_work(rollout_placement="separate"))
     assert first.stage == "first" and not first.vllm_sleeps and first.engines == 2
     assert first.weights == 2 * first_params
     assert first.grads == 4 * first_params
@@ -116,7 +119,8 @@ def test_memory_terms_by_hand():
 
     # colocated (the default): an engine of rollout_tp=1 GPU in each of the 16 ranks, on every
     # stage, asleep while training, so a stage holds max(vLLM, activations + logits)
-    colocated = [estimate(SMALL, cluster, layout, _small_work(sleep_mode=s)) for s in (True, False)]
+    colocated = [estimate(SMALL_MODEL, cluster, layout, _small_work(sleep_mode=s))
+                 for s in (True, False)]
     assert [(e.engines, e.vllm, e.vllm_sleeps) for e in colocated] == [(16, vllm, True),
                                                                         (16, vllm, False)]
     static = {e.stage: e.weights + e.grads + e.optimizer + e.nccl for e in colocated}
@@ -127,14 +131,14 @@ def test_memory_terms_by_hand():
         vllm, asleep.activations + asleep.logits + asleep.cache + GIB)
     assert awake.total == static[awake.stage] + vllm + \
         awake.activations + awake.logits + awake.cache
-    eager = estimate(SMALL, cluster, layout, _small_work(enforce_eager=True))
+    eager = estimate(SMALL_MODEL, cluster, layout, _small_work(enforce_eager=True))
     assert eager.graphs == 0 and eager.vllm_sleeps
-    default_tp = estimate(SMALL, cluster, layout, _small_work(rollout_tp=None))
+    default_tp = estimate(SMALL_MODEL, cluster, layout, _small_work(rollout_tp=None))
     assert default_tp.engines == 16 // 2  # PP 2 with DP 2: one engine of TP GPUs per stage
-    assert estimate(SMALL, cluster, Layout(tp=8, pp=2, cp=1, dp=1),
+    assert estimate(SMALL_MODEL, cluster, Layout(tp=8, pp=2, cp=1, dp=1),
                     _small_work(rollout_tp=None)).engines == 1  # DP 1: TP x PP per engine
 
-    last = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False))
+    last = estimate(SMALL_MODEL, cluster, layout, _small_work(colocated_rollout=False))
     assert last.stage == "last"
     logits = 2 * tokens * (1024 // 2) * 2  # logits + gradient, bf16, V_pad / TP columns
     workspace = 2 * 256 * 512 * 4  # two float32 [chunk 256, 512] buffers
@@ -184,7 +188,7 @@ def test_activations_follow_sequence_parallelism_by_hand():
             activation_bytes(SMALL, tokens, layers, in_flight, 1, recompute)
     # the 14B recipe at TP4, 16k-token rows, full recompute: 8.5 GiB without sequence
     # parallelism (the trainer before it was on), 2.4 GiB with it
-    qwen14 = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"]
+    qwen14 = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"].description
     off = activation_bytes(qwen14, 16384, 48, 1, 4, True, sequence_parallel=False) / GIB
     on = activation_bytes(qwen14, 16384, 48, 1, 4, True) / GIB
     assert (round(off, 2), round(on, 2)) == (8.54, 2.44)
@@ -196,8 +200,8 @@ def test_logits_bytes_follow_the_logits_dtype():
     cluster = Cluster(gpus_per_node=8, nodes=1, gpu_memory_gb=80)
     layout = Layout(tp=2, pp=1, cp=1, dp=4)
     workspace = 2 * 256 * 512 * 4
-    bf16 = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False))
-    fp32 = estimate(SMALL, cluster, layout, _small_work(colocated_rollout=False,
+    bf16 = estimate(SMALL_MODEL, cluster, layout, _small_work(colocated_rollout=False))
+    fp32 = estimate(SMALL_MODEL, cluster, layout, _small_work(colocated_rollout=False,
                                                         logits_dtype_bytes=4))
     assert bf16.logits == 2 * 4096 * 512 * 2 + workspace
     assert fp32.logits == 2 * 4096 * 512 * 4 + workspace
@@ -228,7 +232,7 @@ def test_published_bytes_per_parameter():
 ])
 def test_formula_counts_match_published_totals(hub_id, published):
     """Model-card totals (safetensors parameter counts) to 3 significant digits."""
-    count = param_count(PUBLISHED[hub_id])
+    count = param_count(PUBLISHED[hub_id].description)
     digits = 10 ** (len(str(count)) - 3)
     assert round(count / digits) * digits == published
 
@@ -266,12 +270,12 @@ def test_formula_counts_equal_megatron_built_model():
     results = run_ranks(count_params_fn, 4)
     for rank, result in enumerate(results):
         for name, cfg in TINY_CONFIGS.items():
-            arch = Architecture.from_hf_config(cfg, name=name)
-            assert arch.qkv_bias == (cfg["model_type"] == "qwen2")
+            desc = PlannedModel.from_hf_config(cfg, name=name).description
+            assert desc.qkv_bias == (cfg["model_type"] == "qwen2")
             whole = result[(1, 1, name)]
-            assert whole["count"] == param_count(arch, padded_vocab(cfg["vocab_size"], 1)), name
+            assert whole["count"] == param_count(desc, padded_vocab(cfg["vocab_size"], 1)), name
             sharded = result[(2, 2, name)]
-            assert sharded["count"] == stage_params(arch, 2, 2, sharded["stage"]), (name, rank)
+            assert sharded["count"] == stage_params(desc, 2, 2, sharded["stage"]), (name, rank)
         grads = result["main_grad"]
         assert grads["fp32"] and grads["numel"] == grads["count"]  # 4 bytes per parameter
     # ranks 0, 1 are stage 0 and ranks 2, 3 stage 1 (Megatron's order: TP innermost, PP outermost)
@@ -328,7 +332,7 @@ def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
         assert g["weights"] + g["nccl"] + phases + g["overhead"] == pytest.approx(g["total"])
         assert len(row["nccl_communicators"]) * 32 * 9.1875 / 1024 == pytest.approx(g["nccl"])
         assert row["fits"] == (row["gib"]["total"] <= 80)
-    assert data["params"] == param_count(arch)
+    assert data["params"] == param_count(arch.description)
     # only layouts the trainer can run: no context parallelism
     assert {row["layout"]["cp"] for row in data["layouts"]} == {1}
 
@@ -403,8 +407,6 @@ def test_bad_recipe_input_is_named(capsys, tmp_path):
 def test_offloaded_training_state_is_counted_only_while_vllm_is_awake():
     """train.offload_training_state: the rollout phase no longer holds gradients and optimizer
     state, so the peak drops to max(training, weights + vLLM) and smaller layouts fit."""
-    from dataclasses import replace
-
     from megatron_dgpo.recipe import load_recipe
 
     run = load_recipe(RECIPE_14B)
@@ -468,9 +470,12 @@ def test_explain_prints_every_term_with_its_value(capsys):
 # --------------------------------------------------------------------------- mixture of experts
 
 # h=64, L=4, a=4 of d=16, g=2, E=8 experts of f_e=32, top-2, untied, q/k norms, no QKV bias
-SMALL_MOE = Architecture("small_moe", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=96,
-                         vocab=1000, tie_word_embeddings=False, qkv_bias=False, qk_norm=True,
-                         experts=8, moe_ffn=32, topk=2)
+# (Qwen3-MoE)
+SMALL_MOE = describe(dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                          vocab_size=1000, tie_word_embeddings=False, num_experts=8,
+                          moe_intermediate_size=32, num_experts_per_tok=2))
+SMALL_MOE_MODEL = PlannedModel("small_moe", SMALL_MOE)
 
 
 def test_moe_parameter_counts_by_hand():
@@ -491,7 +496,7 @@ def test_moe_parameter_counts_by_hand():
 
 
 def _moe_estimate(layout: Layout, **work):
-    return estimate(SMALL_MOE, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80), layout,
+    return estimate(SMALL_MOE_MODEL, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80), layout,
                     _small_work(colocated_rollout=False, **work))
 
 
@@ -514,20 +519,18 @@ def test_moe_memory_terms_follow_expert_parallelism():
 def test_moe_dispatcher_buffers_and_expert_activations():
     """alltoall: T k h b (1 + 2 ETP) with T = s / TP, linear in top-k; allgather gathers the EP
     group's tokens; the routed copies' MLP activations are k (ETP h + 3 f_e) per token."""
-    from dataclasses import replace
-
     from megatron_dgpo.planner.memory_terms import (activation_elements_per_token_layer,
                                                     dispatcher_bytes)
 
     lay = Layout(tp=2, pp=1, cp=1, dp=8, ep=4, etp=1)
     one = _moe_estimate(lay)
     assert one.dispatch == 4096 // 2 * 2 * 64 * 2 * (1 + 2)
-    top4 = replace(SMALL_MOE, topk=4)
+    top4 = with_dims(SMALL_MOE, topk=4)
     assert dispatcher_bytes(top4, 4096, 2, 4, 1) == 2 * one.dispatch
     assert dispatcher_bytes(SMALL_MOE, 4096, 2, 4, 2) == 4096 // 2 * 2 * 64 * 2 * (1 + 4)
     assert dispatcher_bytes(SMALL_MOE, 4096, 2, 4, 1, "allgather") == \
         4096 // 2 * 64 * 2 * (4 + 2 * 2)
-    assert dispatcher_bytes(replace(SMALL_MOE, experts=0, moe_ffn=0, topk=0), 4096, 2, 1, 1) == 0
+    assert dispatcher_bytes(with_dims(SMALL_MOE, experts=0, moe_ffn=0, topk=0), 4096, 2, 1, 1) == 0
     # attention (4 h + 2 a d + 2 g d) + q/k norm inputs (a d + g d) + k (ETP h + 3 f_e)
     assert activation_elements_per_token_layer(SMALL_MOE) == \
         4 * 64 + 2 * 64 + 2 * 32 + (64 + 32) + 2 * (64 + 3 * 32)
@@ -542,7 +545,7 @@ def test_moe_engine_holds_every_expert_and_too_small_an_engine_does_not_fit():
     work = _small_work(kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
     reserve, notes = vllm_bytes(SMALL_MOE, cluster, work)
     assert reserve == 40 * GIB and not notes
-    huge = PUBLISHED["Qwen/Qwen3-235B-A22B"]
+    huge = PUBLISHED["Qwen/Qwen3-235B-A22B"].description
     reserve, notes = vllm_bytes(huge, cluster, replace_work(work, rollout_tp=4,
                                                             gpu_memory_utilization=0.75))
     weights = param_count(huge) * 2 // 4
@@ -550,8 +553,6 @@ def test_moe_engine_holds_every_expert_and_too_small_an_engine_does_not_fit():
 
 
 def replace_work(work: Workload, **changes) -> Workload:
-    from dataclasses import replace
-
     return replace(work, **changes)
 
 
@@ -564,7 +565,8 @@ def test_moe_plan_searches_expert_parallelism_and_the_cli_fixes_it(capsys):
     cluster = Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80)
     work = _small_work(rollout_tp=None)
     layouts = candidate_layouts(arch, cluster, work)
-    assert layouts and all(arch.experts % lay.ep == 0 and (16 // lay.pp) % (lay.ep * lay.etp) == 0
+    experts = arch.description.dims.experts
+    assert layouts and all(experts % lay.ep == 0 and (16 // lay.pp) % (lay.ep * lay.etp) == 0
                            and lay.etp in (1, lay.tp) for lay in layouts)
     assert {lay.ep for lay in candidate_layouts(arch, cluster, work, expert_parallel=4)} == {4}
     recipe = os.path.join(ROOT, "recipes", "qwen3_30b_a3b.yaml")

@@ -12,9 +12,10 @@ from dataclasses import replace
 
 import pytest
 
+from megatron_dgpo.models import describe
 from megatron_dgpo.planner.catalogue import PUBLISHED
 from megatron_dgpo.planner.cli import main
-from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, Workload
 from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token, nccl_bytes
 from megatron_dgpo.planner.parameters import param_count
 from megatron_dgpo.planner.peak import dedicated_engine_estimate, estimate
@@ -29,9 +30,10 @@ RECIPE_14B = os.path.join(ROOT, "recipes", "dgpo_14b.yaml")
 RECIPE_14B_ASYNC = os.path.join(ROOT, "recipes", "dgpo_14b_async.yaml")
 R1_14B = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"]
 
-# h=64, L=4, a=4 heads of d=16, g=2 KV groups, f=96, V=1000, untied, QKV bias
-SMALL = Architecture("small", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=96,
-                     vocab=1000, tie_word_embeddings=False, qkv_bias=True)
+# h=64, L=4, a=4 heads of d=16, g=2 KV groups, f=96, V=1000, untied, QKV bias (Qwen2)
+SMALL = describe(dict(model_type="qwen2", hidden_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                      vocab_size=1000, tie_word_embeddings=False))
 # round numbers, so that the expected seconds below are arithmetic on the page
 ROUND = Hardware("round", peak_tflops=100, hbm_gb_per_s=1000, nvlink_gb_per_s=100,
                  network_gb_per_s=10, pcie_gb_per_s=20, train_mfu=0.5,
@@ -71,7 +73,7 @@ def test_dedicated_trainer_has_no_vllm_and_the_engine_gpu_is_estimated_by_hand()
         assert "refit link" in e.communicators
 
     eng = dedicated_engine_estimate(R1_14B, cluster, work)
-    weights = param_count(R1_14B) * 2 // 2
+    weights = param_count(R1_14B.description) * 2 // 2
     assert (eng.engines, eng.engine_tp) == (4, 2)
     assert eng.reserve == int(0.85 * 80 * GIB) and eng.weights == weights
     assert eng.kv_cache == int(0.85 * 80 * GIB) - weights
@@ -79,7 +81,7 @@ def test_dedicated_trainer_has_no_vllm_and_the_engine_gpu_is_estimated_by_hand()
     # a reserve that cannot hold the weights and one full-length sequence is counted at the
     # least the engine needs, with a note; a reserve above the GPU does not fit
     tiny = dedicated_engine_estimate(R1_14B, cluster, replace(work, gpu_memory_utilization=0.05))
-    per_seq = 1024 * kv_cache_bytes_per_token(R1_14B) // 2
+    per_seq = 1024 * kv_cache_bytes_per_token(R1_14B.description) // 2
     assert tiny.reserve == weights + per_seq and "would not start" in tiny.notes[0]
     huge = dedicated_engine_estimate(R1_14B, cluster, replace(work, kv_cache_memory_bytes=90 * GIB))
     assert not huge.fits
@@ -180,14 +182,15 @@ def test_generation_has_a_tail_floor_that_more_engines_do_not_shorten():
     is what makes dedicated engines pay at scale."""
     shape = StepShape(prompts=64, group_size=8, max_response_tokens=8192, mean_prompt_tokens=200,
                       mean_response_tokens=4096, max_num_seqs=256)
-    times = [generation_seconds(R1_14B, shape, ROUND, engines=e, engine_tp=4,
+    desc = R1_14B.description
+    times = [generation_seconds(desc, shape, ROUND, engines=e, engine_tp=4,
                                 kv_cache_bytes_per_engine_gpu=60 * GIB) for e in (1, 2, 4, 64, 128)]
     assert times[0] > times[1] > times[2] > times[3] >= times[4]
-    floor = 8192 * (2 * active_params(R1_14B) / 4 / (1000e9 * 0.5) + 0.001)
+    floor = 8192 * (2 * active_params(desc) / 4 / (1000e9 * 0.5) + 0.001)
     assert times[4] > floor and times[4] < 1.5 * floor
     # training, in contrast, keeps scaling with its GPUs
-    assert training_seconds(R1_14B, shape, ROUND, gpus=64) == pytest.approx(
-        training_seconds(R1_14B, shape, ROUND, gpus=32) / 2)
+    assert training_seconds(desc, shape, ROUND, gpus=64) == pytest.approx(
+        training_seconds(desc, shape, ROUND, gpus=32) / 2)
 
 
 def test_step_time_estimate_of_the_14b_recipes():
@@ -267,12 +270,14 @@ def test_step_times_are_monotonic_in_the_lengths():
                      mean_response_tokens=4096, recompute=True)
     longer = replace(base, mean_response_tokens=6000)
 
+    desc = R1_14B.description
+
     def total(shape):
-        return sum(t.step_s for t in step_times(R1_14B, shape, ROUND, world=32, rollout_gpus=8,
+        return sum(t.step_s for t in step_times(desc, shape, ROUND, world=32, rollout_gpus=8,
                                                   engine_tp=4, kv_cache_bytes_per_engine_gpu=60 * GIB))
     assert total(longer) > total(base) > total(replace(base, mean_prompt_tokens=50))
     assert math.isfinite(total(base))
-    assert isinstance(step_times(R1_14B, base, ROUND, world=32, rollout_gpus=0, engine_tp=4,
+    assert isinstance(step_times(desc, base, ROUND, world=32, rollout_gpus=0, engine_tp=4,
                                  kv_cache_bytes_per_engine_gpu=GIB)[0], StepTime)
 
 

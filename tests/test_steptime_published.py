@@ -21,7 +21,7 @@ from megatron_dgpo.planner.steptime import (HARDWARE, StepShape, experts_touched
                                             shared_params)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN3_MOE = PUBLISHED["Qwen/Qwen3-30B-A3B"]
+QWEN3_MOE = PUBLISHED["Qwen/Qwen3-30B-A3B"].description
 
 KNOWN_MISSES = {("Llama-3.3-70B, 16k, 128 GPUs TP4 PP4 CP4", "training"),
                 ("Llama-3.3-70B, 16k, 128 GPUs TP4 PP4 CP4", "logprobs")}
@@ -84,7 +84,7 @@ def test_moe_decode_reads_the_experts_its_sequences_touch():
     assert experts_touched_share(QWEN3_MOE, 1) == pytest.approx(k_over_e)
     assert experts_touched_share(QWEN3_MOE, 16) == pytest.approx(1 - (1 - k_over_e) ** 16)
     assert experts_touched_share(QWEN3_MOE, 128) > 0.9997
-    assert experts_touched_share(PUBLISHED["Qwen/Qwen3-32B"], 1) == 1.0
+    assert experts_touched_share(PUBLISHED["Qwen/Qwen3-32B"].description, 1) == 1.0
     shape = StepShape(prompts=64, group_size=32, max_response_tokens=3968, mean_prompt_tokens=128,
                       mean_response_tokens=3000, max_num_seqs=1024, seeded_sampling=False)
     hw = HARDWARE["h100"]
@@ -103,21 +103,21 @@ def test_moe_decode_reads_the_experts_its_sequences_touch():
 def test_seeded_sampling_term_and_its_switch():
     """Seeded requests cost vLLM's per-row draw (8.9 ms for 1024 rows of 152064 on an H200)
     instead of the batched one (0.88 ms) on every decode step; the switch removes it."""
-    arch = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"]
+    desc = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"].description
     shape = StepShape(prompts=128, group_size=8, max_response_tokens=8192, mean_prompt_tokens=200,
                       mean_response_tokens=4096, max_num_seqs=1024)
     hw = HARDWARE["h100"]
     kw = dict(engines=1, engine_tp=4, kv_cache_bytes_per_engine_gpu=60 * GIB)
-    seeded = generation_terms(arch, shape, hw, **kw)
-    batched = generation_terms(arch, replace(shape, seeded_sampling=False), hw, **kw)
+    seeded = generation_terms(desc, shape, hw, **kw)
+    batched = generation_terms(desc, replace(shape, seeded_sampling=False), hw, **kw)
     rows = seeded["bulk_steps"] * seeded["concurrent"] + seeded["tail_steps"] * seeded["tail_running"]
-    assert seeded["sampling_s"] == pytest.approx(rows * arch.vocab * 8.9e-3 / (1024 * 152064))
+    assert seeded["sampling_s"] == pytest.approx(rows * desc.dims.vocab * 8.9e-3 / (1024 * 152064))
     assert seeded["total"] - batched["total"] == pytest.approx(
-        rows * arch.vocab * (8.9e-3 - 0.88e-3) / (1024 * 152064))
+        rows * desc.dims.vocab * (8.9e-3 - 0.88e-3) / (1024 * 152064))
     # 1024 seeded rows at vocab 152064: 8.9 ms a step
     per_step = seeded["bulk_step_s"] - batched["bulk_step_s"]
     assert per_step == pytest.approx(seeded["concurrent"] * (8.9e-3 - 0.88e-3) / 1024
-                                     * arch.vocab / 152064)
+                                     * desc.dims.vocab / 152064)
 
 
 def test_explain_prints_the_step_time_terms(capsys):

@@ -101,6 +101,16 @@ class ModelDims:
     def heads_per_group(self) -> int:
         return self.heads // self.kv_heads
 
+    @property
+    def q_dim(self) -> int:
+        """a d: the width of Q (= h for the Qwen2 and Llama models, not for every Qwen3)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """g d: the width of K (and of V)."""
+        return self.kv_heads * self.head_dim
+
 
 @dataclass(frozen=True)
 class Rope:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_dgpo.planner.inputs import Architecture
+from megatron_dgpo.planner.inputs import PlannedModel
 
 
 _QWEN2 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False)
@@ -57,13 +57,13 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 }
 """The architecture fields of published config.json files
 (huggingface.co/<id>/blob/main/config.json)."""
-PUBLISHED: dict[str, Architecture] = {
-    hub_id: Architecture.from_hf_config(cfg, name=hub_id.split("/")[1])
+PUBLISHED: dict[str, PlannedModel] = {
+    hub_id: PlannedModel.from_hf_config(cfg, name=hub_id.split("/")[1])
     for hub_id, cfg in PUBLISHED_CONFIGS.items()}
 """The planner's built-in architectures by hub id; the family registry supplies the quirks
 (Qwen2: QKV bias; Llama: none; Qwen3: q/k norms; Qwen3-MoE: router and experts)."""
 
-LLAMA31_8B = Architecture.from_hf_config(dict(
+LLAMA31_8B = PlannedModel.from_hf_config(dict(
     model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
     tie_word_embeddings=False, attention_bias=False), name="Llama-3.1-8B")
@@ -71,12 +71,12 @@ LLAMA31_8B = Architecture.from_hf_config(dict(
 it; the published step times do)."""
 
 
-def architecture_for(run, hf_config: str | None = None) -> Architecture:
+def architecture_for(run, hf_config: str | None = None) -> PlannedModel:
     """The recipe's model shape: ``hf_config`` (a config.json or its folder) if given; else
     ``model.tiny`` (the tiny Qwen2 of ``megatron_dgpo.tiny``); else ``model.path`` when it is a
     local folder with config.json; else the built-in table ``PUBLISHED`` keyed by hub id."""
     if hf_config:
-        return Architecture.from_hf_config(_read_config(hf_config, "--hf-config"),
+        return PlannedModel.from_hf_config(_read_config(hf_config, "--hf-config"),
                                            name=os.path.basename(hf_config.rstrip("/")))
     if run.model.tiny is not None:
         from megatron_dgpo.tiny import TINY_CONFIG
@@ -84,10 +84,10 @@ def architecture_for(run, hf_config: str | None = None) -> Architecture:
         kwargs = {k: v for k, v in run.model.tiny.items() if k != "seed"}
         cfg = {"model_type": "qwen2", "vocab_size": kwargs.pop("vocab_size", 512),
                **TINY_CONFIG, **kwargs}
-        return Architecture.from_hf_config(cfg, name="tiny")
+        return PlannedModel.from_hf_config(cfg, name="tiny")
     path = run.model.path
     if os.path.isfile(os.path.join(path, "config.json")):
-        return Architecture.from_hf_config(_read_config(path, "model.path"),
+        return PlannedModel.from_hf_config(_read_config(path, "model.path"),
                                            name=os.path.basename(path.rstrip("/")))
     if path in PUBLISHED:
         return PUBLISHED[path]

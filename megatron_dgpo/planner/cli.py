@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     try:
         run = load_recipe(args.recipe, args.overrides)
-        arch = architecture_for(run, args.hf_config)
+        model = architecture_for(run, args.hf_config)
     except (ConfigError, ValueError) as exc:
         print(f"dgpo-plan: error: {exc}", file=sys.stderr)
         return 2
@@ -136,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
               f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
         return 2
-    if not arch.moe and (args.expert_parallel or args.expert_tensor_parallel):
+    if not model.description.dims.moe and (args.expert_parallel or args.expert_tensor_parallel):
         print(f"dgpo-plan: error: --expert-parallel / --expert-tensor-parallel need an MoE "
-              f"model; {arch.name} is dense", file=sys.stderr)
+              f"model; {model.name} is dense", file=sys.stderr)
         return 2
-    plan = make_plan(arch, cluster, work, headroom=args.headroom, recipe_tp=run.parallel.tensor_parallel,
+    plan = make_plan(model, cluster, work, headroom=args.headroom,
+                     recipe_tp=run.parallel.tensor_parallel,
                      recipe_pp=run.parallel.pipeline_parallel,
                      recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
                      expert_parallel=args.expert_parallel,

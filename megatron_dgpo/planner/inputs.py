@@ -1,84 +1,47 @@
-"""What a plan is for: the model's shape (``Architecture``), the cluster (``Cluster``), what the
-recipe says that decides memory (``Workload``) and one TP x PP x CP x DP layout (``Layout``);
-``GIB``, the unit of memory. Notation: ``megatron_dgpo.planner``."""
+"""What a plan is for: the model (``PlannedModel``: a name and its ``ModelDescription``), the
+cluster (``Cluster``), what the recipe says that decides memory (``Workload``) and one TP x PP x
+CP x DP layout (``Layout``); ``GIB``, the unit of memory. Notation: ``megatron_dgpo.planner``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dgpo.models import describe
+from megatron_dgpo.models import ModelDescription, describe
 
 GIB = 1 << 30
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """The shape of a decoder (Qwen2, Llama, Qwen3 dense; Qwen3-MoE with ``experts`` > 0): what
-    the memory formulas need.
+class PlannedModel:
+    """The model a plan is for: a name for the planner's messages and the one model description
+    the model builder and the converter use (``megatron_dgpo.models.ModelDescription``: its
+    ``dims`` h, L, a, g, d, f, V, E, f_e, k and the QKV-bias, tying and q/k-norm flags). Dense
+    (Qwen2, Llama, Qwen3) or Qwen3-MoE (``dims.experts`` > 0, every layer an MoE layer).
 
-    Built from an HF config with ``from_hf_config`` (through ``megatron_dgpo.models``), or by
-    hand for what-if estimates."""
+    Built from an HF config with ``from_hf_config`` (a published one, a local one, or any dict
+    ``megatron_dgpo.models.describe`` reads, for what-if estimates)."""
 
     name: str
-    hidden: int
-    """h."""
-    layers: int
-    """L."""
-    heads: int
-    """a (query heads)."""
-    kv_heads: int
-    """g (KV groups; g = a without GQA)."""
-    intermediate: int
-    """f (SwiGLU width: fc1 is [2f, h], fc2 is [h, f])."""
-    vocab: int
-    """V as the HF config states it (unpadded)."""
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    """Bias on the Q, K, V projections (Qwen2: yes; Llama: no)."""
-    head_dim: int = 0
-    """d; 0 means h / a."""
-    qk_norm: bool = False
-    """RMSNorm weights over each query and key head (Qwen3): 2 d parameters per layer."""
-    experts: int = 0
-    """E, routed experts per layer (every layer an MoE layer); 0 for a dense model, whose
-    layers have the SwiGLU MLP of width ``intermediate``."""
-    moe_ffn: int = 0
-    """f_e, one expert's SwiGLU width (its fc1 is [2 f_e, h], fc2 [h, f_e])."""
-    topk: int = 0
-    """k, experts each token is routed to."""
+    description: ModelDescription
 
     def __post_init__(self):
-        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
-            value = getattr(self, name)
+        d = self.description.dims
+        for field in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab"):
+            value = getattr(d, field)
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"architecture {self.name}: {name} must be a positive int, "
+                label = "intermediate" if field == "ffn" else field  # dgpo-plan's word for f
+                raise ValueError(f"architecture {self.name}: {label} must be a positive int, "
                                  f"got {value!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"architecture {self.name}: heads ({self.heads}) must be a "
-                             f"multiple of kv_heads ({self.kv_heads})")
-        if self.experts and not (self.moe_ffn >= 1 and 1 <= self.topk <= self.experts):
+        if d.heads % d.kv_heads:
+            raise ValueError(f"architecture {self.name}: heads ({d.heads}) must be a "
+                             f"multiple of kv_heads ({d.kv_heads})")
+        if d.experts and not (d.moe_ffn >= 1 and 1 <= d.topk <= d.experts):
             raise ValueError(f"architecture {self.name}: an MoE model needs moe_ffn >= 1 and "
-                             f"1 <= topk <= experts ({self.experts}), got moe_ffn="
-                             f"{self.moe_ffn!r}, topk={self.topk!r}")
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
-
-    @property
-    def moe(self) -> bool:
-        return self.experts > 0
-
-    @property
-    def q_dim(self) -> int:
-        """a d (= h for all the published models)."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """g d: the width of K (and of V)."""
-        return self.kv_heads * self.head_dim
+                             f"1 <= topk <= experts ({d.experts}), got moe_ffn="
+                             f"{d.moe_ffn!r}, topk={d.topk!r}")
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, name: str = "") -> "Architecture":
+    def from_hf_config(cls, cfg: dict, name: str = "") -> "PlannedModel":
         """From an HF ``config.json`` dict of a registered family (``megatron_dgpo.models``:
         the same dimensions and quirks the model builder and the converter use); errors name
         the missing or unsupported field."""
@@ -86,15 +49,16 @@ class Architecture:
             desc = describe(cfg)
         except ValueError as exc:
             raise ValueError(f"{name or 'the model'}: {exc}") from None
-        dims = desc.dims
-        return cls(
-            name=name or cfg.get("model_type") or "model",
-            hidden=dims.hidden, layers=dims.layers, heads=dims.heads, kv_heads=dims.kv_heads,
-            intermediate=dims.ffn, vocab=dims.vocab,
-            tie_word_embeddings=desc.tie_word_embeddings, qkv_bias=desc.qkv_bias,
-            head_dim=dims.head_dim, qk_norm=desc.qk_norm, experts=dims.experts,
-            moe_ffn=dims.moe_ffn, topk=dims.topk,
-        )
+        return cls(name=name or cfg.get("model_type") or "model", description=desc)
+
+    def as_dict(self) -> dict:
+        """``dgpo-plan --json``'s "model": the name, the dimensions and the flags."""
+        d, desc = self.description.dims, self.description
+        return dict(name=self.name, hidden=d.hidden, layers=d.layers, heads=d.heads,
+                    kv_heads=d.kv_heads, intermediate=d.ffn, vocab=d.vocab,
+                    tie_word_embeddings=desc.tie_word_embeddings, qkv_bias=desc.qkv_bias,
+                    head_dim=d.head_dim, qk_norm=desc.qk_norm, experts=d.experts,
+                    moe_ffn=d.moe_ffn, topk=d.topk)
 
 
 @dataclass(frozen=True)

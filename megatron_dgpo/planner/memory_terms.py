@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from megatron_dgpo.gpu_config import GPU
 from megatron_dgpo.gpu_config import sequence_parallel as gpu_sequence_parallel
-from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.models import ModelDescription
+from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, Workload
 from megatron_dgpo.planner.parameters import param_count
 
 
@@ -36,7 +37,7 @@ def optimizer_bytes(params: int, dp: int, distributed: bool) -> int:
     return 12 * params // (dp if distributed else 1)
 
 
-def activation_elements_per_token_layer(arch: Architecture, etp: int = 1) -> int:
+def activation_elements_per_token_layer(desc: ModelDescription, etp: int = 1) -> int:
     """Elements one layer saves for backward per token, without recompute (flash attention,
     no dropout, SwiGLU, RMSNorm; whole, before any TP sharding):
 
@@ -55,14 +56,13 @@ def activation_elements_per_token_layer(arch: Architecture, etp: int = 1) -> int
     loss a hot expert's rank receives more. The attention's softmax statistics (a fp32 floats
     per token), the router's fp32 scores (E per token) and RoPE tables are left out (< 1%).
     """
-    attention = 2 * arch.q_dim + 2 * arch.kv_dim + (
-        arch.q_dim + arch.kv_dim if arch.qk_norm else 0)
-    mlp = arch.topk * (etp * arch.hidden + 3 * arch.moe_ffn) if arch.moe \
-        else 3 * arch.intermediate
-    return 4 * arch.hidden + attention + mlp
+    d = desc.dims
+    attention = 2 * d.q_dim + 2 * d.kv_dim + (d.q_dim + d.kv_dim if desc.qk_norm else 0)
+    mlp = d.topk * (etp * d.hidden + 3 * d.moe_ffn) if d.moe else 3 * d.ffn
+    return 4 * d.hidden + attention + mlp
 
 
-def activation_split(arch: Architecture, sequence_parallel: bool, etp: int = 1
+def activation_split(desc: ModelDescription, sequence_parallel: bool, etp: int = 1
                      ) -> tuple[int, int]:
     """``activation_elements_per_token_layer`` as (whole on every TP rank, sharded over TP):
 
@@ -73,13 +73,13 @@ def activation_split(arch: Architecture, sequence_parallel: bool, etp: int = 1
     An MoE layer's routed part counts as sharded: each rank routes its own s / t tokens
     (Megatron needs sequence parallelism for MoE with TP > 1).
     """
-    total = activation_elements_per_token_layer(arch, etp)
+    total = activation_elements_per_token_layer(desc, etp)
     if sequence_parallel:
         return 0, total
-    return 4 * arch.hidden, total - 4 * arch.hidden
+    return 4 * desc.dims.hidden, total - 4 * desc.dims.hidden
 
 
-def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: int, tp: int,
+def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight: int, tp: int,
                      recompute: bool, dtype_bytes: int = 2, *,
                      sequence_parallel: bool | None = None, etp: int = 1) -> int:
     """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch, with
@@ -97,7 +97,7 @@ def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: in
     """
     if sequence_parallel is None:
         sequence_parallel = gpu_sequence_parallel(tp, GPU)
-    whole, sharded = activation_split(arch, sequence_parallel, etp)
+    whole, sharded = activation_split(desc, sequence_parallel, etp)
 
     def one_layer(count: int) -> int:  # bytes of `count` token-layers' full activations
         return count * whole * dtype_bytes + count * sharded * dtype_bytes // tp
@@ -105,7 +105,7 @@ def activation_bytes(arch: Architecture, tokens: int, layers: int, in_flight: in
     if not recompute:
         return one_layer(in_flight * layers * tokens)
     shard = tp if sequence_parallel else 1
-    checkpoints = in_flight * layers * tokens * arch.hidden * dtype_bytes // shard
+    checkpoints = in_flight * layers * tokens * desc.dims.hidden * dtype_bytes // shard
     return checkpoints + one_layer(tokens)
 
 
@@ -113,7 +113,7 @@ MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 """``model.moe_token_dispatcher`` values (``megatron_dgpo.recipe.ModelConfig``)."""
 
 
-def dispatcher_bytes(arch: Architecture, tokens: int, tp: int, ep: int, etp: int,
+def dispatcher_bytes(desc: ModelDescription, tokens: int, tp: int, ep: int, etp: int,
                      dispatcher: str = "alltoall", dtype_bytes: int = 2) -> int:
     """The token dispatcher's buffers of one MoE layer on one GPU (0 for a dense model), with
     T = tokens / t the rank's tokens (sequence parallel) and u the expert TP:
@@ -139,14 +139,14 @@ def dispatcher_bytes(arch: Architecture, tokens: int, tp: int, ep: int, etp: int
     - flex (DeepEP / HybridEP) exchanges the same routed tokens as alltoall; its own
       communication buffers (NVSHMEM) are not counted.
     """
-    if not arch.moe:
+    if not desc.dims.moe:
         return 0
     local = -(-tokens // tp)
     if dispatcher == "allgather":
-        copies = etp * ep + 2 * etp * arch.topk
+        copies = etp * ep + 2 * etp * desc.dims.topk
     else:
-        copies = arch.topk * (1 + 2 * etp)
-    return local * arch.hidden * dtype_bytes * copies
+        copies = desc.dims.topk * (1 + 2 * etp)
+    return local * desc.dims.hidden * dtype_bytes * copies
 
 
 def logits_bytes(tokens: int, vocab_rows: int, tp: int, dtype_bytes: int = 2) -> int:
@@ -173,9 +173,9 @@ def logprob_workspace_bytes(tokens: int, vocab_rows: int, tp: int,
     return 2 * min(chunk, tokens) * local * 4
 
 
-def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
+def kv_cache_bytes_per_token(desc: ModelDescription, dtype_bytes: int = 2) -> int:
     """vLLM's KV cache per token (all layers, whole model): 2 [K, V] L g d b."""
-    return 2 * arch.layers * arch.kv_dim * dtype_bytes
+    return 2 * desc.dims.layers * desc.dims.kv_dim * dtype_bytes
 
 
 NCCL_CHANNEL_BYTES = (4 << 20) + 4_915_200 + (1 << 19)
@@ -235,22 +235,22 @@ def allocator_cache_bytes(dynamic: int, slack: float) -> int:
     return int(slack * dynamic)
 
 
-def engine_weight_bytes(arch: Architecture, work: Workload, engine_tp: int) -> int:
+def engine_weight_bytes(desc: ModelDescription, work: Workload, engine_tp: int) -> int:
     """An engine's weights on each of its ``engine_tp`` GPUs: N b_r / t_r."""
-    return param_count(arch) * work.rollout_dtype_bytes // engine_tp
+    return param_count(desc) * work.rollout_dtype_bytes // engine_tp
 
 
-def engine_reserve(arch: Architecture, cluster: Cluster, work: Workload, engine_tp: int
+def engine_reserve(desc: ModelDescription, cluster: Cluster, work: Workload, engine_tp: int
                    ) -> tuple[int, int, list[str]]:
     """vLLM's reserve on one GPU of an engine of ``engine_tp`` GPUs, wherever the engine lives
     (``vllm_bytes``), the weights' share of it (the rest is KV cache, activations, graphs) and
     ``vllm_bytes``' notes."""
-    reserve, notes = vllm_bytes(arch, cluster, replace(work, colocated_rollout=True,
+    reserve, notes = vllm_bytes(desc, cluster, replace(work, colocated_rollout=True,
                                                        rollout_tp=engine_tp))
-    return reserve, engine_weight_bytes(arch, work, engine_tp), notes
+    return reserve, engine_weight_bytes(desc, work, engine_tp), notes
 
 
-def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
+def vllm_bytes(desc: ModelDescription, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
     """vLLM's share of one of its GPUs when colocated, and notes:
 
         kv_cache_memory_bytes set:  N b_r / t_r + kv_cache_memory_bytes
@@ -265,8 +265,8 @@ def vllm_bytes(arch: Architecture, cluster: Cluster, work: Workload) -> tuple[in
     """
     if not work.colocated_rollout:
         return 0, []
-    weights = engine_weight_bytes(arch, work, work.rollout_tp)
-    per_seq = work.max_sequence * kv_cache_bytes_per_token(arch, work.rollout_dtype_bytes) \
+    weights = engine_weight_bytes(desc, work, work.rollout_tp)
+    per_seq = work.max_sequence * kv_cache_bytes_per_token(desc, work.rollout_dtype_bytes) \
         // work.rollout_tp
     needed = work.max_num_seqs * per_seq
     if work.kv_cache_memory_bytes is not None:

@@ -1,10 +1,10 @@
 """Parameter counts of a model per layer, pipeline stage and whole, as pure functions of its
-``Architecture`` (notation: ``megatron_dgpo.planner``); Megatron's padded vocabulary."""
+description (``megatron_dgpo.models.ModelDescription``: ``dims`` and the QKV-bias, tying and
+q/k-norm flags; notation: ``megatron_dgpo.planner``); Megatron's padded vocabulary."""
 
 from __future__ import annotations
 
-from megatron_dgpo.models import padded_vocab_size
-from megatron_dgpo.planner.inputs import Architecture
+from megatron_dgpo.models import ModelDescription, padded_vocab_size
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -13,7 +13,7 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return padded_vocab_size(vocab, tp)
 
 
-def layer_params(arch: Architecture, tp: int = 1) -> int:
+def layer_params(desc: ModelDescription, tp: int = 1) -> int:
     """Parameters of one transformer layer on one TP rank, routed experts excluded
     (``expert_layer_params``):
 
@@ -24,32 +24,34 @@ def layer_params(arch: Architecture, tp: int = 1) -> int:
     The norms and the router are replicated over TP (Megatron's ``TopKRouter`` weight is
     [E, h] on every rank).
     """
-    qkv_out = arch.q_dim + 2 * arch.kv_dim
-    mlp = 0 if arch.moe else 3 * arch.intermediate * arch.hidden
-    sharded = (arch.hidden * qkv_out + (qkv_out if arch.qkv_bias else 0)
-               + arch.q_dim * arch.hidden + mlp)
-    replicated = (2 * arch.hidden + (2 * arch.head_dim if arch.qk_norm else 0)
-                  + arch.experts * arch.hidden)
+    d = desc.dims
+    qkv_out = d.q_dim + 2 * d.kv_dim
+    mlp = 0 if d.moe else 3 * d.ffn * d.hidden
+    sharded = (d.hidden * qkv_out + (qkv_out if desc.qkv_bias else 0)
+               + d.q_dim * d.hidden + mlp)
+    replicated = (2 * d.hidden + (2 * d.head_dim if desc.qk_norm else 0)
+                  + d.experts * d.hidden)
     return sharded // tp + replicated
 
 
-def expert_layer_params(arch: Architecture, ep: int = 1, etp: int = 1) -> int:
+def expert_layer_params(desc: ModelDescription, ep: int = 1, etp: int = 1) -> int:
     """One layer's routed-expert parameters on one rank: (E / e) 3 f_e h / u (each expert's
     fc1 [2 f_e, h] and fc2 [h, f_e], E / e experts per EP rank, each split over expert TP
     u); 0 for a dense model."""
-    if not arch.moe:
+    d = desc.dims
+    if not d.moe:
         return 0
-    if arch.experts % ep:
-        raise ValueError(f"expert_parallel {ep} does not divide {arch.experts} experts")
-    return arch.experts // ep * 3 * arch.moe_ffn * arch.hidden // etp
+    if d.experts % ep:
+        raise ValueError(f"expert_parallel {ep} does not divide {d.experts} experts")
+    return d.experts // ep * 3 * d.moe_ffn * d.hidden // etp
 
 
-def embedding_params(arch: Architecture, vocab_rows: int, tp: int = 1) -> int:
+def embedding_params(desc: ModelDescription, vocab_rows: int, tp: int = 1) -> int:
     """One vocabulary matrix (input embedding or output layer) on one TP rank: V_rows h / t."""
-    return vocab_rows * arch.hidden // tp
+    return vocab_rows * desc.dims.hidden // tp
 
 
-def param_count(arch: Architecture, vocab_rows: int | None = None) -> int:
+def param_count(desc: ModelDescription, vocab_rows: int | None = None) -> int:
     """Unique parameters of the whole model:
 
         V h [embedding] + L (layer_params + expert_layer_params) + h [final norm]
@@ -58,20 +60,21 @@ def param_count(arch: Architecture, vocab_rows: int | None = None) -> int:
     ``vocab_rows`` defaults to the HF vocabulary (what model cards count); pass
     ``padded_vocab(V, t)`` for what Megatron builds.
     """
-    rows = arch.vocab if vocab_rows is None else vocab_rows
-    vocab_mats = 1 if arch.tie_word_embeddings else 2
-    return (vocab_mats * rows * arch.hidden
-            + arch.layers * (layer_params(arch) + expert_layer_params(arch)) + arch.hidden)
+    d = desc.dims
+    rows = d.vocab if vocab_rows is None else vocab_rows
+    vocab_mats = 1 if desc.tie_word_embeddings else 2
+    return (vocab_mats * rows * d.hidden
+            + d.layers * (layer_params(desc) + expert_layer_params(desc)) + d.hidden)
 
 
-def stage_expert_params(arch: Architecture, pp: int, ep: int = 1, etp: int = 1) -> int:
+def stage_expert_params(desc: ModelDescription, pp: int, ep: int = 1, etp: int = 1) -> int:
     """The routed-expert parameters on one GPU of any pipeline stage: (L / p) (E / e) 3 f_e h
     / u. They are replicated over the D_e = world / (p e u) expert data-parallel ranks only,
     which is what the distributed optimizer shards their state over."""
-    return arch.layers // pp * expert_layer_params(arch, ep, etp)
+    return desc.dims.layers // pp * expert_layer_params(desc, ep, etp)
 
 
-def stage_params(arch: Architecture, tp: int, pp: int, stage: int, ep: int = 1,
+def stage_params(desc: ModelDescription, tp: int, pp: int, stage: int, ep: int = 1,
                  etp: int | None = None) -> int:
     """Parameters held by one GPU of pipeline stage ``stage`` (0 .. p-1) at TP t (EP e and
     expert TP u, default t, for an MoE model):
@@ -82,15 +85,16 @@ def stage_params(arch: Architecture, tp: int, pp: int, stage: int, ep: int = 1,
 
     with V_pad = padded_vocab(V, t). Needs p | L (and e | E).
     """
-    if arch.layers % pp:
-        raise ValueError(f"pipeline_parallel {pp} does not divide {arch.layers} layers")
-    rows = padded_vocab(arch.vocab, tp)
-    count = arch.layers // pp * layer_params(arch, tp) \
-        + stage_expert_params(arch, pp, ep, tp if etp is None else etp)
+    d = desc.dims
+    if d.layers % pp:
+        raise ValueError(f"pipeline_parallel {pp} does not divide {d.layers} layers")
+    rows = padded_vocab(d.vocab, tp)
+    count = d.layers // pp * layer_params(desc, tp) \
+        + stage_expert_params(desc, pp, ep, tp if etp is None else etp)
     if stage == 0:
-        count += embedding_params(arch, rows, tp)
+        count += embedding_params(desc, rows, tp)
     if stage == pp - 1:
-        count += arch.hidden
-        if not arch.tie_word_embeddings or pp > 1:
-            count += embedding_params(arch, rows, tp)
+        count += d.hidden
+        if not desc.tie_word_embeddings or pp > 1:
+            count += embedding_params(desc, rows, tp)
     return count

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, PlannedModel, Workload
 from megatron_dgpo.planner.memory_terms import (activation_bytes, allocator_cache_bytes,
                                                 dispatcher_bytes, engine_reserve, grad_bytes,
                                                 logits_bytes, logprob_workspace_bytes,
@@ -124,7 +124,7 @@ def dedicated_split_problem(cluster: Cluster, work: Workload, dp: int) -> str | 
         else None
 
 
-def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
+def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
     """The peak GPU of ``layout``: the largest over pipeline stages k = 0 .. p-1 of weights +
     gradients + optimizer + activations + logits + allocator cache + vLLM (+ a sleeping
     engine's CUDA graphs) + NCCL + overhead (``Estimate.total``), where stage k holds
@@ -137,37 +137,38 @@ def estimate(arch: Architecture, cluster: Cluster, layout: Layout, work: Workloa
     the refit link. An MoE model's layout carries EP e and expert TP u: the experts
     (``stage_expert_params``) have their optimizer state sharded over D_e, not D, and the
     dispatcher's buffers (``dispatcher_bytes``) join training's terms."""
-    if arch.moe != layout.moe:
+    desc = model.description
+    if desc.dims.moe != layout.moe:
         raise ValueError(f"layout {layout} is {'an MoE' if layout.moe else 'a dense'} layout "
-                         f"but {arch.name} is {'an MoE' if arch.moe else 'a dense'} model")
+                         f"but {model.name} is {'an MoE' if desc.dims.moe else 'a dense'} model")
     t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
     e, u = layout.ep, layout.expert_tp
     tokens = -(-work.micro_batch_tokens // c)
-    rows = padded_vocab(arch.vocab, t)
+    rows = padded_vocab(desc.dims.vocab, t)
     micro_batches = micro_batches_per_update(work, d)
     t_r = engine_tp(work, layout)
     work = replace(work, rollout_tp=t_r)
-    vllm, vllm_notes = vllm_bytes(arch, cluster, work)
+    vllm, vllm_notes = vllm_bytes(desc, cluster, work)
     gpus_per_stage = cluster.world // p
     colocated = work.colocated_rollout and work.rollout_placement == "colocated"
     sleeps = colocated and work.sleep_mode
     engines = (cluster.world // t_r if colocated else d if work.colocated_rollout else 0)
 
     def stage_estimate(stage: int) -> Estimate:
-        params = stage_params(arch, t, p, stage, e, u)
-        experts = stage_expert_params(arch, p, e, u)
+        params = stage_params(desc, t, p, stage, e, u)
+        experts = stage_expert_params(desc, p, e, u)
         last = stage == p - 1
         has_vllm = work.colocated_rollout and (colocated or stage * gpus_per_stage < t_r)
         name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
-        activations = activation_bytes(arch, tokens, arch.layers // p,
+        activations = activation_bytes(desc, tokens, desc.dims.layers // p,
                                        min(p - stage, micro_batches), t, work.recompute,
                                        work.dtype_bytes, etp=u)
-        dispatch = dispatcher_bytes(arch, tokens, t, e, u, work.moe_dispatcher, work.dtype_bytes)
+        dispatch = dispatcher_bytes(desc, tokens, t, e, u, work.moe_dispatcher, work.dtype_bytes)
         logits = (logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
                   + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
                   if last else 0)
         communicators = nccl_communicators(
-            layout, tied=arch.tie_word_embeddings, engine_tp=t_r, has_engine=has_vllm,
+            layout, tied=desc.tie_word_embeddings, engine_tp=t_r, has_engine=has_vllm,
             refit_link=work.rollout_placement == "dedicated" and stage == 0)
         return Estimate(
             layout=layout, stage=name,
@@ -231,7 +232,7 @@ class EngineEstimate:
                     fits=self.fits, notes=list(self.notes))
 
 
-def dedicated_engine_estimate(arch: Architecture, cluster: Cluster, work: Workload
+def dedicated_engine_estimate(model: PlannedModel, cluster: Cluster, work: Workload
                               ) -> EngineEstimate | None:
     """A dedicated engine's GPU (``rollout.placement: dedicated``): vLLM's reserve
     (``vllm_bytes``, engines of t_r = ``rollout.tensor_parallel_size`` GPUs, default 1) plus
@@ -240,7 +241,7 @@ def dedicated_engine_estimate(arch: Architecture, cluster: Cluster, work: Worklo
     if work.rollout_placement != "dedicated" or not cluster.rollout_gpus:
         return None
     t_r = work.rollout_tp or 1
-    reserve, weights, notes = engine_reserve(arch, cluster, work, t_r)
+    reserve, weights, notes = engine_reserve(model.description, cluster, work, t_r)
     return EngineEstimate(
         engines=dedicated_engines(cluster, work), engine_tp=t_r, reserve=reserve, weights=weights,
         nccl=nccl_bytes(1 + int(t_r > 1), work.nccl_channels), gpu_bytes=cluster.gpu_bytes,

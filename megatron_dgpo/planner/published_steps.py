@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_dgpo.models import ModelDescription
 from megatron_dgpo.planner.catalogue import LLAMA31_8B, PUBLISHED
-from megatron_dgpo.planner.inputs import GIB, Architecture
+from megatron_dgpo.planner.inputs import GIB
 from megatron_dgpo.planner.parameters import param_count
 from megatron_dgpo.planner.steptime import (HARDWARE, Hardware, StepShape, generation_terms,
                                             refit_terms, training_terms)
@@ -55,8 +56,10 @@ class PublishedStep:
     recompute: bool = False
 
     @property
-    def arch(self) -> Architecture:
-        return LLAMA31_8B if self.model == "meta-llama/Llama-3.1-8B" else PUBLISHED[self.model]
+    def description(self) -> ModelDescription:
+        """The model's description (``catalogue``)."""
+        named = LLAMA31_8B if self.model == "meta-llama/Llama-3.1-8B" else PUBLISHED[self.model]
+        return named.description
 
 
 PUBLISHED_STEPS: tuple[PublishedStep, ...] = (
@@ -115,7 +118,7 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
     """The model on a published row's workload (NeMo-RL's, reference forward included):
     {"step", "generation", "training" (the update), "logprobs", "refit"}, seconds."""
     hw = hw or HARDWARE["h100"]
-    arch = row.arch
+    desc = row.description
     p = PUBLISHED_MEAN_PROMPT
     shape = StepShape(prompts=row.prompts, group_size=row.group_size,
                       max_response_tokens=int(row.max_sequence - p), mean_prompt_tokens=p,
@@ -123,14 +126,14 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
                       recompute=row.recompute, seeded_sampling=False, reference_forward=True,
                       updates=row.updates, micro_batch_tokens=row.max_sequence)
     utilization = 0.8 if row.rollout_gpus else 0.6
-    kv = utilization * PUBLISHED_GPU_GIB * GIB - 2 * param_count(arch) / row.engine_tp
+    kv = utilization * PUBLISHED_GPU_GIB * GIB - 2 * param_count(desc) / row.engine_tp
     engine_gpus = row.rollout_gpus or row.gpus
     trainer_gpus = row.gpus - row.rollout_gpus
-    gen = generation_terms(arch, shape, hw, engines=engine_gpus // row.engine_tp,
+    gen = generation_terms(desc, shape, hw, engines=engine_gpus // row.engine_tp,
                            engine_tp=row.engine_tp, kv_cache_bytes_per_engine_gpu=kv)
-    train = training_terms(arch, shape, hw, gpus=trainer_gpus, tp=row.train_tp,
+    train = training_terms(desc, shape, hw, gpus=trainer_gpus, tp=row.train_tp,
                            pp=row.train_pp, cp=row.train_cp)
-    refit = refit_terms(arch, shape, hw, dedicated=bool(row.rollout_gpus))
+    refit = refit_terms(desc, shape, hw, dedicated=bool(row.rollout_gpus))
     if row.rollout_gpus:
         step = max(gen["total"], train["total"]) + refit["total"]
     else:

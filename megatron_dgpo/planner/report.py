@@ -22,11 +22,12 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     ``term  formula = value  why``, the values those of ``e`` itself (docs/planner.md has the
     same rows with their sources)."""
     e = e or plan.pick
-    arch, work, lay = plan.architecture, plan.workload, e.layout
+    desc, work, lay = plan.model.description, plan.workload, e.layout
+    dims = desc.dims
     t, p, d = lay.tp, lay.pp, lay.dp
-    n = stage_params(arch, t, p, _stage_index(e), lay.ep, lay.expert_tp)
+    n = stage_params(desc, t, p, _stage_index(e), lay.ep, lay.expert_tp)
     n_e = e.expert_params
-    rows = padded_vocab(arch.vocab, t)
+    rows = padded_vocab(dims.vocab, t)
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     recompute = "full recompute: each layer's input kept, one layer recomputed" \
         if work.recompute else "no recompute"
@@ -34,7 +35,7 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
              f"  weights      b N = {work.dtype_bytes} x {n:,} = {gib(e.weights)}"
              f"   (N: this stage's parameters, V_pad = {rows}"
              + (f"; of them N_e = {n_e:,} routed-expert parameters: (L / p) (E / EP) 3 f_e h / "
-                f"ETP, {arch.experts // lay.ep} of {arch.experts} experts per layer at EP "
+                f"ETP, {dims.experts // lay.ep} of {dims.experts} experts per layer at EP "
                 f"{lay.ep}, ETP {lay.expert_tp})" if lay.moe else ")"),
              f"  grads        4 N = {gib(e.grads)}   (fp32 main_grad for every local "
              f"parameter: grad_reduce_in_fp32)",
@@ -49,14 +50,14 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
                 if work.distributed_optimizer else ", not sharded)"),
              f"  activations  m (L / p) s E b / t = {gib(e.activations)}   (s = "
              f"{work.micro_batch_tokens} tokens, E = "
-             f"{activation_elements_per_token_layer(arch, lay.expert_tp):,} elements per "
+             f"{activation_elements_per_token_layer(desc, lay.expert_tp):,} elements per "
              f"token and layer"
-             + (f" incl. the routed copies' k (ETP h + 3 f_e) = {arch.topk} x ({lay.expert_tp} x "
-                f"{arch.hidden} + 3 x {arch.moe_ffn})" if lay.moe else "")
+             + (f" incl. the routed copies' k (ETP h + 3 f_e) = {dims.topk} x ({lay.expert_tp} x "
+                f"{dims.hidden} + 3 x {dims.moe_ffn})" if lay.moe else "")
              + f", sequence parallel over TP {t}; {recompute})",
              (f"  dispatch     {_dispatch_formula(work.moe_dispatcher)} = {gib(e.dispatch)}   "
               f"({work.moe_dispatcher} token dispatcher, one MoE layer's transient buffers: "
-              f"T = s / t = {-(-work.micro_batch_tokens // t)} tokens, k = {arch.topk}, EP "
+              f"T = s / t = {-(-work.micro_batch_tokens // t)} tokens, k = {dims.topk}, EP "
               f"{lay.ep}, ETP {lay.expert_tp}; megatron/core/transformer/moe/"
               f"token_dispatcher.py)" if lay.moe else
               f"  dispatch     0 = {gib(0)}   (dense model: no token dispatcher)"),
@@ -144,12 +145,14 @@ def _dispatch_formula(dispatcher: str) -> str:
 
 def format_table(plan: Plan, headroom: float) -> str:
     """The human-readable report: one row per layout (GiB on its peak GPU), then the pick."""
-    arch, cl, work = plan.architecture, plan.cluster, plan.workload
-    lines = [f"{arch.name}: {param_count(arch) / 1e9:.2f}B parameters (h={arch.hidden}, "
-             f"L={arch.layers}, heads={arch.heads}, kv={arch.kv_heads}, f={arch.intermediate}, "
-             f"V={arch.vocab}, tied={arch.tie_word_embeddings}"
-             + (f", {arch.experts} experts of f_e={arch.moe_ffn}, top-{arch.topk}, "
-                f"{work.moe_dispatcher} dispatcher" if arch.moe else "") + ")",
+    model, cl, work = plan.model, plan.cluster, plan.workload
+    desc = model.description
+    dims = desc.dims
+    lines = [f"{model.name}: {param_count(desc) / 1e9:.2f}B parameters (h={dims.hidden}, "
+             f"L={dims.layers}, heads={dims.heads}, kv={dims.kv_heads}, f={dims.ffn}, "
+             f"V={dims.vocab}, tied={desc.tie_word_embeddings}"
+             + (f", {dims.experts} experts of f_e={dims.moe_ffn}, top-{dims.topk}, "
+                f"{work.moe_dispatcher} dispatcher" if dims.moe else "") + ")",
              f"cluster: {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_memory_gb:g} GiB; "
              f"micro-batch {work.micro_batch_tokens} tokens, recompute={work.recompute}, "
              f"distributed optimizer={work.distributed_optimizer}, "

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from megatron_dgpo.planner.catalogue import architecture_for
-from megatron_dgpo.planner.inputs import GIB, Architecture, Cluster, Layout, Workload
+from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, PlannedModel, Workload
 from megatron_dgpo.planner.memory_terms import engine_reserve
 from megatron_dgpo.planner.parameters import param_count
 from megatron_dgpo.planner.peak import (EngineEstimate, Estimate, dedicated_engine_estimate,
@@ -19,7 +19,7 @@ from megatron_dgpo.planner.peak import (EngineEstimate, Estimate, dedicated_engi
 from megatron_dgpo.planner.steptime import HARDWARE, Hardware, StepShape, StepTime, step_times
 
 
-def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
+def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
                       expert_parallel: int | None = None,
                       expert_tensor_parallel: int | None = None) -> list[Layout]:
     """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f (a dense
@@ -35,29 +35,29 @@ def candidate_layouts(arch: Architecture, cluster: Cluster, work: Workload, *,
     the trainer requires (``rollout.placement.rollout_role``): t_r | t, or t_r | t p with
     D = 1. Dedicated engines (``cluster.rollout_gpus`` of them, ``rollout_gpus / t_r``
     engines) are shared out evenly over the DP replicas: D | engines."""
-    out = []
+    dims, out = model.description.dims, []
     for t in range(1, cluster.gpus_per_node + 1):
-        if cluster.gpus_per_node % t or arch.heads % t or arch.kv_heads % t \
-                or (not arch.moe and arch.intermediate % t):
+        if cluster.gpus_per_node % t or dims.heads % t or dims.kv_heads % t \
+                or (not dims.moe and dims.ffn % t):
             continue
-        for p in range(1, arch.layers + 1):
-            if arch.layers % p or cluster.world % (t * p):
+        for p in range(1, dims.layers + 1):
+            if dims.layers % p or cluster.world % (t * p):
                 continue
-            if arch.moe and work.moe_dispatcher == "allgather" and p > 1:
+            if dims.moe and work.moe_dispatcher == "allgather" and p > 1:
                 continue
             d = cluster.world // (t * p)
             if d > work.responses_per_update or not _engine_fits(work, t, p, d):
                 continue
             if dedicated_split_problem(cluster, work, d):
                 continue
-            if not arch.moe:
+            if not dims.moe:
                 out.append(Layout(t, p, 1, d))
                 continue
             per_stage = cluster.world // p
             etps = [expert_tensor_parallel] if expert_tensor_parallel else sorted({1, t})
-            eps = [expert_parallel] if expert_parallel else range(1, arch.experts + 1)
+            eps = [expert_parallel] if expert_parallel else range(1, dims.experts + 1)
             out += [Layout(t, p, 1, d, e, u) for u in etps for e in eps
-                    if arch.experts % e == 0 and arch.moe_ffn % u == 0
+                    if dims.experts % e == 0 and dims.moe_ffn % u == 0
                     and per_stage % (u * e) == 0]
     return out
 
@@ -151,7 +151,7 @@ def _experts_text(pick: Estimate, estimates: list[Estimate], headroom: float) ->
 class Plan:
     """Everything ``dgpo-plan`` prints."""
 
-    architecture: Architecture
+    model: PlannedModel
     cluster: Cluster
     workload: Workload
     estimates: list[Estimate]
@@ -182,7 +182,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return dict(
-            model=asdict(self.architecture), params=param_count(self.architecture),
+            model=self.model.as_dict(), params=param_count(self.model.description),
             cluster=asdict(self.cluster), workload=asdict(self.workload),
             layouts=[e.as_dict() for e in self.estimates],
             pick=self.pick.as_dict() if self.pick else None, explanation=self.explanation,
@@ -195,7 +195,7 @@ class Plan:
             step_time_basis=self.step_time_basis)
 
 
-def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
+def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
               recipe_tp: int = 1, recipe_pp: int = 1, recipe_ep: int = 1,
               recipe_etp: int | None = None, expert_parallel: int | None = None,
               expert_tensor_parallel: int | None = None) -> Plan:
@@ -204,20 +204,21 @@ def make_plan(arch: Architecture, cluster: Cluster, work: Workload, *, headroom:
     then, that plan is returned with ``required_overrides`` naming the switch.
     ``expert_parallel`` / ``expert_tensor_parallel`` fix an MoE model's EP / expert TP (None:
     searched); ``recipe_*`` name the recipe's own layout (``recipe_etp`` None = its TP)."""
-    layouts = candidate_layouts(arch, cluster, work, expert_parallel=expert_parallel,
+    layouts = candidate_layouts(model, cluster, work, expert_parallel=expert_parallel,
                                 expert_tensor_parallel=expert_tensor_parallel)
-    estimates = [estimate(arch, cluster, lay, work) for lay in layouts]
+    estimates = [estimate(model, cluster, lay, work) for lay in layouts]
     pick, why = choose(estimates, headroom)
-    recipe = (recipe_tp, recipe_pp) + ((recipe_ep, recipe_etp or recipe_tp) if arch.moe else ())
+    moe = model.description.dims.moe
+    recipe = (recipe_tp, recipe_pp) + ((recipe_ep, recipe_etp or recipe_tp) if moe else ())
     own = next((e for e in estimates if (e.layout.tp, e.layout.pp) + (
-        (e.layout.ep, e.layout.expert_tp) if arch.moe else ()) == recipe), None)
-    plan = Plan(arch, cluster, work, estimates, pick, why, own,
-                engine=dedicated_engine_estimate(arch, cluster, work))
+        (e.layout.ep, e.layout.expert_tp) if moe else ()) == recipe), None)
+    plan = Plan(model, cluster, work, estimates, pick, why, own,
+                engine=dedicated_engine_estimate(model, cluster, work))
     if pick is not None:
         return plan
-    plan.hint = _no_fit_text(arch, cluster, estimates, engines=dedicated_engines(cluster, work))
+    plan.hint = _no_fit_text(model, cluster, estimates, engines=dedicated_engines(cluster, work))
     if not work.recompute and estimates:
-        retry = make_plan(arch, cluster, replace(work, recompute=True), headroom=headroom,
+        retry = make_plan(model, cluster, replace(work, recompute=True), headroom=headroom,
                           recipe_tp=recipe_tp, recipe_pp=recipe_pp, recipe_ep=recipe_ep,
                           recipe_etp=recipe_etp, expert_parallel=expert_parallel,
                           expert_tensor_parallel=expert_tensor_parallel)
@@ -248,15 +249,15 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[Step
     colocated refit moves the pick's gradients and optimizer state to the host and back when
     ``train.offload_training_state``. The trainer's TP x PP is the pick's (its TP
     communication and pipeline bubble)."""
-    arch, cluster, work = plan.architecture, plan.cluster, plan.workload
+    model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
-    reserve, weights, _ = engine_reserve(arch, cluster, work, t_r)
+    reserve, weights, _ = engine_reserve(model.description, cluster, work, t_r)
     colocated_kv = max(reserve - weights, 0)
     offloaded = (plan.pick.grads + plan.pick.optimizer
                  if plan.pick is not None and work.offload_training_state else 0)
     layout = (plan.pick.layout.tp, plan.pick.layout.pp) if plan.pick is not None else (1, 1)
-    return step_times(arch, replace(shape, offloaded_state_bytes_per_gpu=offloaded), hw,
-                      world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
+    return step_times(model.description, replace(shape, offloaded_state_bytes_per_gpu=offloaded),
+                      hw, world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
                       kv_cache_bytes_per_engine_gpu=plan.engine.kv_cache if plan.engine
                       else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv,
                       train_layout=layout)
@@ -267,12 +268,12 @@ def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
     """The one-step-off step with the dedicated GPUs (whole nodes on several nodes, whole
     engines on one) that make it fastest, among those where the trainer still has a layout
     and the engines fit: generation and training are as long as each other there."""
-    arch, cluster, work = plan.architecture, plan.cluster, plan.workload
+    model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     unit = math.lcm(cluster.gpus_per_node if cluster.nodes > 1 else 1, t_r)
     best = None
     for gpus in range(unit, cluster.gpus, unit):
-        trial = make_plan(arch, replace(cluster, rollout_gpus=gpus),
+        trial = make_plan(model, replace(cluster, rollout_gpus=gpus),
                           replace(work, rollout_placement="dedicated", colocated_rollout=False,
                                   rollout_tp=t_r), headroom=headroom)
         if not trial.fits:
@@ -307,18 +308,19 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
             "balanced": balanced.as_dict() if balanced else None}
 
 
-def _no_fit_text(arch: Architecture, cluster: Cluster, estimates: list[Estimate], *,
+def _no_fit_text(model: PlannedModel, cluster: Cluster, estimates: list[Estimate], *,
                  engines: int = 0) -> str:
-    where = (f"{arch.name} on {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
+    where = (f"{model.name} on {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
              f"{cluster.gpu_memory_gb:g} GiB"
              + (f" ({cluster.world} for the trainer, {cluster.rollout_gpus} for dedicated engines)"
                 if cluster.rollout_gpus else ""))
     if not estimates:
+        dims = model.description.dims
         return (f"no layout of {where} is possible: TP must divide {cluster.gpus_per_node} "
-                f"GPUs per node, {arch.heads} heads and {arch.kv_heads} KV groups, PP must "
-                f"divide {arch.layers} layers, and TP x PP the world size"
-                + (f"; EP must divide {arch.experts} experts and EP x ETP the GPUs per "
-                   f"pipeline stage" if arch.moe else "")
+                f"GPUs per node, {dims.heads} heads and {dims.kv_heads} KV groups, PP must "
+                f"divide {dims.layers} layers, and TP x PP the world size"
+                + (f"; EP must divide {dims.experts} experts and EP x ETP the GPUs per "
+                   f"pipeline stage" if dims.moe else "")
                 + (f"; DP must divide the {engines} dedicated engines (each replica refits "
                    f"and samples with its own share)" if engines else ""))
     least = min(estimates, key=lambda e: e.total)

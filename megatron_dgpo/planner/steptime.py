@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_dgpo.planner.inputs import Architecture
+from megatron_dgpo.models import ModelDescription
 from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token
 from megatron_dgpo.planner.parameters import param_count
 
@@ -202,65 +202,68 @@ class StepShape:
 # --------------------------------------------------------------------------- parameters
 
 
-def routed_expert_params(arch: Architecture) -> int:
+def routed_expert_params(desc: ModelDescription) -> int:
     """N_x: all routed experts' parameters (0 for a dense model)."""
-    return arch.layers * arch.experts * 3 * arch.hidden * arch.moe_ffn if arch.moe else 0
+    d = desc.dims
+    return d.layers * d.experts * 3 * d.hidden * d.moe_ffn if d.moe else 0
 
 
-def active_params(arch: Architecture) -> int:
+def active_params(desc: ModelDescription) -> int:
     """N: the parameters one token's matmuls touch: every parameter of a dense model but the
     input embedding (a lookup; a tied output layer still multiplies), an MoE layer's top-k
     routed experts rather than all E."""
-    n = param_count(arch) - (0 if arch.tie_word_embeddings else arch.vocab * arch.hidden)
-    if arch.moe:
-        n -= arch.layers * (arch.experts - arch.topk) * 3 * arch.hidden * arch.moe_ffn
+    d = desc.dims
+    n = param_count(desc) - (0 if desc.tie_word_embeddings else d.vocab * d.hidden)
+    if d.moe:
+        n -= d.layers * (d.experts - d.topk) * 3 * d.hidden * d.moe_ffn
     return n
 
 
-def shared_params(arch: Architecture) -> int:
+def shared_params(desc: ModelDescription) -> int:
     """N_d: what every decode step reads whatever the batch: N without the routed experts."""
-    return active_params(arch) - (arch.layers * arch.topk * 3 * arch.hidden * arch.moe_ffn
-                                  if arch.moe else 0)
+    d = desc.dims
+    return active_params(desc) - (d.layers * d.topk * 3 * d.hidden * d.moe_ffn if d.moe else 0)
 
 
-def experts_touched_share(arch: Architecture, running: float) -> float:
+def experts_touched_share(desc: ModelDescription, running: float) -> float:
     """share(c) = 1 - (1 - k / E)^c: the expected share of a layer's experts that ``running``
     sequences, each routed to k of E (independently, uniformly), touch in one decode step."""
-    if not arch.moe:
+    d = desc.dims
+    if not d.moe:
         return 1.0
-    return 1.0 - (1.0 - arch.topk / arch.experts) ** max(running, 1.0)
+    return 1.0 - (1.0 - d.topk / d.experts) ** max(running, 1.0)
 
 
-def weight_tensors(arch: Architecture) -> int:
+def weight_tensors(desc: ModelDescription) -> int:
     """The HF-layout weight tensors a refit hands over: per layer Q, K, V, O (+ 3 biases), two
     norms (+ q/k norms), the MLP's gate, up, down (MoE: a router and 3 per expert); embedding,
     final norm and output layer."""
-    per_layer = 4 + (3 if arch.qkv_bias else 0) + 2 + (2 if arch.qk_norm else 0)
-    per_layer += 1 + 3 * arch.experts if arch.moe else 3
-    return arch.layers * per_layer + 2 + (0 if arch.tie_word_embeddings else 1)
+    per_layer = 4 + (3 if desc.qkv_bias else 0) + 2 + (2 if desc.qk_norm else 0)
+    per_layer += 1 + 3 * desc.dims.experts if desc.dims.moe else 3
+    return desc.dims.layers * per_layer + 2 + (0 if desc.tie_word_embeddings else 1)
 
 
 # --------------------------------------------------------------------------- phases
 
 
-def decode_step_seconds(arch: Architecture, hw: Hardware, *, running: float, context: float,
+def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float, context: float,
                         engine_tp: int, seeded: bool) -> dict[str, float]:
     """One decode step of an engine with ``running`` sequences of mean context ``context``:
     ``{"memory" | "compute" | "overhead" | "sampling" | "total": seconds}`` (module docstring)."""
-    kv = running * context * kv_cache_bytes_per_token(arch)
-    weights = 2 * (shared_params(arch) + routed_expert_params(arch)
-                   * experts_touched_share(arch, running))
+    kv = running * context * kv_cache_bytes_per_token(desc)
+    weights = 2 * (shared_params(desc) + routed_expert_params(desc)
+                   * experts_touched_share(desc, running))
     memory = (weights + kv) / engine_tp / (hw.hbm_gb_per_s * 1e9 * hw.decode_hbm_efficiency)
-    compute = 2 * active_params(arch) * running / engine_tp / (hw.peak_tflops * 1e12
+    compute = 2 * active_params(desc) * running / engine_tp / (hw.peak_tflops * 1e12
                                                                 * hw.decode_mfu)
     per_row = hw.seeded_sampling_s_per_row_vocab if seeded else hw.sampling_s_per_row_vocab
-    sampling = running * arch.vocab * per_row
+    sampling = running * desc.dims.vocab * per_row
     return dict(memory=memory, compute=compute, overhead=hw.decode_step_overhead_s,
                 sampling=sampling,
                 total=max(memory, compute) + hw.decode_step_overhead_s + sampling)
 
 
-def generation_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, engines: int,
+def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                      engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> dict[str, float]:
     """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, term by term: the
     per-engine counts (responses, concurrent, bulk and tail steps, the tail's mean running
@@ -269,16 +272,16 @@ def generation_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, engi
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
     tail_len = max(shape.max_response_tokens, r)
-    kv_token = kv_cache_bytes_per_token(arch)
+    kv_token = kv_cache_bytes_per_token(desc)
     kv_room_tokens = max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp / kv_token
     concurrent = max(1, min(shape.max_num_seqs, per_engine, int(kv_room_tokens // (p + r))))
     bulk_steps = max(0, per_engine - concurrent) * r / concurrent
     tail_running = max(1.0, min(concurrent, per_engine) * r / tail_len)
     context = p + r / 2
     step = dict(engine_tp=engine_tp, context=context, seeded=shape.seeded_sampling)
-    bulk = decode_step_seconds(arch, hw, running=concurrent, **step)
-    tail = decode_step_seconds(arch, hw, running=tail_running, **step)
-    prefill = 2 * active_params(arch) * per_engine * p / engine_tp / (hw.peak_tflops * 1e12
+    bulk = decode_step_seconds(desc, hw, running=concurrent, **step)
+    tail = decode_step_seconds(desc, hw, running=tail_running, **step)
+    prefill = 2 * active_params(desc) * per_engine * p / engine_tp / (hw.peak_tflops * 1e12
                                                                        * hw.prefill_mfu)
     return dict(responses=per_engine, concurrent=concurrent, bulk_steps=bulk_steps,
                 tail_steps=tail_len, tail_running=tail_running,
@@ -290,14 +293,14 @@ def generation_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, engi
                 total=prefill + bulk_steps * bulk["total"] + tail_len * tail["total"])
 
 
-def generation_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, engines: int,
+def generation_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                        engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> float:
     """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (module docstring)."""
-    return generation_terms(arch, shape, hw, engines=engines, engine_tp=engine_tp,
+    return generation_terms(desc, shape, hw, engines=engines, engine_tp=engine_tp,
                             kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
 
 
-def training_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: int,
+def training_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gpus: int,
                    tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, float]:
     """The trainer's phases on ``gpus`` GPUs laid out TP ``tp`` x PP ``pp`` (x CP ``cp``):
     ``update_s`` (forward, backward, recomputed forward), ``logprobs_s`` (the old log-probs'
@@ -305,9 +308,10 @@ def training_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: 
     factors, and ``total``."""
     seq = shape.mean_prompt_tokens + shape.mean_response_tokens
     tokens = shape.prompts * shape.group_size * seq
-    n = active_params(arch)
-    per_pass = 2 * n + 4 * arch.layers * arch.q_dim * seq / 2
-    mfu = hw.moe_train_mfu if arch.moe else hw.train_mfu
+    n = active_params(desc)
+    d = desc.dims
+    per_pass = 2 * n + 4 * d.layers * d.q_dim * seq / 2
+    mfu = hw.moe_train_mfu if d.moe else hw.train_mfu
     dp = max(1, gpus // (tp * pp * cp))
     if pp > 1 and shape.micro_batch_tokens:
         micro = max(1, math.ceil(tokens / shape.updates / dp / shape.micro_batch_tokens))
@@ -315,8 +319,8 @@ def training_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: 
     else:
         pipe = 1.0
     if tp > 1:
-        comm = 8 * arch.hidden * (tp - 1) / tp / (hw.nvlink_gb_per_s * 1e9)
-        compute = 2 * n / arch.layers / tp / (hw.peak_tflops * 1e12 * mfu)
+        comm = 8 * d.hidden * (tp - 1) / tp / (hw.nvlink_gb_per_s * 1e9)
+        compute = 2 * n / d.layers / tp / (hw.peak_tflops * 1e12 * mfu)
         tp_eff = 1 / (1 + comm / compute)
     else:
         tp_eff = 1.0
@@ -327,19 +331,19 @@ def training_terms(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: 
                 tp_efficiency=tp_eff, total=update + logprobs)
 
 
-def training_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, gpus: int,
+def training_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gpus: int,
                      tp: int = 1, pp: int = 1, cp: int = 1) -> float:
     """Forward + backward (+ recompute) of every token, and the old log-probs' forward, on
     ``gpus`` trainer GPUs (``training_terms``)."""
-    return training_terms(arch, shape, hw, gpus=gpus, tp=tp, pp=pp, cp=cp)["total"]
+    return training_terms(desc, shape, hw, gpus=gpus, tp=tp, pp=pp, cp=cp)["total"]
 
 
-def refit_terms(arch: Architecture, shape: StepShape, hw: Hardware, *,
+def refit_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *,
                 dedicated: bool) -> dict[str, float]:
     """The trained weights into the engines, term by term (module docstring)."""
-    weights = 2 * param_count(arch)
+    weights = 2 * param_count(desc)
     out = dict(fixed_s=hw.wake_sleep_s, bytes_s=weights / (hw.refit_gb_per_s * 1e9),
-               tensors_s=weight_tensors(arch) * hw.refit_s_per_tensor,
+               tensors_s=weight_tensors(desc) * hw.refit_s_per_tensor,
                network_s=weights / (hw.network_gb_per_s * 1e9) if dedicated else 0.0,
                offload_s=0.0 if dedicated else
                2 * shape.offloaded_state_bytes_per_gpu / (hw.pcie_gb_per_s * 1e9))
@@ -347,11 +351,11 @@ def refit_terms(arch: Architecture, shape: StepShape, hw: Hardware, *,
     return out
 
 
-def refit_seconds(arch: Architecture, shape: StepShape, hw: Hardware, *, dedicated: bool,
+def refit_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, dedicated: bool,
                   engine_tp: int = 1) -> float:
     """The trained weights into the engines (module docstring; ``engine_tp`` is kept for
     callers: the calibrated path moves the whole model whatever the engine's TP)."""
-    return refit_terms(arch, shape, hw, dedicated=dedicated)["total"]
+    return refit_terms(desc, shape, hw, dedicated=dedicated)["total"]
 
 
 @dataclass(frozen=True)
@@ -409,7 +413,7 @@ class StepTime:
                     engine_idle_s=self.engine_idle_s, dominant=self.dominant)
 
 
-def step_times(arch: Architecture, shape: StepShape, hw: Hardware, *, world: int,
+def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world: int,
                rollout_gpus: int, engine_tp: int, kv_cache_bytes_per_engine_gpu: float,
                colocated_kv_cache_bytes_per_gpu: float | None = None,
                train_layout: tuple[int, int] = (1, 1),
@@ -422,20 +426,20 @@ def step_times(arch: Architecture, shape: StepShape, hw: Hardware, *, world: int
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
     tp, pp = train_layout
-    gen = generation_terms(arch, shape, hw, engines=world // engine_tp, engine_tp=engine_tp,
+    gen = generation_terms(desc, shape, hw, engines=world // engine_tp, engine_tp=engine_tp,
                            kv_cache_bytes_per_engine_gpu=colocated_kv)
-    train = training_terms(arch, shape, hw, gpus=world, tp=tp, pp=pp)
-    refit = refit_terms(arch, shape, hw, dedicated=False)
+    train = training_terms(desc, shape, hw, gpus=world, tp=tp, pp=pp)
+    refit = refit_terms(desc, shape, hw, dedicated=False)
     out = [StepTime("colocated", world, 0, gen["total"], train["total"], refit["total"],
                     dict(generation=gen, training=train, refit=refit))]
     if rollout_gpus:
         trainer = world - rollout_gpus
         tp, pp = dedicated_train_layout or train_layout
-        gen = generation_terms(arch, shape, hw, engines=rollout_gpus // engine_tp,
+        gen = generation_terms(desc, shape, hw, engines=rollout_gpus // engine_tp,
                                engine_tp=engine_tp,
                                kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
-        train = training_terms(arch, shape, hw, gpus=trainer, tp=tp, pp=pp)
-        refit = refit_terms(arch, shape, hw, dedicated=True)
+        train = training_terms(desc, shape, hw, gpus=trainer, tp=tp, pp=pp)
+        refit = refit_terms(desc, shape, hw, dedicated=True)
         out += [StepTime(mode, trainer, rollout_gpus, gen["total"], train["total"],
                          refit["total"], dict(generation=gen, training=train, refit=refit))
                 for mode in ("dedicated", "one-step-off")]
