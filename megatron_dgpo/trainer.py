@@ -39,8 +39,9 @@ from megatron_dgpo.optimizer import build_optimizer, step_if_finite, sync_params
 from megatron_dgpo.parallel import init_distributed, initialize_parallel, split_world
 from megatron_dgpo.recipe import RunConfig, save_recipe
 from megatron_dgpo.rollout.base import Rollout
-from megatron_dgpo.rollout.dedicated import DedicatedRollout, load_ahead, save_ahead
-from megatron_dgpo.rollout.dedicated import serve as serve_engines
+from megatron_dgpo.rollout.dedicated.ahead import load_ahead, save_ahead
+from megatron_dgpo.rollout.dedicated.client import DedicatedRollout
+from megatron_dgpo.rollout.dedicated.server import serve as serve_engines
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
 from megatron_dgpo.rollout.mismatch import mismatch_metrics
 from megatron_dgpo.rollout.replica import ReplicaRollout

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def main(model_a: str, model_b: str, bucket_bytes: int, out: str) -> None:
     from megatron_dgpo import comm
     from megatron_dgpo.parallel import init_distributed, launch_store, split_world
-    from megatron_dgpo.rollout.dedicated import receive_bucket, send_bucket
+    from megatron_dgpo.rollout.dedicated.wire import receive_bucket, send_bucket
 
     init_distributed(timeout_minutes=5, rollout_ranks=1)
     side = split_world(1)

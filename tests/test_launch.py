@@ -82,10 +82,10 @@ def test_rollout_nodes_become_the_trainers_first_overrides(tmp_path):
     # a layout the trainer accepts: 160 trainer GPUs at TP 8 are 20 DP replicas, 80 engine GPUs at
     # the recipe's engine TP 4 are 20 engines, one per replica
     from megatron_dgpo.recipe import load_recipe
-    from megatron_dgpo.rollout.dedicated import _layout
+    from megatron_dgpo.rollout.dedicated.wire import dedicated_layout
 
     cfg = load_recipe(ROOT / trainer_args[0], trainer_args[1:])
-    assert _layout(cfg.rollout, cfg.parallel, 30 * 8 - 80).engines_per_replica == 1
+    assert dedicated_layout(cfg.rollout, cfg.parallel, 30 * 8 - 80).engines_per_replica == 1
 
 
 def test_rollout_gpus_of_the_local_executor(tmp_path):

@@ -143,7 +143,7 @@ def test_documented_rollout_node_commands_resolve_to_a_layout_the_trainer_accept
     allocation of N 8-GPU nodes: the engines' overrides come first, and the recipe with them splits
     into a trainer world and engines that the trainer's own checks accept."""
     from megatron_dgpo.recipe import load_recipe
-    from megatron_dgpo.rollout.dedicated import _layout
+    from megatron_dgpo.rollout.dedicated.wire import dedicated_layout
 
     commands = _documented_rollout_node_commands()
     assert {doc for doc, _ in commands} == {"docs/launching.md", "slurm/README.md"}
@@ -165,7 +165,7 @@ def test_documented_rollout_node_commands_resolve_to_a_layout_the_trainer_accept
         trainer_ranks = nodes * 8 - rollout_gpus
         model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
         assert trainer_ranks % model_parallel == 0, (doc, trainer_ranks, model_parallel)
-        _layout(cfg.rollout, cfg.parallel, trainer_ranks)  # raises if the engines do not split over DP
+        dedicated_layout(cfg.rollout, cfg.parallel, trainer_ranks)  # raises if the engines do not split over DP
 
 
 @pytest.mark.parametrize("env, message", [

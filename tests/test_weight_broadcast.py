@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_dgpo import comm
 from megatron_dgpo.config import ConfigError
 from megatron_dgpo.recipe import load_recipe
-from megatron_dgpo.rollout.dedicated import receive_bucket, send_bucket
+from megatron_dgpo.rollout.dedicated.wire import receive_bucket, send_bucket
 from megatron_dgpo.rollout.placement import DedicatedLayout
 from megatron_dgpo.rollout.refit import fused_group
 from tests.distributed import free_port

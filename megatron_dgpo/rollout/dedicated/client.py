@@ -1,0 +1,151 @@
+"""The trainer ranks' handle on their replica's dedicated engines (``DedicatedRollout``): only
+each replica's leader talks to them, over the replica's link."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dgpo import comm
+from megatron_dgpo.batch import Experience
+from megatron_dgpo.rollout.base import Sampled
+from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, send_bucket
+from megatron_dgpo.rollout.placement import shard_prompts
+from megatron_dgpo.rollout.refit import RefitStats, refit_engines, run_bucketed_refit
+
+
+class DedicatedRollout:
+    """The trainer ranks' handle on their replica's dedicated engines; the same calls as
+    ``ReplicaRollout`` (``sample``, ``refit``, ``close``) plus ``submit`` / ``collect`` for the
+    one-step-off loop. Every trainer rank constructs it and calls every method (collective over
+    the trainer's world); only each replica's leader talks to the engines."""
+
+    def __init__(self, rollout, data_config, parallel, hf_dir: Path, *, seed: int,
+                 batch_prompts: int, version: int = 0):
+        from megatron.core import parallel_state as ps
+
+        self.config, self.batch_prompts, self.version = rollout, batch_prompts, version
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.mp_group = ps.get_model_parallel_group()
+        self.layout = dedicated_layout(rollout, parallel, dist.get_world_size())
+        self.replica_prompts = shard_prompts(batch_prompts, dp_size, dp_rank)
+        self.leader = dist.get_rank() == min(dist.get_process_group_ranks(self.mp_group))
+        self.needs_first_refit = True  # the engines start from random weights
+        self.weight_consumer = "first"  # the leader broadcasts the weights to its engines
+        self.link, self._submitted, self._in_protocol = None, False, False
+        if self.leader:
+            self.link = open_link(self.layout, dp_rank, 0, parallel.timeout_minutes)
+            self.link.broadcast_object({"kind": "start", "hf_dir": str(hf_dir)})
+            print(f"dgpo-train: rank {dist.get_rank()} (DP replica {dp_rank}) drives "
+                  f"{self.layout.engines_per_replica} dedicated engine(s) of TP "
+                  f"{self.layout.engine_tp}, one of {self.layout.num_engines}; samples batch "
+                  f"positions {self.replica_prompts.start}..{self.replica_prompts.stop - 1} of "
+                  f"{batch_prompts}", file=sys.stderr, flush=True)
+
+    @property
+    def submitted(self) -> bool:
+        """A batch was submitted and not collected yet."""
+        return self._submitted
+
+    def submit(self, prompts_consumed: int, refill_rounds: int = 0) -> None:
+        """Start the engines on the batch that begins at stream position ``prompts_consumed``
+        (with the weights they hold); returns at once."""
+        if self._submitted:
+            raise RuntimeError("DedicatedRollout.submit: the previous batch was not collected")
+        if self.leader:
+            self._in_protocol = True
+            self.link.broadcast_object({"kind": "generate", "start": int(prompts_consumed),
+                                        "positions": list(self.replica_prompts),
+                                        "batch_prompts": self.batch_prompts,
+                                        "refill_rounds": int(refill_rounds)})
+        self._submitted, self._refill = True, refill_rounds
+
+    def collect(self) -> Sampled:
+        """The submitted batch (``ReplicaRollout.sample``'s triple): waits for the engines,
+        then shares the replica's samples inside its model-parallel group. Collective."""
+        if not self._submitted:
+            raise RuntimeError("DedicatedRollout.collect: nothing was submitted")
+        pieces, stats = [], []
+        if self.leader:
+            for i in range(self.layout.engines_per_replica):
+                piece, engine_stats = self.link.recv_object(1 + i * self.layout.engine_tp)
+                pieces.append(piece)
+                stats.append(engine_stats)
+            self._in_protocol = False
+        self._submitted = False
+        batch = (Experience.join(pieces) if self.leader else None)
+        batch = (batch if batch is not None else Experience([], [], [], [], [])).gather(self.mp_group)
+        batch.policy_version = comm.broadcast_object(
+            pieces[0].policy_version if self.leader else None,
+            src=min(dist.get_process_group_ranks(self.mp_group)), group=self.mp_group)
+        return Sampled(batch, *self._metrics(stats))
+
+    def sample(self, prompts_consumed: int, refill_rounds: int = 0) -> Sampled:
+        """Synchronous: ``submit`` then ``collect``."""
+        self.submit(prompts_consumed, refill_rounds)
+        return self.collect()
+
+    def _metrics(self, stats: list[dict]) -> tuple[dict[str, float], int]:
+        """World-reduced engine metrics of a batch, and the prompts of the stream it used."""
+        sums = torch.zeros(5, dtype=torch.float64)  # rate sum, engines, idle sum, discarded, active
+        maxima = torch.zeros(2, dtype=torch.float64)  # generation seconds, refill rounds
+        for s in stats:
+            if s["prompts"]:
+                sums[0] += s["tokens"] / max(s["generation_s"], 1e-9)
+                sums[1] += 1
+                sums[4] += 1
+            sums[2] += s["idle_s"]
+            sums[3] += s["discarded"]
+            maxima[0] = max(maxima[0], s["generation_s"])
+            maxima[1] = max(maxima[1], s["rounds"])
+        sums, maxima = comm.reduce_values(sums, "sum"), comm.reduce_values(maxima, "max")
+        metrics = {"rollout/engines": float(sums[4]),
+                   "throughput/generation_tokens_per_s_per_engine": float(sums[0] / max(sums[1], 1.0)),
+                   "time/engine_generate": float(maxima[0]),
+                   "time/engine_idle": float(sums[2] / self.layout.num_engines)}
+        if self._refill:
+            metrics.update({"rollout/refill_rounds": float(maxima[1]),
+                            "rollout/discarded_groups": float(sums[3])})
+        return metrics, (1 + int(maxima[1])) * self.batch_prompts
+
+    def sleep_engines(self) -> None:
+        """Nothing to free: dedicated engines own their GPUs (``ReplicaRollout.sleep_engines``)."""
+
+    def refit(self, weights, version: int) -> dict[str, float]:
+        """Broadcast the trained weights of step ``version`` (the export, taken on the leader)
+        to this replica's engines, in the colocated refit's buckets; between batches only.
+        Collective (trainer world); returns ``refit/*`` as ``ReplicaRollout.refit``."""
+        if self._submitted:
+            raise RuntimeError("DedicatedRollout.refit: collect the batch in flight first (the "
+                               "engines take weights between batches)")
+        metrics = refit_engines(weights, (lambda pairs: self._broadcast_weights(pairs, version))
+                                if self.leader else None)
+        self.version = version
+        self.needs_first_refit = False
+        return metrics
+
+    def _broadcast_weights(self, weights, version: int) -> RefitStats:
+        """Leader: the ``refit`` command, the buckets, ``end``; raises the engines' first error."""
+        self._in_protocol = True
+        self.link.broadcast_object({"kind": "refit", "version": int(version)})
+        stats = run_bucketed_refit(weights, self.config.refit_bucket_bytes,
+                                   lambda bucket: send_bucket(self.link, bucket))
+        self.link.broadcast_object({"kind": "end"})
+        answers = [self.link.recv_object(i) for i in range(1, self.layout.link_size)]
+        self._in_protocol = False
+        errors = [a for a in answers if a != "ok"]
+        if errors:
+            raise RuntimeError(f"refit of the dedicated engines failed: {errors[0]}")
+        return stats
+
+    def close(self) -> None:
+        """Stop the engines (their ranks exit 0). After an error in the middle of a command the
+        engines are left to torchrun, which ends them with the failing trainer."""
+        if self.link is not None and not self._in_protocol and not self._submitted:
+            self.link.broadcast_object({"kind": "stop"})
+            for i in range(1, self.layout.link_size):  # every engine rank has shut down
+                self.link.recv_object(i)
+        self.link = None

@@ -1,0 +1,160 @@
+"""A dedicated engine's rank: it joins the rollout's own world and its replica's link, then runs
+the leader's commands (``start``, ``generate``, ``refit``, ``stop``; see the package) until
+``stop``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_dgpo import comm, data
+from megatron_dgpo.batch import Experience
+from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, receive_bucket
+from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
+                                            refill_degenerate_groups, reward_pool)
+from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
+
+
+def serve(cfg) -> int:
+    """The main of a rollout rank (``RunConfig`` ``cfg``): join the rollout world and this
+    engine's replica, then run commands until ``stop``. Returns 0."""
+    from megatron_dgpo.parallel import engine_group, init_distributed, split_world
+
+    rollout = cfg.rollout
+    init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
+                     watchdog_minutes=cfg.parallel.watchdog_minutes,
+                     tensor_parallel=1,  # Megatron's CUDA_DEVICE_MAX_CONNECTIONS is not vLLM's
+                     rollout_ranks=rollout.num_gpus)
+    side = split_world(rollout.num_gpus)
+    layout = dedicated_layout(rollout, cfg.parallel, side.trainer_size)
+    group = engine_group(layout.engine_tp)  # before the engine: a collective of the rollout world
+    replica = layout.replica_of(side.rank)
+    link = open_link(layout, replica, layout.link_index(side.rank), cfg.parallel.timeout_minutes)
+    server = _EngineServer(cfg, layout, link, group, leader=side.rank % layout.engine_tp == 0,
+                           engine_index=layout.engine_in_replica(side.rank))
+    try:
+        server.run()
+    finally:
+        server.close()
+    return 0
+
+
+class _EngineServer:
+    """One engine rank: builds vLLM on ``start``, then generates and refits on command."""
+
+    def __init__(self, cfg, layout: DedicatedLayout, link, group, *, leader: bool,
+                 engine_index: int):
+        self.cfg, self.layout, self.link, self.group = cfg, layout, link, group
+        self.leader, self.engine_index = leader, engine_index
+        self.engine = self.pool = None
+        self.version = 0
+
+    def run(self) -> None:
+        # idle: the wall time between two batches' reports not spent generating or refitting
+        # (waiting for a command, or for the trainer to take the previous batch)
+        last_report, busy = time.perf_counter(), 0.0
+        while True:
+            command = self.link.broadcast_object(None)
+            kind, begin = command["kind"], time.perf_counter()
+            if kind == "start":
+                self._start(Path(command["hf_dir"]))
+                last_report = time.perf_counter()
+            elif kind == "generate":
+                piece, stats = self._generate(command)
+                now = time.perf_counter()
+                stats["idle_s"] = max(now - last_report - busy - (now - begin), 0.0)
+                last_report, busy = now, 0.0
+                if self.leader:
+                    self.link.send_object((piece, stats), 0)
+            elif kind == "refit":
+                answer = self._refit(command["version"])
+                busy += time.perf_counter() - begin
+                self.link.send_object(answer, 0)
+            elif kind == "stop":
+                self.close()
+                self.link.send_object("stopped", 0)  # before the trainer exits: a trainer that
+                return  # exits 75 first would have torchrun kill this rank (-15)
+            else:
+                raise ValueError(f"dedicated engine: unknown command {kind!r}")
+
+    def _start(self, hf_dir: Path) -> None:
+        rollout = self.cfg.rollout
+        self.prompts, self.tokenizer = data.load_prompts(self.cfg.data, hf_dir,
+                                                         rollout.max_prompt_tokens)
+        self.engine = build_engine(rollout, hf_dir, seed=self.cfg.train.seed, placement="colocated",
+                                   tensor_parallel_size=self.layout.engine_tp, refitted=True,
+                                   dedicated=True)
+        if self.leader:
+            self.pool = reward_pool()
+            print(f"dgpo-train: dedicated engine {dist.get_rank() // self.layout.engine_tp} of "
+                  f"{self.layout.num_engines} (TP {self.layout.engine_tp}) on rollout rank "
+                  f"{dist.get_rank()}", file=sys.stderr, flush=True)
+
+    def _generate(self, command: dict) -> tuple[Experience | None, dict]:
+        """This engine's share of the replica's positions, with DAPO's refill rounds (a
+        position's fate depends only on its own stream: the same as on any placement)."""
+        start, batch_prompts = command["start"], command["batch_prompts"]
+        positions = command["positions"]
+        mine = [positions[j] for j in shard_prompts(len(positions), self.layout.engines_per_replica,
+                                                    self.engine_index)]
+        begin, group = time.perf_counter(), self.cfg.rollout.group_size
+
+        def redo(piece: Experience | None) -> tuple[list[int], int]:
+            # the engine's leader grades; its TP peers sample again what it says
+            groups = comm.broadcast_object(
+                None if piece is None else degenerate_groups(piece, group),
+                src=dist.get_rank() - dist.get_rank() % self.layout.engine_tp, group=self.group)
+            return groups, len(groups)
+
+        piece, rounds, discarded = refill_degenerate_groups(
+            self._sample(start, batch_prompts, mine), mine, command["refill_rounds"],
+            start=start, batch_prompts=batch_prompts, group_size=group,
+            sample=lambda at, share: self._sample(at, batch_prompts, share), redo=redo)
+        if piece is not None:
+            piece.policy_version = self.version
+        tokens = sum(len(r) for r in piece.response_tokens) if piece is not None else 0
+        return piece, {"generation_s": time.perf_counter() - begin, "tokens": tokens,
+                       "prompts": len(mine), "rounds": rounds, "discarded": discarded}
+
+    def _sample(self, start: int, batch_prompts: int, positions: list[int]) -> Experience | None:
+        if not positions:
+            return Experience([], [], [], [], []) if self.leader else None
+        indices = data.prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
+        return generate_experience(self.engine, self.pool, self.tokenizer, self.prompts, indices,
+                                   positions, self.cfg.rollout, train_seed=self.cfg.train.seed,
+                                   prompts_consumed=start)
+
+    def _refit(self, version: int) -> str:
+        """Receive buckets until ``end`` and reload each; "ok" or the first error (the
+        remaining buckets are still received, so the trainer's broadcasts never hang)."""
+        error = None
+        try:
+            self.engine.begin_refit()
+        except Exception as exc:  # noqa: BLE001 - reported to the trainer, which raises
+            error = f"{type(exc).__name__}: {exc}"
+        while True:
+            message = self.link.broadcast_object(None)
+            if message["kind"] == "end":
+                break
+            bucket = receive_bucket(self.link, message["tensors"])
+            if error is None:
+                try:
+                    self.engine.load_bucket(bucket)
+                except Exception as exc:  # noqa: BLE001
+                    error = f"{type(exc).__name__}: {exc}"
+        if error is None:
+            try:
+                self.engine.end_refit()
+                self.version = version
+            except Exception as exc:  # noqa: BLE001
+                error = f"{type(exc).__name__}: {exc}"
+        return "ok" if error is None else f"rollout rank {dist.get_rank()}: {error}"
+
+    def close(self) -> None:
+        for closer in (self.engine and self.engine.shutdown, self.pool and self.pool.close):
+            if closer:
+                closer()
+        self.engine = self.pool = None
