@@ -1,7 +1,8 @@
 """Published GRPO step times on H100s (``PUBLISHED_STEPS``: issue 30's nine NeMo-RL rows, four
 of which fitted ``megatron_dgpo.planner.steptime``'s constants; ``HELD_OUT_STEPS``: rows no
 constant was fitted to), the step-time model on each row's workload (``predict_published``)
-and docs/planner.md's table of them (``published_table``; tests/test_steptime_published.py)."""
+and docs/planner.md's table of them (``published_table``;
+tests/planner/test_published_steps.py)."""
 
 from __future__ import annotations
 

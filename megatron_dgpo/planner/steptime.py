@@ -49,7 +49,7 @@ with the trainer idle for generation - training and the engines for training - g
 efficiencies and costs are the module's named constants below, each with its source: six
 fitted to four published NeMo-RL rows (``PUBLISHED_STEPS`` marks them), the sampler's measured,
 the rest typical published shares. docs/planner.md#published-step-times has the checks against
-published step times, the held-out rows included (tests/test_steptime_published.py).
+published step times, the held-out rows included (tests/planner/test_published_steps.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""megatron_dgpo/planner/search.py: the paper's 14B recipe on 8 x 80 GB and the layout picked,
+DP dividing the dedicated engines, MoE candidates' expert parallelism, and the step-time
+estimate of the 14B recipes (as benchmarks/bench_async.py prints it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from megatron_dgpo.planner.catalogue import PUBLISHED
+from megatron_dgpo.planner.inputs import GIB, Cluster, Workload
+from megatron_dgpo.planner.parameters import param_count
+from megatron_dgpo.planner.peak import estimate
+from megatron_dgpo.planner.search import candidate_layouts, make_plan, step_time_estimate
+from megatron_dgpo.recipe import load_recipe
+from tests.planner._inputs import (R1_14B, RECIPE_14B, RECIPE_14B_ASYNC, ROOT, dedicated_work,
+                                   run_main, small_work)
+
+
+def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
+    from megatron_dgpo.recipe import load_recipe
+
+    run = load_recipe(RECIPE_14B)
+    arch = PUBLISHED[run.model.path]
+    cluster = Cluster(gpus_per_node=8, nodes=1, gpu_memory_gb=80)
+    plan = make_plan(arch, cluster, Workload.from_recipe(run),
+                     recipe_tp=run.parallel.tensor_parallel,
+                     recipe_pp=run.parallel.pipeline_parallel)
+    assert plan.pick is not None and plan.pick.fits and plan.required_overrides == []
+    lay = plan.pick.layout
+    assert lay.tp * lay.pp * lay.cp * lay.dp == 8 and lay.tp <= 8
+    assert plan.pick.total <= 80 * GIB
+    # the pick is re-estimated identically from its layout, and nothing smaller fits with room
+    assert estimate(arch, cluster, lay, plan.workload).total == plan.pick.total
+    assert not any(e.fits_with(0.1) for e in plan.estimates
+                   if e.layout.model_parallel < lay.model_parallel)
+
+    code, out, _ = run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "1",
+                                      "--gpu-memory-gb", "80"])
+    assert code == 0
+    assert f"{lay}" in out and "<- pick" in out and "pick: " in out
+    assert f"parallel.tensor_parallel={lay.tp} parallel.pipeline_parallel={lay.pp}" in out
+
+    code, out, _ = run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--gpu-memory-gb",
+                                      "80", "--json"])
+    data = json.loads(out)
+    assert code == 0 and data["pick"]["layout"] == dict(tp=lay.tp, pp=lay.pp, cp=lay.cp,
+                                                        dp=lay.dp)
+    for row in data["layouts"]:
+        g = row["gib"]
+        state = g["grads"] + g["optimizer"]
+        training = g["activations"] + g["logits"] + g["cache"]
+        if row["vllm_sleeps"]:  # vLLM asleep during training: the larger phase, not the sum
+            phases = max(state + training + g["graphs"],
+                         g["vllm"] + (0 if row["offloaded"] else state))
+        else:
+            phases = state + training + g["vllm"]
+        assert g["weights"] + g["nccl"] + phases + g["overhead"] == pytest.approx(g["total"])
+        assert len(row["nccl_communicators"]) * 32 * 9.1875 / 1024 == pytest.approx(g["nccl"])
+        assert row["fits"] == (row["gib"]["total"] <= 80)
+    assert data["params"] == param_count(arch.description)
+    # only layouts the trainer can run: no context parallelism
+    assert {row["layout"]["cp"] for row in data["layouts"]} == {1}
+
+
+def test_dp_must_divide_the_dedicated_engines():
+    """Each DP replica refits and samples with its own share of the engines
+    (``rollout.placement.DedicatedLayout``): layouts whose DP does not divide them are not
+    candidates, and when none is left the hint says why."""
+    cluster = Cluster(gpus_per_node=8, nodes=30, gpu_memory_gb=80, rollout_gpus=80)
+    work = dedicated_work(rollout_tp=4, responses_per_update=256)
+    dps = {lay.dp for lay in candidate_layouts(R1_14B, cluster, work)}
+    assert dps and all(20 % d == 0 for d in dps) and 20 in dps and 40 not in dps
+    none_left = make_plan(R1_14B, replace(cluster, rollout_gpus=64), work)
+    assert none_left.pick is None and "DP must divide the 16 dedicated engines" in none_left.hint
+
+
+def test_moe_plan_searches_expert_parallelism_and_the_cli_fixes_it(capsys):
+    """Every MoE candidate has EP | experts and EP x ETP | GPUs per stage; --expert-parallel
+    fixes EP; the published 30B-A3B needs EP to fit 80 GB; dense models refuse the flags."""
+    from megatron_dgpo.planner.search import candidate_layouts
+
+    arch = PUBLISHED["Qwen/Qwen3-30B-A3B"]
+    cluster = Cluster(gpus_per_node=8, nodes=2, gpu_memory_gb=80)
+    work = small_work(rollout_tp=None)
+    layouts = candidate_layouts(arch, cluster, work)
+    experts = arch.description.dims.experts
+    assert layouts and all(experts % lay.ep == 0 and (16 // lay.pp) % (lay.ep * lay.etp) == 0
+                           and lay.etp in (1, lay.tp) for lay in layouts)
+    assert {lay.ep for lay in candidate_layouts(arch, cluster, work, expert_parallel=4)} == {4}
+    recipe = os.path.join(ROOT, "recipes", "qwen3_30b_a3b.yaml")
+    code, out, _ = run_main(capsys, [recipe, "--gpus-per-node", "8", "--nodes", "2",
+                                      "--gpu-memory-gb", "80", "--expert-parallel", "4",
+                                      "--json"])
+    assert {lay["layout"]["ep"] for lay in json.loads(out)["layouts"]} == {4}
+    code, _, err = run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--gpu-memory-gb",
+                                      "80", "--expert-parallel", "2"])
+    assert code == 2 and "need an MoE model" in err
+
+
+def test_step_time_estimate_of_the_14b_recipes():
+    """The async 14B recipe on the paper's 30 nodes: one-step-off beats colocated (the tail),
+    and its 80 rollout GPUs are the balanced split; the synchronous dedicated step is the sum.
+    A recipe without dedicated engines is refused, naming the field."""
+    run = load_recipe(RECIPE_14B_ASYNC)
+    est = step_time_estimate(run, Cluster(gpus_per_node=8, nodes=30, gpu_memory_gb=80))
+    col, sync, off, bal = (est[k] for k in ("colocated", "synchronous", "one_step_off", "balanced"))
+    assert (col["trainer_gpus"], sync["trainer_gpus"], sync["rollout_gpus"]) == (240, 160, 80)
+    assert sync["step_s"] == pytest.approx(sync["generation_s"] + sync["training_s"] + sync["refit_s"])
+    assert off["step_s"] == pytest.approx(max(off["generation_s"], off["training_s"]) + off["refit_s"])
+    assert off["step_s"] < col["step_s"] / 1.2 and off["step_s"] < sync["step_s"] / 1.8
+    assert bal["rollout_gpus"] == 80 and bal["step_s"] == pytest.approx(off["step_s"])
+    with pytest.raises(ValueError, match="rollout.placement: dedicated"):
+        step_time_estimate(load_recipe(RECIPE_14B), Cluster(8, 4, 80))
+
+
+def test_bench_async_prints_the_planner_rows(capsys):
+    """benchmarks/bench_async.py --planner-only: the 14B rows of benchmarks/README.md's table,
+    one-step-off's speedup over the synchronous dedicated step as the estimate says."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_async", os.path.join(ROOT, "benchmarks",
+                                                                              "bench_async.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--planner-only"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| planner")]
+    assert [r.split(" | ")[1] for r in rows] == ["synchronous", "one-step-off",
+                                                 "colocated, all 240 GPUs"]
+    est = step_time_estimate(load_recipe(RECIPE_14B_ASYNC), Cluster(8, 30, 80))
+    speedup = est["synchronous"]["step_s"] / est["one_step_off"]["step_s"]
+    assert f"| {speedup:.2f}x |" in rows[1]

@@ -1,0 +1,174 @@
+"""megatron_dgpo/planner/steptime.py: the step-time formulas recomputed by hand from round
+hardware numbers, the generation tail's floor, monotonicity in the lengths, the MoE decode's
+touched experts and the seeded sampler's term."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from megatron_dgpo.planner.catalogue import PUBLISHED
+from megatron_dgpo.planner.inputs import GIB
+from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token
+from megatron_dgpo.planner.parameters import param_count
+from megatron_dgpo.planner.steptime import (HARDWARE, StepShape, StepTime, active_params,
+                                            experts_touched_share, generation_seconds,
+                                            generation_terms, refit_seconds, routed_expert_params,
+                                            shared_params, step_times, training_seconds,
+                                            weight_tensors)
+from tests.planner._inputs import R1_14B, ROUND, SMALL
+
+
+def test_step_time_formulas_by_hand():
+    """Generation, training and refit of SMALL on ``ROUND`` hardware, from the docstring's
+    formulas written out here; then how the placements combine them."""
+    n = active_params(SMALL)
+    assert n == param_count(SMALL) - 1000 * 64  # the input embedding is a lookup
+    kv = kv_cache_bytes_per_token(SMALL)
+    assert kv == 4 * 2 * 2 * 16 * 2  # L x (K, V) x g x d x bf16
+    shape = StepShape(prompts=8, group_size=4, max_response_tokens=1000, mean_prompt_tokens=100,
+                      mean_response_tokens=400, max_num_seqs=4)
+    # 2 engines of 1 GPU: 16 responses each, 4 at a time (max_num_seqs; the KV room holds more):
+    # 1200 bulk steps of 4 running, then the longest response's 1000-step tail with 4 x 400 /
+    # 1000 = 1.6 running on average; every step reads the weights and its sequences' KV
+    # (mean context 100 + 400 / 2), or is compute-bound; plus its fixed cost and the sampler
+    # (seeded: 1e-8 s per row and vocabulary entry)
+
+    def step(c, per_row=1e-8):
+        return (max((2 * n + c * 300 * kv) / (1000e9 * 0.5), 2 * n * c / (100e12 * 0.5))
+                + 0.001 + c * 1000 * per_row)
+    prefill = 2 * n * 16 * 100 / (100e12 * 0.5)
+    expected = prefill + 1200 * step(4) + 1000 * step(1.6)
+    assert 1200 * 4 + 1000 * 1.6 == 16 * 400  # every response token decoded once
+    got = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
+                             kv_cache_bytes_per_engine_gpu=1e12)
+    assert got == pytest.approx(expected, rel=1e-12)
+    # unseeded requests: the batched draw's 1e-9 per row and vocabulary entry
+    batched = generation_seconds(SMALL, replace(shape, seeded_sampling=False), ROUND, engines=2,
+                                 engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
+    assert batched == pytest.approx(prefill + 1200 * step(4, 1e-9) + 1000 * step(1.6, 1e-9),
+                                    rel=1e-12)
+    assert got - batched == pytest.approx((1200 * 4 + 1000 * 1.6) * 1000 * 9e-9, rel=1e-9)
+    # a KV cache of 2 responses' room halves the concurrency: more steps
+    tight = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
+                               kv_cache_bytes_per_engine_gpu=2 * 500 * kv)
+    assert tight == pytest.approx(prefill + 2800 * step(2) + 1000 * step(1), rel=1e-12)
+    # training: 32 responses of 500 tokens, 5 passes (fwd, 2x bwd, recompute, old log-probs)
+    shape_rc = replace(shape, recompute=True)
+    per_token = 5 * (2 * n + 4 * 4 * 64 * 500 / 2)
+    assert training_seconds(SMALL, shape_rc, ROUND, gpus=4) == pytest.approx(
+        32 * 500 * per_token / (4 * 100e12 * 0.5), rel=1e-12)
+    assert training_seconds(SMALL, shape, ROUND, gpus=4) == pytest.approx(
+        32 * 500 * 4 * (2 * n + 4 * 4 * 64 * 250) / (4 * 100e12 * 0.5), rel=1e-12)
+    # refit: a fixed cost + the whole model's bytes at the refit bandwidth + a cost per HF
+    # tensor (4 layers x (Q, K, V, O, 3 biases, 2 norms, gate, up, down) + embedding, final
+    # norm, output = 51); colocated the offloaded state both ways over PCIe, dedicated the
+    # broadcast at one NIC's bandwidth
+    w = 2 * param_count(SMALL)
+    assert weight_tensors(SMALL) == 51
+    offl = replace(shape, offloaded_state_bytes_per_gpu=10**9)
+    assert refit_seconds(SMALL, offl, ROUND, dedicated=False, engine_tp=2) == pytest.approx(
+        3.0 + w / 10e9 + 51 * 0.001 + 2 * 1e9 / 20e9, rel=1e-12)
+    assert refit_seconds(SMALL, offl, ROUND, dedicated=True, engine_tp=2) == pytest.approx(
+        3.0 + w / 10e9 + 51 * 0.001 + w / 10e9, rel=1e-12)
+
+    colocated, dedicated, one_step_off = step_times(
+        SMALL, shape, ROUND, world=8, rollout_gpus=2, engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
+    assert (colocated.trainer_gpus, dedicated.trainer_gpus, dedicated.rollout_gpus) == (8, 6, 2)
+    assert colocated.generation_s == pytest.approx(generation_seconds(
+        SMALL, shape, ROUND, engines=8, engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12))
+    assert dedicated.generation_s == pytest.approx(got)
+    assert dedicated.training_s == pytest.approx(training_seconds(SMALL, shape, ROUND, gpus=6))
+    for t in (colocated, dedicated):
+        assert t.step_s == pytest.approx(t.generation_s + t.training_s + t.refit_s)
+    assert (colocated.trainer_idle_s, colocated.engine_idle_s) == (0.0, 0.0)
+    assert (dedicated.trainer_idle_s, dedicated.engine_idle_s) == (dedicated.generation_s,
+                                                                  dedicated.training_s)
+    gen, train = one_step_off.generation_s, one_step_off.training_s
+    assert one_step_off.step_s == pytest.approx(max(gen, train) + one_step_off.refit_s)
+    assert one_step_off.trainer_idle_s == max(0.0, gen - train)
+    assert one_step_off.engine_idle_s == max(0.0, train - gen)
+    assert min(one_step_off.trainer_idle_s, one_step_off.engine_idle_s) == 0.0
+
+
+def test_generation_has_a_tail_floor_that_more_engines_do_not_shorten():
+    """With fewer responses per engine than it decodes at once, every engine still decodes the
+    longest response's R steps, each reading all its weights: more engines stop helping, which
+    is what makes dedicated engines pay at scale."""
+    shape = StepShape(prompts=64, group_size=8, max_response_tokens=8192, mean_prompt_tokens=200,
+                      mean_response_tokens=4096, max_num_seqs=256)
+    desc = R1_14B.description
+    times = [generation_seconds(desc, shape, ROUND, engines=e, engine_tp=4,
+                                kv_cache_bytes_per_engine_gpu=60 * GIB) for e in (1, 2, 4, 64, 128)]
+    assert times[0] > times[1] > times[2] > times[3] >= times[4]
+    floor = 8192 * (2 * active_params(desc) / 4 / (1000e9 * 0.5) + 0.001)
+    assert times[4] > floor and times[4] < 1.5 * floor
+    # training, in contrast, keeps scaling with its GPUs
+    assert training_seconds(desc, shape, ROUND, gpus=64) == pytest.approx(
+        training_seconds(desc, shape, ROUND, gpus=32) / 2)
+
+
+def test_step_times_are_monotonic_in_the_lengths():
+    """Longer responses cost more generation and training; a shorter prompt less prefill."""
+    base = StepShape(prompts=512, group_size=8, max_response_tokens=8192, mean_prompt_tokens=200,
+                     mean_response_tokens=4096, recompute=True)
+    longer = replace(base, mean_response_tokens=6000)
+
+    desc = R1_14B.description
+
+    def total(shape):
+        return sum(t.step_s for t in step_times(desc, shape, ROUND, world=32, rollout_gpus=8,
+                                                  engine_tp=4, kv_cache_bytes_per_engine_gpu=60 * GIB))
+    assert total(longer) > total(base) > total(replace(base, mean_prompt_tokens=50))
+    assert math.isfinite(total(base))
+    assert isinstance(step_times(desc, base, ROUND, world=32, rollout_gpus=0, engine_tp=4,
+                                 kv_cache_bytes_per_engine_gpu=GIB)[0], StepTime)
+
+
+QWEN3_MOE = PUBLISHED["Qwen/Qwen3-30B-A3B"].description
+
+
+def test_moe_decode_reads_the_experts_its_sequences_touch():
+    """share(c) = 1 - (1 - k/E)^c: one sequence reads k of E experts, 128 read nearly all;
+    an engine of 128 running sequences reads ~all 30.5B parameters per step, not the 3.3B
+    active ones."""
+    k_over_e = 8 / 128
+    assert experts_touched_share(QWEN3_MOE, 1) == pytest.approx(k_over_e)
+    assert experts_touched_share(QWEN3_MOE, 16) == pytest.approx(1 - (1 - k_over_e) ** 16)
+    assert experts_touched_share(QWEN3_MOE, 128) > 0.9997
+    assert experts_touched_share(PUBLISHED["Qwen/Qwen3-32B"].description, 1) == 1.0
+    shape = StepShape(prompts=64, group_size=32, max_response_tokens=3968, mean_prompt_tokens=128,
+                      mean_response_tokens=3000, max_num_seqs=1024, seeded_sampling=False)
+    hw = HARDWARE["h100"]
+    terms = generation_terms(QWEN3_MOE, shape, hw, engines=32, engine_tp=2,
+                             kv_cache_bytes_per_engine_gpu=20 * GIB)
+    assert terms["concurrent"] == 64
+    weights = 2 * (shared_params(QWEN3_MOE) + routed_expert_params(QWEN3_MOE)
+                   * experts_touched_share(QWEN3_MOE, 64))
+    assert weights > 2 * 0.98 * 30e9  # ~every expert at 64 running sequences
+    # more engines with fewer sequences each touch fewer experts per step
+    few = generation_terms(QWEN3_MOE, replace(shape, prompts=2), hw, engines=32, engine_tp=2,
+                           kv_cache_bytes_per_engine_gpu=20 * GIB)
+    assert few["concurrent"] == 2 and few["tail_step_s"] < terms["tail_step_s"]
+
+
+def test_seeded_sampling_term_and_its_switch():
+    """Seeded requests cost vLLM's per-row draw (8.9 ms for 1024 rows of 152064 on an H200)
+    instead of the batched one (0.88 ms) on every decode step; the switch removes it."""
+    desc = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"].description
+    shape = StepShape(prompts=128, group_size=8, max_response_tokens=8192, mean_prompt_tokens=200,
+                      mean_response_tokens=4096, max_num_seqs=1024)
+    hw = HARDWARE["h100"]
+    kw = dict(engines=1, engine_tp=4, kv_cache_bytes_per_engine_gpu=60 * GIB)
+    seeded = generation_terms(desc, shape, hw, **kw)
+    batched = generation_terms(desc, replace(shape, seeded_sampling=False), hw, **kw)
+    rows = seeded["bulk_steps"] * seeded["concurrent"] + seeded["tail_steps"] * seeded["tail_running"]
+    assert seeded["sampling_s"] == pytest.approx(rows * desc.dims.vocab * 8.9e-3 / (1024 * 152064))
+    assert seeded["total"] - batched["total"] == pytest.approx(
+        rows * desc.dims.vocab * (8.9e-3 - 0.88e-3) / (1024 * 152064))
+    # 1024 seeded rows at vocab 152064: 8.9 ms a step
+    per_step = seeded["bulk_step_s"] - batched["bulk_step_s"]
+    assert per_step == pytest.approx(seeded["concurrent"] * (8.9e-3 - 0.88e-3) / 1024
+                                     * desc.dims.vocab / 152064)
