@@ -1,6 +1,6 @@
 """Benchmark: how many copies of the logits shard one training micro-batch holds at its peak.
 
-The planner (``memory.logits_bytes``) counts two copies of the last stage's [S, V_pad / TP]
+The planner (``memory_terms.logits_bytes``) counts two copies of the last stage's [S, V_pad / TP]
 logits: the output layer's result, which the log-prob kernel saves, and its gradient, plus the
 kernel's float32 chunk buffers. A third copy would come from Megatron's ``Float16Module``
 upcasting the output to fp32 (``fp32_output=True``, its default) or from ``GPTModel``'s
