@@ -124,7 +124,7 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
     shape = StepShape(prompts=row.prompts, group_size=row.group_size,
                       max_response_tokens=int(row.max_sequence - p), mean_prompt_tokens=p,
                       mean_response_tokens=row.mean_response, max_num_seqs=1024,
-                      recompute=row.recompute, seeded_sampling=False, reference_forward=True,
+                      recompute=row.recompute, reference_forward=True,
                       updates=row.updates, micro_batch_tokens=row.max_sequence)
     utilization = 0.8 if row.rollout_gpus else 0.6
     kv = utilization * PUBLISHED_GPU_GIB * GIB - 2 * param_count(desc) / row.engine_tp

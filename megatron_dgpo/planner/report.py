@@ -123,8 +123,8 @@ def explain_step_time(times: list[StepTime]) -> str:
                 f"responses per engine, {g['concurrent']} at once, {g['tail_running']:.1f} running "
                 f"in the tail)",
                 f"    of it      step overhead {g['overhead_s']:.1f} s (o per decode step), "
-                f"sampler {g['sampling_s']:.1f} s (per row x vocabulary; seeded rows drawn one "
-                f"at a time)"]
+                f"sampler {g['sampling_s']:.1f} s (per row x vocabulary: one kernel for the batch "
+                f"on vLLM's Model Runner V2, seeded requests included)"]
         if tr:
             lines.append(f"  training     {tr['total']:.1f} s = update {tr['update_s']:.1f} + "
                          f"log-probs {tr['logprobs_s']:.1f}   (mfu {tr['mfu']:.3f} x pipeline "

@@ -21,9 +21,10 @@ experts), N_x the routed experts' parameters (0 dense), k of E experts per token
                 + o + c V s_row                                  fixed cost; sampling
     share(c)    1 - (1 - k / E)^c: the experts c sequences touch (each routed to k of E; ~1
                 at c = 128 for Qwen3-MoE's 8 of 128), 1 for a dense model
-    s_row       the sampler's cost per row and vocabulary entry: batched (vLLM's draw for
-                unseeded requests) or per row (seeded requests: vLLM draws their noise one
-                request at a time), ``StepShape.seeded_sampling``
+    s_row       the sampler's cost per row and vocabulary entry: batched (vLLM's one-kernel
+                draw: unseeded requests, and seeded ones on Model Runner V2) or per request
+                (seeded requests on Model Runner V1, one noise kernel each),
+                ``StepShape.per_request_seeded_draw``
     prefill     2 N n p / (t_r F mfu_prefill)
     training    P G (p + r) (passes) (2 N + 2 L a d (p + r)) / (T F mfu x pipe x tp)
                 passes: forward + backward (3) + a recomputed forward (recompute) in the update;
@@ -88,10 +89,11 @@ SAMPLING_S_PER_ROW_VOCAB = 0.88e-3 / (1024 * 152064)
 vLLM's draw on probabilities [1024, 152064] (issue 30), per row and vocabulary entry; used for
 every GPU type (the draw is launch- and compute-bound, not HBM-bound)."""
 SEEDED_SAMPLING_S_PER_ROW_VOCAB = 8.9e-3 / (1024 * 152064)
-"""The same draw with every request seeded: vLLM's ``random_sample`` draws a seeded request's
-noise one row at a time; measured on the H200, 8.9 ms for 1024 seeded rows at vocab 152064
-(issue 30). ``StepShape.seeded_sampling=False`` removes it (a batched seeded draw costs the
-batched figure)."""
+"""The same draw with every request seeded on vLLM's Model Runner V1: ``random_sample`` draws a
+seeded request's noise with its own kernel; measured on the H200, 8.9 ms for 1024 seeded rows at
+vocab 152064 (issue 30). Charged only with ``StepShape.per_request_seeded_draw``: vLLM 0.32 runs
+Model Runner V2 on CUDA, whose counter-based draw costs a seeded request the batched figure
+(``rollout.vllm_engine.seeded_draw``; benchmarks/bench_sampling.py)."""
 REFIT_FIXED_S = 3.85
 """A refit's fixed cost: a colocated engine's sleep and wake (free and re-allocate the KV
 cache, re-map the weights), the IPC handles, the cache resets, seconds. Fitted with
@@ -171,10 +173,12 @@ class StepShape:
     offloaded_state_bytes_per_gpu: int = 0
     """Colocated with ``train.offload_training_state``: gradients + optimizer state that leave
     each GPU and come back every step."""
-    seeded_sampling: bool = True
-    """Every request carries its own seed (this project: ``rollout.placement.prompt_seeds``), so
-    vLLM draws its sampling noise one row at a time (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``).
-    False: the batched draw (unseeded engines such as NeMo-RL's, or a batched seeded draw)."""
+    per_request_seeded_draw: bool = False
+    """The engines draw each seeded request's noise with its own kernel
+    (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``): vLLM's Model Runner V1 on a GPU, where
+    ``VLLMEngine.seeded_draw`` says "per request". Every request of this project is seeded
+    (``rollout.placement.prompt_seeds``), but vLLM 0.32 runs Model Runner V2 on CUDA, whose
+    counter-based draw costs what the batched unseeded draw does: False."""
     reference_forward: bool = False
     """A reference model's forward in the log-prob phase (NeMo-RL's GRPO with a KL penalty;
     DGPO has no reference model)."""
@@ -194,7 +198,6 @@ class StepShape:
                    mean_prompt_tokens=min(mean_prompt_tokens, run.rollout.max_prompt_tokens),
                    mean_response_tokens=mean_response_fraction * run.rollout.max_response_tokens,
                    max_num_seqs=run.rollout.max_num_seqs, recompute=run.model.recompute_activations,
-                   seeded_sampling=getattr(run.rollout, "seeding", "per_sample") == "per_sample",
                    updates=max(1, run.train.rollout_batch_prompts // run.train.mini_batch_prompts),
                    micro_batch_tokens=run.train.micro_batch_tokens)
 
@@ -278,7 +281,7 @@ def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, 
     bulk_steps = max(0, per_engine - concurrent) * r / concurrent
     tail_running = max(1.0, min(concurrent, per_engine) * r / tail_len)
     context = p + r / 2
-    step = dict(engine_tp=engine_tp, context=context, seeded=shape.seeded_sampling)
+    step = dict(engine_tp=engine_tp, context=context, seeded=shape.per_request_seeded_draw)
     bulk = decode_step_seconds(desc, hw, running=concurrent, **step)
     tail = decode_step_seconds(desc, hw, running=tail_running, **step)
     prefill = 2 * active_params(desc) * per_engine * p / engine_tp / (hw.peak_tflops * 1e12

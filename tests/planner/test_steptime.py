@@ -29,12 +29,12 @@ def test_step_time_formulas_by_hand():
     kv = kv_cache_bytes_per_token(SMALL)
     assert kv == 4 * 2 * 2 * 16 * 2  # L x (K, V) x g x d x bf16
     shape = StepShape(prompts=8, group_size=4, max_response_tokens=1000, mean_prompt_tokens=100,
-                      mean_response_tokens=400, max_num_seqs=4)
+                      mean_response_tokens=400, max_num_seqs=4, per_request_seeded_draw=True)
     # 2 engines of 1 GPU: 16 responses each, 4 at a time (max_num_seqs; the KV room holds more):
     # 1200 bulk steps of 4 running, then the longest response's 1000-step tail with 4 x 400 /
     # 1000 = 1.6 running on average; every step reads the weights and its sequences' KV
     # (mean context 100 + 400 / 2), or is compute-bound; plus its fixed cost and the sampler
-    # (seeded: 1e-8 s per row and vocabulary entry)
+    # (each seeded request's own kernel: 1e-8 s per row and vocabulary entry)
 
     def step(c, per_row=1e-8):
         return (max((2 * n + c * 300 * kv) / (1000e9 * 0.5), 2 * n * c / (100e12 * 0.5))
@@ -45,8 +45,8 @@ def test_step_time_formulas_by_hand():
     got = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
                              kv_cache_bytes_per_engine_gpu=1e12)
     assert got == pytest.approx(expected, rel=1e-12)
-    # unseeded requests: the batched draw's 1e-9 per row and vocabulary entry
-    batched = generation_seconds(SMALL, replace(shape, seeded_sampling=False), ROUND, engines=2,
+    # one kernel for the batch (Model Runner V2, seeded or not): 1e-9 per row and vocabulary entry
+    batched = generation_seconds(SMALL, replace(shape, per_request_seeded_draw=False), ROUND, engines=2,
                                  engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
     assert batched == pytest.approx(prefill + 1200 * step(4, 1e-9) + 1000 * step(1.6, 1e-9),
                                     rel=1e-12)
@@ -140,7 +140,7 @@ def test_moe_decode_reads_the_experts_its_sequences_touch():
     assert experts_touched_share(QWEN3_MOE, 128) > 0.9997
     assert experts_touched_share(PUBLISHED["Qwen/Qwen3-32B"].description, 1) == 1.0
     shape = StepShape(prompts=64, group_size=32, max_response_tokens=3968, mean_prompt_tokens=128,
-                      mean_response_tokens=3000, max_num_seqs=1024, seeded_sampling=False)
+                      mean_response_tokens=3000, max_num_seqs=1024)
     hw = HARDWARE["h100"]
     terms = generation_terms(QWEN3_MOE, shape, hw, engines=32, engine_tp=2,
                              kv_cache_bytes_per_engine_gpu=20 * GIB)
@@ -155,15 +155,16 @@ def test_moe_decode_reads_the_experts_its_sequences_touch():
 
 
 def test_seeded_sampling_term_and_its_switch():
-    """Seeded requests cost vLLM's per-row draw (8.9 ms for 1024 rows of 152064 on an H200)
-    instead of the batched one (0.88 ms) on every decode step; the switch removes it."""
+    """Seeded requests drawn one kernel each (vLLM's Model Runner V1: 8.9 ms for 1024 rows of
+    152064 on an H200) instead of in one kernel for the batch (0.88 ms; Model Runner V2, vLLM
+    0.32's default on CUDA, and the planner's default) cost that on every decode step."""
     desc = PUBLISHED["deepseek-ai/DeepSeek-R1-Distill-Qwen-14B"].description
     shape = StepShape(prompts=128, group_size=8, max_response_tokens=8192, mean_prompt_tokens=200,
                       mean_response_tokens=4096, max_num_seqs=1024)
     hw = HARDWARE["h100"]
     kw = dict(engines=1, engine_tp=4, kv_cache_bytes_per_engine_gpu=60 * GIB)
-    seeded = generation_terms(desc, shape, hw, **kw)
-    batched = generation_terms(desc, replace(shape, seeded_sampling=False), hw, **kw)
+    batched = generation_terms(desc, shape, hw, **kw)
+    seeded = generation_terms(desc, replace(shape, per_request_seeded_draw=True), hw, **kw)
     rows = seeded["bulk_steps"] * seeded["concurrent"] + seeded["tail_steps"] * seeded["tail_running"]
     assert seeded["sampling_s"] == pytest.approx(rows * desc.dims.vocab * 8.9e-3 / (1024 * 152064))
     assert seeded["total"] - batched["total"] == pytest.approx(
