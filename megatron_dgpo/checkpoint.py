@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -53,6 +54,43 @@ INCOMPLETE_PREFIX = ".incomplete-"
 LAYOUT_KEY = "layout"
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, resuming and the final HF export."""
+
+    save_every: int = 50
+    """Save a checkpoint every this many steps (and after the last step). 0: only the last."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    export_hf: bool = True
+    """Write the final policy as an HF folder (``<run_dir>/hf``) through the converter."""
+    export_dtype: Literal["float32", "bfloat16"] | None = None
+    """dtype of the HF export; None: the training dtype."""
+    resume: Literal["auto", "never", "require"] = "auto"
+    """Where a run starts: ``auto`` continues from the newest complete checkpoint in
+    ``run_dir/checkpoints`` when there is one (a requeued, restarted or re-run job continues; the
+    metrics lines past that checkpoint are replaced), else starts fresh; ``require`` fails
+    without one; ``never`` starts fresh and fails if ``run_dir`` already holds a checkpoint."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron's async torch_dist save): training
+    continues while a persistent writer process per rank (started with the run) writes the
+    shards; the checkpoint is renamed into place and named by ``latest`` only after every
+    rank's writer has finished, so a crash still leaves the previous complete checkpoint."""
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    """How the distributed optimizer's state is laid out in a checkpoint (Megatron-LM's
+    ``distrib_optim_sharding_type``; the plain optimizer has one format and ignores this).
+    ``dp_reshardable`` (Megatron-LM's default): each rank writes its own buffer shards, no
+    communication; the run resumes at another data-parallel size only. ``fully_reshardable``
+    (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``): the state is gathered per
+    parameter at save (more memory and time on data-parallel rank 0), and the run resumes at any
+    TP / PP / DP layout. A resume reads the type the checkpoint was saved with."""
+
+    def saves_at(self, step: int, last_step: int) -> bool:
+        """Whether a checkpoint is written after ``step``: every ``save_every`` steps and after
+        ``last_step``."""
+        return bool(self.save_every) and step % self.save_every == 0 or step == last_step
 
 
 @dataclass

@@ -348,9 +348,27 @@ def render_prompts(tokenizer, records: Iterable[PromptRecord]) -> list[list[int]
     return [render_prompt(tokenizer, r) for r in records]
 
 
-def load_prompts(config, hf_dir: str | os.PathLike, max_prompt_tokens: int):
-    """``(prompts, tokenizer)``: the training prompts of ``config`` (a recipe's ``data``
-    section) as ``(PromptRecord, token_ids)`` pairs rendered by the policy's chat template (the
+@dataclass
+class DataConfig:
+    """Training prompts."""
+
+    source: str = "builtin"
+    """``builtin`` (the package's prompts), or a .jsonl/.json/.parquet file in DAPO-Math-17k's
+    layout (``megatron_dgpo.data.load_prompt_dataset``)."""
+    builtin_families: list[str] | None = None
+    """With ``source: builtin``: only these families (e.g. [repeat, add, sub]); None: all."""
+    prompt_field: str = "prompt"
+    """Dotted field holding the prompt (a string or chat messages)."""
+    answer_field: str = "reward_model.ground_truth"
+    """Dotted field holding the ground-truth answer."""
+    boxed_instruction: bool = False
+    """Rewrite each prompt to ask for a \\boxed{} answer, which is what the reward grades:
+    DAPO-Math-17k's "Answer: $Answer" preamble and reminder are removed
+    (``megatron_dgpo.data.boxed_instruction``). Set it for DAPO-Math-17k."""
+
+
+def load_prompts(config: DataConfig, hf_dir: str | os.PathLike, max_prompt_tokens: int):
+    """``(prompts, tokenizer)``: the training prompts of ``config`` as ``(PromptRecord, token_ids)`` pairs rendered by the policy's chat template (the
     tokenizer of ``hf_dir``); prompts longer than ``max_prompt_tokens`` are dropped."""
     from transformers import AutoTokenizer
 

@@ -127,7 +127,7 @@ def _resolve_benchmarks(specs: Sequence[str] | None, bench_dir: str | None, limi
 
 def _build_engine(args):
     """The engine ``--engine`` asks for, built by the trainer's own factory."""
-    from megatron_dgpo.recipe import RolloutConfig
+    from megatron_dgpo.rollout.config import RolloutConfig
     from megatron_dgpo.rollout.generate import build_engine
 
     config = RolloutConfig(engine=args.engine, dtype=args.dtype, tensor_parallel_size=args.tp,

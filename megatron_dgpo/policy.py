@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 
@@ -19,6 +20,57 @@ from megatron_dgpo.gpu_config import Platform, ddp_flags, require_gpu_stack
 from megatron_dgpo.model import dtype_named, wrap_ddp
 from megatron_dgpo.models import describe
 from megatron_dgpo.routing_replay import ROUTING_REPLAYS, clear_instances
+
+
+@dataclass
+class ModelConfig:
+    """The initial policy."""
+
+    path: str = ""
+    """HF model folder (config.json + safetensors + tokenizer) of the initial policy. Relative
+    paths are resolved against the working directory. Ignored when ``tiny`` is set."""
+    tiny: dict[str, Any] | None = None
+    """Create a tiny random Qwen2 and its tokenizer at start instead of loading ``path``
+    (``megatron_dgpo.tiny.make_tiny_model`` keyword arguments, e.g. {seed: 0,
+    num_hidden_layers: 2}); written to ``<run_dir>/initial_model``. No download."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter dtype of the trained model. bfloat16 on GPU (fp32 main weights live in the
+    optimizer); float32 on CPU (bf16 matmuls are slow there and vLLM's CPU log-probs are fp32)."""
+    nominal_params: float | None = None
+    """The model's size as its name states it (1.5e9 for a "1.5B" model), used by
+    ``optimizer.lr: auto``. None: the parameter count of the built model."""
+    recompute_activations: bool = False
+    """Full-layer activation recomputation (Megatron ``recompute_granularity="full"``,
+    uniform method, one layer per block): trades ~33% more compute for O(layers) activations."""
+    without_transformer_engine: bool = False
+    """On a GPU, run without Transformer-Engine (Megatron's local layer spec). A GPU run stops
+    at start when TE does not import, because the local spec builds a dense [S, S] attention
+    mask per layer (~10 GB of scores per layer at 16k tokens, TP 4); set this only for short
+    sequences (and to train in float32 on a GPU). No effect on CPU."""
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """MoE models (Qwen3-MoE): how tokens reach their experts across expert-parallel ranks
+    (Megatron's ``moe_token_dispatcher_type``). ``alltoall``: routed tokens only, any layout;
+    ``allgather``: every rank gathers all tokens of its EP group, needs
+    ``parallel.pipeline_parallel: 1`` (it refuses the variable sequence lengths pipelining
+    uses); ``flex``: DeepEP / HybridEP kernels, a GPU with DeepEP installed only. Dense models
+    ignore it."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: weight of Megatron's load-balancing loss (``moe_aux_loss_coeff``; > 0 turns
+    on ``aux_loss`` balancing). 0 (off) by default: RL fine-tunes a pre-trained router, and the
+    extra loss term would change the policy gradient (HF's ``router_aux_loss_coef`` is the
+    pre-training value). Dense models ignore it."""
+
+    def __post_init__(self):
+        coeff = self.moe_aux_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
+                math.isfinite(coeff) and coeff >= 0):
+            raise ValueError(f"moe_aux_loss_coeff must be a finite number >= 0, got {coeff!r}")
+
+    def require_source(self) -> None:
+        """Raise unless the policy has a source (``path`` or ``tiny``); called by the run
+        configs that need one (a bare ``ModelConfig()`` is their default)."""
+        if not self.tiny and not self.path:
+            raise ValueError("model: set model.path (an HF folder) or model.tiny")
 
 
 def initial_model(config, run_dir, seed: int):

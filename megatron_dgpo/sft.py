@@ -32,9 +32,11 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from megatron_dgpo.checkpoint import CheckpointConfig  # noqa: E402
 from megatron_dgpo.config import load_config  # noqa: E402
+from megatron_dgpo.optimizer import OptimizerConfig  # noqa: E402
 from megatron_dgpo.parallel import ParallelConfig  # noqa: E402
-from megatron_dgpo.recipe import CheckpointConfig, ModelConfig, OptimizerConfig  # noqa: E402
+from megatron_dgpo.policy import ModelConfig  # noqa: E402
 from megatron_dgpo.telemetry import LoggingConfig  # noqa: E402
 
 

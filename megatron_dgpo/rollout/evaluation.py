@@ -38,7 +38,7 @@ import torch
 
 from megatron_dgpo import comm
 from megatron_dgpo.data import PromptRecord, render_prompts, resolve_benchmarks
-from megatron_dgpo.recipe import EvalConfig, RolloutConfig
+from megatron_dgpo.rollout.config import RolloutConfig
 
 PROBLEMS_PER_CALL = 32
 """Problems per engine call: bounds the completions held at once (n per problem)."""
@@ -147,6 +147,83 @@ def combine_counts(num_slots: int, counts: dict[int, int], group=None) -> list[i
     for slot, count in counts.items():
         slots[slot] = float(count)
     return [int(round(v)) for v in comm.reduce_values(slots, "sum", group).tolist()]
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on held-out problems during training (NeMo-RL's ``val_period``, verl's
+    ``test_freq``): after a step's refit the run's own engines, holding the just-trained
+    weights, sample ``n`` responses per problem, each engine its share of the problems, graded
+    as ``dgpo-eval`` grades (``megatron_dgpo.rollout.evaluation``). Logged in that step's
+    metrics line: ``eval/<benchmark>/avg@<n>``, ``eval/<benchmark>/pass@<k>`` (k = 1, 2, 4, ...,
+    n) and ``time/eval`` (not part of ``time/step`` nor of the throughputs). Training is the
+    same with or without it (its samples, seeds and random streams are untouched)."""
+
+    every: int = 0
+    """Evaluate after every this many steps. 0: off (the default)."""
+    at_end: bool | None = None
+    """Also evaluate after the run's last step (``train.steps``). None: true when ``every`` > 0;
+    true with ``every: 0`` evaluates only at the end."""
+    benchmarks: list[str] = field(default_factory=list)
+    """What to evaluate on: names of the published benchmarks ``dgpo-eval`` knows (aime24,
+    aime25, amc23, math500, minerva_math, olympiadbench; read from ``benchmarks_dir``) and/or
+    paths to held-out files (.jsonl/.json/.parquet in a layout ``data.load_benchmark`` reads,
+    e.g. rows {"problem", "answer"}; named by the file's stem). Required when evaluation is on."""
+    benchmarks_dir: str | None = None
+    """Folder of the named benchmarks (aime24.jsonl, ...). None: $DGPO_BENCHMARKS_DIR, else
+    ../shared/benchmarks next to the repository (as ``dgpo-eval``)."""
+    n: int = 8
+    """Samples per problem: the k of Avg@k and the largest k of Pass@k."""
+    max_tokens: int | None = None
+    """Response limit of an evaluation sample. None: ``rollout.max_response_tokens``. Every
+    prompt plus this must fit the engines' context, ``rollout.max_prompt_tokens`` +
+    ``rollout.max_response_tokens`` (checked at start)."""
+    temperature: float = 1.0
+    """Sampling temperature of the evaluation samples."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of the evaluation samples, in (0, 1]."""
+    limit: int | None = None
+    """Only the first this many problems of each benchmark. None: all of them."""
+    seed: int = 0
+    """Problem i of a benchmark is sampled with seed ``seed + i n`` (sample j: ``+ j``) at every
+    evaluation, whatever the number of engines: the seeds of ``dgpo-eval --seed``, so the
+    numbers equal ``dgpo-eval`` of that step's policy with the same settings. In [0, 2**62)."""
+
+    def __post_init__(self):
+        def integer(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not (integer(self.every) and self.every >= 0):
+            raise ValueError(f"every must be an integer >= 0 (0: off), got {self.every!r}")
+        if not (integer(self.n) and self.n >= 1):
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("max_tokens", "limit"):
+            value = getattr(self, name)
+            if value is not None and not (integer(value) and value >= 1):
+                raise ValueError(f"{name} must be null or an integer >= 1, got {value!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not (integer(self.seed) and 0 <= self.seed < 1 << 62):
+            raise ValueError(f"seed must be an integer in [0, 2**62), got {self.seed!r}")
+        if any(not spec.strip() for spec in self.benchmarks):
+            raise ValueError(f"benchmarks must be names or paths, got an empty one in "
+                             f"{self.benchmarks!r}")
+        if self.enabled and not self.benchmarks:
+            raise ValueError("benchmarks must name at least one benchmark or held-out file when "
+                             "evaluation is on (every > 0 or at_end: true)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates at all."""
+        return self.every > 0 or bool(self.at_end)
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether to evaluate after ``step``: every ``every`` steps, and after ``last_step``
+        when ``at_end`` (None: when ``every`` > 0)."""
+        at_end = self.every > 0 if self.at_end is None else self.at_end
+        return bool(self.every) and step % self.every == 0 or at_end and step == last_step
 
 
 @dataclass

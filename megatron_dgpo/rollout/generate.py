@@ -17,8 +17,8 @@ from typing import Callable
 
 from megatron_dgpo.advantages import drop_degenerate_groups
 from megatron_dgpo.batch import Experience
-from megatron_dgpo.recipe import RolloutConfig
 from megatron_dgpo.rewards import RewardPool
+from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.placement import prompt_seeds
 
 

@@ -5,7 +5,7 @@ separate engine on the replica's leader), as the trainer drives it (``base.Rollo
     weights = export_hf_weights(models, consumer=rollout.weight_consumer)  # after sync_params
     if resumed or rollout.needs_first_refit: rollout.refit(weights, version=step)
     batch, metrics, used = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
-    metrics = rollout.refit(weights, version=step)      # each engine from its own model-parallel group
+    metrics = rollout.refit(weights, version=step)      # each engine from its replica's ranks
     rollout.close()
 
 Every rank constructs it and calls every method (they are collective). Where the engines sit
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_dgpo import comm, data
 from megatron_dgpo.batch import Experience
 from megatron_dgpo.parallel import ParallelConfig
-from megatron_dgpo.recipe import DataConfig, RolloutConfig
+from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.base import Sampled
 from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
                                             refill_degenerate_groups, reward_pool)
@@ -41,9 +41,9 @@ class ReplicaRollout:
     ``record_routing`` (``algorithm.routing_replay: r3``): the engines record each sample's
     MoE routing, which travels in the ``Experience``."""
 
-    def __init__(self, rollout: RolloutConfig, data_config: DataConfig, parallel: ParallelConfig,
-                 hf_dir: Path, *, seed: int, batch_prompts: int, record_routing: bool = False,
-                 version: int = 0):
+    def __init__(self, rollout: RolloutConfig, data_config: data.DataConfig,
+                 parallel: ParallelConfig, hf_dir: Path, *, seed: int, batch_prompts: int,
+                 record_routing: bool = False, version: int = 0):
         from megatron.core import parallel_state as ps
 
         seed_root(seed)  # an unusable train.seed fails here, not after the engine started
@@ -176,7 +176,8 @@ class ReplicaRollout:
         transformers engine on the replica leader takes them there. Returns ``refit/buckets``,
         ``refit/max_bucket_bytes``, ``refit/seconds`` (largest over the engines; collective:
         world), or {} without bucket statistics (transformers engine)."""
-        metrics = refit_engines(weights, self.engine.update_weights if self.engine is not None else None)
+        load = self.engine.update_weights if self.engine is not None else None
+        metrics = refit_engines(weights, load)
         self.version = version
         return metrics
 

@@ -1,0 +1,131 @@
+"""The recipe's ``rollout`` section: the engines, where they run and how they sample. Every rollout
+module takes it; ``recipe.RunConfig`` composes it with the other sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of the responses (vLLM, or transformers as a fallback)."""
+
+    engine: Literal["vllm", "hf"] = "vllm"
+    """``vllm`` (the real engine, CPU or GPU) or ``hf`` (transformers' generate: slow, for
+    machines where vLLM does not run)."""
+    group_size: int = 8
+    """Responses sampled per prompt (G): the group whose rewards are normalised into
+    advantages. The paper does not state it; 8 is the common choice (DAPO uses 16)."""
+    temperature: float = 1.0
+    """Sampling temperature. The trainer divides logits by the same value, so the old and new
+    log-probs are of the distribution the tokens were drawn from."""
+    top_p: float = 1.0
+    """Nucleus sampling mass. Values < 1 make the sampled log-probs those of the truncated
+    distribution (vLLM's processed log-probs), which the trainer cannot reproduce: keep 1.0."""
+    max_response_tokens: int = 8192
+    """Maximum response length; longer responses are cut (finish reason "length")."""
+    max_prompt_tokens: int = 2048
+    """Prompts longer than this (chat template included) are dropped from the dataset."""
+    dtype: str = "auto"
+    """vLLM weights dtype: "auto" follows the checkpoint; "float32" gives exact log-probs."""
+    tensor_parallel_size: int | None = None
+    """vLLM's own tensor parallelism: ranks (GPUs) per engine. None = the trainer's
+    ``parallel.tensor_parallel`` x ``parallel.pipeline_parallel`` (each DP replica owns one
+    engine on its own GPUs; with PP > 1 and DP > 1: ``parallel.tensor_parallel``). With
+    ``placement: colocated`` (CPU too) an engine spans this many consecutive trainer ranks,
+    which must lie in one DP replica's model-parallel group (it divides
+    ``parallel.tensor_parallel``, or equals TP x PP when PP = 1 or DP = 1); the replica's
+    prompts are split over its engines. ``separate``: the GPUs of each replica leader's engine.
+    ``dedicated``: GPUs per engine among the ``num_gpus`` rollout GPUs (None = 1)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights + KV cache (GPU). Colocated engines
+    share it with training; dedicated engines own their GPUs (0.85-0.9 is usual there)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes; required by vLLM on CPU (default there 256 MiB)."""
+    max_num_seqs: int = 256
+    """Sequences vLLM decodes at once."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Any other ``vllm.LLM`` keyword argument."""
+    placement: Literal["colocated", "separate", "dedicated"] = "colocated"
+    """Where vLLM runs (engine ``vllm`` only). ``colocated``: inside the trainer's ranks
+    (``external_launcher``), one engine per ``tensor_parallel_size`` consecutive ranks, sharing
+    their GPUs (sleep mode frees its memory during training on GPU). ``separate``: an engine in
+    its own process on the replica leader's GPUs, for machines or vLLM versions where
+    colocation does not work. ``dedicated``: engines on GPUs of their own, the last
+    ``num_gpus`` ranks of the torchrun world, outside the trainer's (Megatron's) world; each
+    DP replica's leader drives its share of the engines and refits them by a weight broadcast
+    (NCCL on GPU, gloo on CPU); with ``max_staleness: 1`` generation overlaps training
+    (``megatron_dgpo.rollout.dedicated``)."""
+    num_gpus: int = 0
+    """``placement: dedicated`` only: GPUs (on CPU, processes) of the rollout engines, taken
+    from the end of the torchrun world (the SLURM script's ``ROLLOUT_NODES``); the trainer's
+    world is the rest. Engines are ``num_gpus / tensor_parallel_size`` (``tensor_parallel_size``
+    None: 1 GPU per engine); their count must be a multiple of the trainer's DP replicas (each
+    replica drives its own engines, so samples never cross DP)."""
+    max_staleness: Literal[0, 1] = 0
+    """Policy lag of the samples. 0: every step samples with the weights it starts from
+    (synchronous). 1 (``placement: dedicated``): one-step-off-policy, batch k+1 is generated
+    with the weights of step k-1 while the trainer updates on batch k, so generation and
+    training overlap; pi_old stays the trainer's policy at the start of the step and the
+    engine's log-probs feed ``algorithm.rollout_correction: tis`` (recommended) and the
+    mismatch metrics; ``rollout/staleness`` is logged."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs. None: eager on CPU (required there), CUDA graphs on GPU; true
+    saves the graphs' memory pool and capture time at some decode speed."""
+    sleep_mode: bool | None = None
+    """Free the engine's GPU memory while training runs (vLLM sleep mode). None: on for
+    colocated engines on GPU (they share the trainer's GPUs), off otherwise; CPU: never (vLLM
+    refuses it there)."""
+    sleep_level: Literal[1, 2] = 2
+    """What sleep does with the weights: 2 drops them (every wake is followed by the refit,
+    which reloads every weight), 1 keeps a copy in pinned host memory (~2 bytes per parameter
+    of the engine's shard, copied out and back every step for nothing when refitting)."""
+    dummy_weights: bool | None = None
+    """Start colocated engines from random weights that the trainer's first refit replaces,
+    instead of every rank reading the whole HF checkpoint (verl does the same). None: on for
+    colocated engines on GPU, off otherwise."""
+    refit_bucket_bytes: int = 512 << 20
+    """Largest weight payload of one in-place reload when the trainer refits the engine (512
+    MiB, as slime). Buckets never split a layer's fused q/k/v or gate/up tensors (a larger
+    group goes alone); must stay below 4 GiB (vLLM's message limit for ``separate``)."""
+
+    def __post_init__(self):
+        if self.placement not in ("colocated", "separate", "dedicated"):
+            raise ValueError(f"placement must be 'colocated', 'separate' or 'dedicated', got "
+                             f"{self.placement!r}")
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness must be 0 (synchronous) or 1 (one-step-off-policy), "
+                             f"got {self.max_staleness!r}")
+        if self.placement == "dedicated":
+            if self.engine != "vllm":
+                raise ValueError(f"placement: dedicated needs engine: vllm, got {self.engine!r}")
+            tp = self.tensor_parallel_size or 1
+            if not (isinstance(self.num_gpus, int) and self.num_gpus >= 1 and self.num_gpus % tp == 0):
+                raise ValueError(f"num_gpus must be a positive multiple of tensor_parallel_size "
+                                 f"({tp}) with placement: dedicated (the engines' GPUs), got "
+                                 f"{self.num_gpus!r}")
+        elif self.num_gpus:
+            raise ValueError(f"num_gpus={self.num_gpus} is for placement: dedicated (engines on "
+                             f"GPUs of their own); placement is {self.placement!r}")
+        if self.max_staleness and self.placement != "dedicated":
+            raise ValueError(f"max_staleness: 1 needs placement: dedicated (generation overlaps "
+                             f"training only on GPUs of its own); placement is {self.placement!r}")
+        if not (isinstance(self.refit_bucket_bytes, int) and 1 <= self.refit_bucket_bytes < (1 << 32) - 1):
+            raise ValueError(f"refit_bucket_bytes must be an int in [1, 2**32 - 1) (below vLLM's "
+                             f"4 GiB message limit), got {self.refit_bucket_bytes!r}")
+        if self.tensor_parallel_size is not None and not (
+                isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size must be None or a positive int, got "
+                             f"{self.tensor_parallel_size!r}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        for name in ("max_response_tokens", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
