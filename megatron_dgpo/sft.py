@@ -26,11 +26,9 @@ import os
 # As in megatron_dgpo.train: one OpenMP thread per rank unless the environment says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import contextlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from megatron_dgpo.checkpoint import CheckpointConfig  # noqa: E402
 from megatron_dgpo.config import load_config  # noqa: E402
@@ -38,6 +36,7 @@ from megatron_dgpo.optimizer import OptimizerConfig  # noqa: E402
 from megatron_dgpo.parallel import ParallelConfig  # noqa: E402
 from megatron_dgpo.policy import ModelConfig  # noqa: E402
 from megatron_dgpo.telemetry import LoggingConfig  # noqa: E402
+from megatron_dgpo.training_run import TrainingRun  # noqa: E402
 
 
 @dataclass
@@ -112,88 +111,44 @@ def tokenize_pairs(config: SFTConfig, tokenizer) -> list:
     return samples
 
 
+SFT_PROGRESS = {"loss": ("sft/loss", ".4f"), "s": ("time/step", ".2f")}
+"""What the progress bar shows: label -> (metric, format)."""
+
+
 def train_sft(cfg: SFTRunConfig) -> int:
     """Run (or continue: ``cfg.checkpoint.resume``) the supervised job ``cfg`` on the current
     torchrun world; ``run_dir/hf`` then holds the exported policy. Returns the exit status, as
     ``trainer.train``: 0, or ``EXIT_STOPPED`` after a stop signal or the time budget."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from megatron_dgpo import comm, model, policy, telemetry
-    from megatron_dgpo.checkpoint import (TrainerState, checkpoint_to_resume, export_latest,
-                                          load_checkpoint, save_checkpoint)
-    from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
-    from megatron_dgpo.config import to_dict
+    run = TrainingRun(cfg, seed=cfg.sft.seed, steps=cfg.sft.steps,
+                      max_minutes=cfg.sft.max_minutes, progress=SFT_PROGRESS)
+    samples = tokenize_pairs(cfg.sft, AutoTokenizer.from_pretrained(str(run.hf_dir)))
+    with run:
+        return run.loop(lambda step: _sft_step(cfg, run, samples, step))
+
+
+def _sft_step(cfg: SFTRunConfig, run: TrainingRun, samples: list, step: int) -> dict[str, float]:
+    """Step ``step``: samples ``(step-1)*B .. step*B-1`` of the shuffled order, every DP-th to
+    this replica, packed, one optimizer update. Collective."""
     from megatron_dgpo.data import prompt_order
     from megatron_dgpo.gpu_config import pad_multiple
-    from megatron_dgpo.optimizer import build_optimizer, step_if_finite, use_distributed_optimizer
+    from megatron_dgpo.optimizer import step_if_finite
     from megatron_dgpo.packing import pack
-    from megatron_dgpo.parallel import init_distributed, initialize_parallel
-    from megatron_dgpo.recipe import save_recipe
     from megatron_dgpo.train_step import sft_step
 
-    run = cfg.sft
-    budget = TimeBudget(run.max_minutes)
-    init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
-                     watchdog_minutes=cfg.parallel.watchdog_minutes,
-                     tensor_parallel=cfg.parallel.tensor_parallel)
-    initialize_parallel(cfg.parallel, seed=run.seed)
-    rank0, run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
-    hf_dir = policy.initial_model(cfg.model, run_dir, run.seed)
-    samples = tokenize_pairs(run, AutoTokenizer.from_pretrained(str(hf_dir)))
-    models, hf_config, dtype = policy.build_policy(
-        cfg.model, hf_dir, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))
-    lr = cfg.optimizer.learning_rate(cfg.model.nominal_params or policy.count_parameters(hf_dir))
-    optimizer = build_optimizer(cfg.optimizer, models, lr=lr, bf16=dtype == torch.bfloat16)
-    state = TrainerState(extra={"learning_rate": lr, "config": to_dict(cfg)})
-    if (latest := checkpoint_to_resume(run_dir / "checkpoints", cfg.checkpoint.resume)) is not None:
-        state = load_checkpoint(latest, models, optimizer)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    if rank0:
-        save_recipe(cfg, run_dir)
-    logger = telemetry.MetricsLogger(run_dir, cfg.logging, enabled=rank0)
-
-    def save() -> float:
-        begin = time.perf_counter()
-        save_checkpoint(run_dir / "checkpoints", state, models, optimizer,
-                        hf_config=hf_config, padded_vocab_size=model.padded_vocab_of(models),
-                        dtype=dtype, hf_dir=str(hf_dir), keep_last=cfg.checkpoint.keep_last,
-                        optimizer_sharding=cfg.checkpoint.optimizer_sharding)
-        return time.perf_counter() - begin
-
-    stopped, save_seconds = False, 0.0
-    with stop_requests() as stop, contextlib.closing(logger):
-        logger.truncate_after(state.step)
-        bar = telemetry.ProgressBar(run.steps, state.step, enabled=rank0 and cfg.logging.progress_bar,
-                                    show={"loss": ("sft/loss", ".4f"), "s": ("time/step", ".2f")})
-        for step in range(state.step + 1, run.steps + 1):
-            begin = time.perf_counter()
-            order = prompt_order(len(samples), run.seed, (step - 1) * run.batch_samples, run.batch_samples)
-            mine = [samples[i] for i in order[dp_rank::dp_size]]
-            rows = pack(mine, run.micro_batch_tokens, pad_multiple(cfg.parallel.tensor_parallel))
-            loss, num_tokens = sft_step(models, rows)
-            stepped, grad_norm = step_if_finite(optimizer, models, loss)
-            state.step, state.skipped_updates = step, state.skipped_updates + (not stepped)
-            metrics = {"sft/loss": loss, "sft/tokens": float(num_tokens),
-                       "train/grad_norm": grad_norm, "train/lr": lr,
-                       "train/skipped_updates_total": float(state.skipped_updates),
-                       "time/step": time.perf_counter() - begin}
-            logger.log(step, metrics)
-            bar.advance(metrics)
-            saved = cfg.checkpoint.saves_at(step, run.steps)
-            if saved:
-                save_seconds = save()
-            if step < run.steps and stop.agreed(budget.exceeded(metrics["time/step"], save_seconds)):
-                if not saved:
-                    save()
-                stopped = True
-                break
-        if cfg.checkpoint.export_hf and rank0 and not stopped:
-            export_latest(run_dir, cfg.checkpoint.export_dtype)
-        comm.barrier()
-        return EXIT_STOPPED if stopped else 0
+    begin, config = time.perf_counter(), cfg.sft
+    order = prompt_order(len(samples), config.seed, (step - 1) * config.batch_samples,
+                         config.batch_samples)
+    mine = [samples[i] for i in order[run.dp_rank::run.dp_size]]
+    rows = pack(mine, config.micro_batch_tokens, pad_multiple(cfg.parallel.tensor_parallel))
+    loss, num_tokens = sft_step(run.models, rows)
+    stepped, grad_norm = step_if_finite(run.optimizer, run.models, loss)
+    run.state.step, run.state.skipped_updates = step, run.state.skipped_updates + (not stepped)
+    return {"sft/loss": loss, "sft/tokens": float(num_tokens),
+            "train/grad_norm": grad_norm, "train/lr": run.lr,
+            "train/skipped_updates_total": float(run.state.skipped_updates),
+            "time/step": time.perf_counter() - begin}
 
 
 def load_sft_recipe(path, overrides=()) -> SFTRunConfig:
