@@ -5,15 +5,14 @@ NeMo-Run's SLURM executor, at DP=2 (one rank and one colocated vLLM engine per n
 has a dedicated rollout node, and must reproduce the uninterrupted torchrun run of the same
 layout on one host bit for bit:
 
-* an uninterrupted job;
 * a job under a time limit: SLURM's early SIGUSR1 (``--signal=B:USR1@<lead>``) reaches the
   trainers through the batch script and torchrun, they stop at a step boundary with a
   checkpoint, the script requeues the job, and the next attempt continues to the end;
 * ``scontrol requeue`` of a running job: SIGTERM from SLURM, a checkpoint, the requeued attempt
-  continues;
+  continues (also the check that two nodes equal one host);
 * ``tools/launch.py --executor slurm`` (NeMo-Run, local submission);
 * ``ROLLOUT_NODES=1``: one node trains (1 rank), the other runs a dedicated vLLM engine (1 rank),
-  one step off-policy, uninterrupted and requeued by ``scontrol requeue``; these reproduce their
+  one step off-policy, requeued by ``scontrol requeue``; it reproduces its
   own reference, the same recipe with a dedicated engine under torchrun on one host (2 ranks).
 
 Skipped, with the reason, where the cluster cannot be built: not root, or no slurm-wlm/munge.
@@ -119,17 +118,6 @@ def _log(tmp_path: Path, job_id: int) -> str:
     return (tmp_path / f"job-{job_id}.out").read_text()
 
 
-def test_two_nodes_equal_one_host(cluster, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job_id = _sbatch(run_dir, tmp_path, steps=8)
-    job = _until_done(job_id)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _log(tmp_path, job_id)
-    assert_same_run(read_metrics(run_dir), reference[:8])
-    assert len(read_metrics(run_dir)) == 8
-    assert (tmp_path / "logs" / str(job_id) / "node1.log").is_file()
-    assert (tmp_path / "logs" / str(job_id) / "node2.log").is_file()
-
-
 def test_time_limit_stops_requeues_and_continues_exactly(cluster, reference, tmp_path):
     """The shortest limit SLURM has (--time=1) with SIGUSR1 15 s ahead of it: SLURM may send
     the signal up to 60 s early, so it comes within the first ~45 s of the attempt, always
@@ -175,13 +163,18 @@ def _requeued_after_step_3(job_id: int, run_dir: Path, tmp_path: Path) -> str:
     return log
 
 
-def test_scontrol_requeue_of_a_running_job_continues_exactly(cluster, reference, tmp_path):
+def test_two_nodes_equal_one_host_through_an_scontrol_requeue(cluster, reference, tmp_path):
+    """A 2-node job (one rank and one colocated engine per node, each node's log kept) requeued
+    by ``scontrol requeue`` after step 3: SLURM's SIGTERM, a checkpoint, the requeued attempt
+    continues; steps 1..12 equal the one-host run's."""
     run_dir = tmp_path / "run"
     job_id = _sbatch(run_dir, tmp_path, "--time=20", "--signal=B:USR1@60", steps=12)
     log = _requeued_after_step_3(job_id, run_dir, tmp_path)
     assert "attempt 1" in log, log  # --open-mode=append: both attempts' lines are kept
     assert_same_run(read_metrics(run_dir), reference[:12])
     assert len(read_metrics(run_dir)) == 12
+    assert (tmp_path / "logs" / str(job_id) / "node1.log").is_file()
+    assert (tmp_path / "logs" / str(job_id) / "node2.log").is_file()
 
 
 def test_nemo_run_slurm_executor_submits_locally(cluster, reference, tmp_path):
@@ -247,30 +240,18 @@ def _engine_and_trainer_nodes(tmp_path: Path, job_id: int) -> tuple[list[str], l
             [n for n, text in logs.items() if "drives 1 dedicated engine(s)" in text])
 
 
-def test_dedicated_rollout_node_equals_one_host(cluster, dedicated_reference, tmp_path):
+def test_dedicated_rollout_node_equals_one_host_through_a_requeue(cluster, dedicated_reference, tmp_path):
     """``ROLLOUT_NODES=1``: the script makes the last rank (one whole node) a dedicated engine;
     the first node's rank trains alone and refits the engine across nodes by broadcast, one step
-    off-policy; the metrics equal the one-host run's bit for bit."""
-    run_dir, steps = tmp_path / "run", 6
-    job_id = _dedicated_sbatch(run_dir, tmp_path, steps=steps)
-    job = _until_done(job_id)
-    log = _log(tmp_path, job_id)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log
-    assert "2 x 1 GPUs (trainer on 1 nodes, dedicated rollout engines on the last 1)" in log, log
-    assert_same_run(read_metrics(run_dir), dedicated_reference[:steps])
-    assert len(read_metrics(run_dir)) == steps
-    engine, trainer = _engine_and_trainer_nodes(tmp_path, job_id)
-    assert len(engine) == 1 and len(trainer) == 1 and engine != trainer, (engine, trainer)
-
-
-def test_dedicated_rollout_node_job_requeued_continues_exactly(cluster, dedicated_reference, tmp_path):
-    """``scontrol requeue`` of a running ``ROLLOUT_NODES=1`` job: SLURM's SIGTERM reaches the
-    engine's node too, the engine waits for the trainer, which saves its step with the batch
-    generated ahead and stops the engine; the requeued attempt continues to exactly the one-host
-    run."""
+    off-policy. ``scontrol requeue`` of the running job: SLURM's SIGTERM reaches the engine's
+    node too, the engine waits for the trainer, which saves its step with the batch generated
+    ahead and stops the engine; the requeued attempt continues to exactly the one-host run."""
     run_dir = tmp_path / "run"
     job_id = _dedicated_sbatch(run_dir, tmp_path, "--time=20", "--signal=B:USR1@60", steps=DEDICATED_STEPS)
-    _requeued_after_step_3(job_id, run_dir, tmp_path)
+    log = _requeued_after_step_3(job_id, run_dir, tmp_path)
+    assert "2 x 1 GPUs (trainer on 1 nodes, dedicated rollout engines on the last 1)" in log, log
+    engine, trainer = _engine_and_trainer_nodes(tmp_path, job_id)
+    assert len(engine) == 1 and len(trainer) == 1 and engine != trainer, (engine, trainer)
     node_logs = "".join((tmp_path / "logs" / str(job_id) / f"{n}.log").read_text() for n in ("node1", "node2"))
     stops = [int(k) for k in re.findall(r"stopped after step (\d+) \(SIGTERM\)", node_logs)]
     assert stops and all(3 <= k < DEDICATED_STEPS for k in stops), node_logs[-3000:]
