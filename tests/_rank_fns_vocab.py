@@ -38,43 +38,70 @@ def tp_cases_fn(rank, world_size):
     h = torch.randn(3, 11, generator=gen)
     out = []
     for tp, group in sorted(groups.items()):
-        r = 0 if group is None else dist.get_rank(group)
-        width = VOCAB // tp
         for dtype in (torch.float32, torch.bfloat16):
-            full = full32.to(dtype)
             for temperature, entropy_grad, vocab, chunk in ((1.0, False, VOCAB, None),
                                                             (0.7, True, REAL_VOCAB, 4),
                                                             (1.3, True, VOCAB, 1)):
-                shard = full[..., r * width:(r + 1) * width].clone().requires_grad_(True)
-                before = shard.detach().clone()
-                logp, ent = logprobs_and_entropy(
-                    shard, targets, group=group, temperature=temperature, chunk_size=chunk,
-                    entropy_grad=entropy_grad, vocab_size=vocab)
-                loss = (g * logp).sum() + ((h * ent).sum() if entropy_grad else 0.0)
-                loss.backward()
-                want_lp, want_h, want_grad = reference(
-                    full.double(), targets, temperature, vocab, g,
-                    h if entropy_grad else None)
-                want_grad = torch.cat([want_grad, torch.zeros(3, 11, VOCAB - vocab,
-                                                              dtype=torch.float64)], -1)
-                out.append(dict(
-                    tp=tp, dtype=str(dtype), temperature=temperature, entropy_grad=entropy_grad,
-                    vocab=vocab, logp=_rel(logp, want_lp), entropy=_rel(ent, want_h),
-                    grad=_rel(shard.grad, want_grad[..., r * width:(r + 1) * width]),
-                    out_dtypes=(str(logp.dtype), str(ent.dtype)),
-                    ent_requires_grad=ent.requires_grad,
-                    unmodified=bool(torch.equal(shard.detach(), before)),
-                    grad_dtype=str(shard.grad.dtype)))
+                out.append(_case(full32.to(dtype), targets, g, h, group, tp, temperature,
+                                 entropy_grad, vocab, chunk))
     return out
 
 
-QWEN2_VOCAB = 152064
+def _case(full, targets, g, h, group, tp, temperature, entropy_grad, vocab, chunk,
+          kernel="auto"):
+    """One forward + backward of this rank's shard of ``full`` against the float64 reference:
+    worst relative errors, output dtypes and flags."""
+    r = 0 if group is None else dist.get_rank(group)
+    width = full.shape[-1] // tp
+    shard = full[..., r * width:(r + 1) * width].clone().requires_grad_(True)
+    before = shard.detach().clone()
+    logp, ent = logprobs_and_entropy(shard, targets, group=group, temperature=temperature,
+                                     chunk_size=chunk, entropy_grad=entropy_grad,
+                                     vocab_size=vocab, kernel=kernel)
+    loss = (g * logp).sum() + ((h * ent).sum() if entropy_grad else 0.0)
+    loss.backward()
+    want_lp, want_h, want_grad = reference(full.double(), targets, temperature, vocab, g,
+                                           h if entropy_grad else None)
+    return dict(tp=tp, dtype=str(full.dtype), temperature=temperature,
+                entropy_grad=entropy_grad, vocab=vocab, chunk=chunk, kernel=kernel,
+                logp=_rel(logp, want_lp), entropy=_rel(ent, want_h),
+                grad=_rel(shard.grad, want_grad[..., r * width:(r + 1) * width]),
+                out_dtypes=(str(logp.dtype), str(ent.dtype)),
+                ent_requires_grad=ent.requires_grad,
+                unmodified=bool(torch.equal(shard.detach(), before)),
+                grad_dtype=str(shard.grad.dtype))
+
+
+def compiled_cases(rank, world_size):
+    """The compiled kernels (inductor's CPU backend) at TP = world_size: float32 log-probs only
+    and with the entropy gradient, bf16 logits (bf16 gradient) with it; T != 1, TP padding
+    columns, 33 tokens in chunks of 5 (the last one 3 rows). Four graphs in all
+    (vocab_parallel._compile), the float32 ones shared with ``large_vocab_grad_errors``."""
+    group = dist.group.WORLD if world_size > 1 else None
+    gen = torch.Generator().manual_seed(5)
+    # [tokens, V] like large_vocab_grad_errors: dynamo guards on the rank of the tensor a chunk
+    # is a view of, so [3, 11, V] logits would compile their own graphs
+    full32 = torch.randn(33, VOCAB, generator=gen) * 4.0
+    targets = torch.randint(0, REAL_VOCAB, (33,), generator=gen)
+    g = torch.randn(33, generator=gen)
+    h = torch.randn(33, generator=gen)
+    return [_case(full32.to(dtype), targets, g, h, group, world_size, temperature, entropy_grad,
+                  REAL_VOCAB, 5, kernel="compiled")
+            for dtype, temperature, entropy_grad in ((torch.float32, 0.7, False),
+                                                     (torch.float32, 0.7, True),
+                                                     (torch.bfloat16, 1.3, True))]
+
+
+QWEN2_VOCAB = 152064  # Qwen2's padded vocabulary
+QWEN2_REAL_VOCAB = 151936  # its HF vocab_size
 LARGE_SCALES = (1.0, 4.0, 16.0)
 
 
-def large_vocab_grad_errors(rank, world_size):
-    """Max |gradient error| against the float64 reference on float32 rows of scale 1..16 over the
-    Qwen2 vocabulary, this rank's shard of a TP=world_size split (world_size 1: one process).
+def large_vocab_grad_errors(rank, world_size, kernels=("eager", "compiled")):
+    """Max |gradient error| and relative log-prob error against the float64 reference on
+    float32 rows of scale 1..16 over the Qwen2 vocabulary (its 151936 real columns of 152064,
+    the rest TP padding), this rank's shard of a TP=world_size split (world_size 1: one
+    process), with each of ``kernels``, in chunks of 2 rows.
 
     Cases: log-probs only at T = 1, and log-probs + entropy gradient at T = 0.7.
     """
@@ -84,17 +111,27 @@ def large_vocab_grad_errors(rank, world_size):
     out = []
     for scale in LARGE_SCALES:
         full = torch.randn(4, QWEN2_VOCAB, generator=gen) * scale
-        targets = torch.randint(0, QWEN2_VOCAB, (4,), generator=gen)
+        targets = torch.randint(0, QWEN2_REAL_VOCAB, (4,), generator=gen)
         g = torch.randn(4, generator=gen)
         h = torch.randn(4, generator=gen)
         for temperature, entropy_grad in ((1.0, False), (0.7, True)):
-            shard = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
-            logp, ent = logprobs_and_entropy(shard, targets, group=group, temperature=temperature,
-                                             entropy_grad=entropy_grad)
-            ((g * logp).sum() + ((h * ent).sum() if entropy_grad else 0.0)).backward()
-            _, _, want = reference(full.double(), targets, temperature, QWEN2_VOCAB, g,
-                                   h if entropy_grad else None)
-            err = (shard.grad.double() - want[:, rank * width:(rank + 1) * width]).abs().max()
-            out.append(dict(tp=world_size, scale=scale, temperature=temperature,
-                            entropy_grad=entropy_grad, err=float(err)))
+            want_lp, _, want = reference(full.double(), targets, temperature, QWEN2_REAL_VOCAB,
+                                         g, h if entropy_grad else None)
+            for kernel in kernels:
+                shard = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
+                logp, ent = logprobs_and_entropy(shard, targets, group=group,
+                                                 temperature=temperature, chunk_size=2,
+                                                 entropy_grad=entropy_grad,
+                                                 vocab_size=QWEN2_REAL_VOCAB, kernel=kernel)
+                ((g * logp).sum() + ((h * ent).sum() if entropy_grad else 0.0)).backward()
+                err = (shard.grad.double() - want[:, rank * width:(rank + 1) * width]).abs().max()
+                out.append(dict(tp=world_size, scale=scale, temperature=temperature,
+                                entropy_grad=entropy_grad, kernel=kernel, err=float(err),
+                                logp_rel=_rel(logp, want_lp)))
     return out
+
+
+def large_vocab_and_compiled_cases(rank, world_size):
+    """Both, at TP = world_size: one launch for two tests of tests/test_vocab_parallel.py."""
+    return dict(large_vocab=large_vocab_grad_errors(rank, world_size),
+                compiled=compiled_cases(rank, world_size))
