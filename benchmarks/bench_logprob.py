@@ -3,8 +3,12 @@
 Compares, on the Qwen2 vocabulary (152064) and N tokens, at TP = 1 (one process) and TP = 2
 (two gloo processes, each holding its [N, V/2] shard; the max over ranks is reported):
 
-* ``dgpo``      megatron_dgpo.vocab_parallel.logprobs_and_entropy (log-probs AND entropy),
-                default chunking and a small chunk;
+* ``dgpo``      megatron_dgpo.vocab_parallel.logprobs_and_entropy (log-probs AND entropy):
+                the eager kernels (the CPU default) at the default chunk and two others, and
+                the compiled ones (``kernel="compiled"``, inductor's C++ backend here), each
+                also with the entropy gradient (``entropy_grad=True``, loss sum log p + sum H);
+                the compiled rows after one untimed call that compiles (its seconds are
+                printed in a row of their own);
 * ``naive``     full-vocabulary ``log_softmax`` + ``gather`` (TP = 2: all-gather the shards
                 first, differentiably);
 * ``megatron``  ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (log-probs only;
@@ -101,10 +105,11 @@ def _rank_main(rank, world, port, tokens, vocab, repeats, out_dir):
 
     leaf = shard.requires_grad_(True)
 
-    def dgpo(chunk):
+    def dgpo(chunk=None, kernel="eager", entropy_grad=False):
         def run():
-            logp, _entropy = logprobs_and_entropy(leaf, targets, chunk_size=chunk)
-            logp.sum().backward()
+            logp, entropy = logprobs_and_entropy(leaf, targets, chunk_size=chunk, kernel=kernel,
+                                                 entropy_grad=entropy_grad)
+            (logp.sum() + entropy.sum() if entropy_grad else logp.sum()).backward()
             leaf.grad = None
         return run
 
@@ -131,16 +136,26 @@ def _rank_main(rank, world, port, tokens, vocab, repeats, out_dir):
     results = {}
     from megatron_dgpo.vocab_parallel import default_chunk_size
 
-    for name, fn in ((f"dgpo chunk={default_chunk_size(width)} (CPU default)", dgpo(None)),
+    chunk = default_chunk_size(width)
+    compile_start = time.perf_counter()
+    for entropy_grad in (False, True):  # the first calls compile; none is measured
+        dgpo(kernel="compiled", entropy_grad=entropy_grad)()
+    compile_seconds = time.perf_counter() - compile_start
+    for name, fn in ((f"dgpo chunk={chunk} (CPU default: eager)", dgpo()),
                      ("dgpo chunk=64", dgpo(64)),
                      ("dgpo chunk=256", dgpo(256)),
+                     (f"dgpo chunk={chunk}, entropy_grad", dgpo(entropy_grad=True)),
+                     (f"dgpo compiled chunk={chunk}", dgpo(kernel="compiled")),
+                     (f"dgpo compiled chunk={chunk}, entropy_grad",
+                      dgpo(kernel="compiled", entropy_grad=True)),
                      ("naive log_softmax+gather", naive)):
         results[name] = _measure(fn, repeats, group)
     copies = []
     results["megatron vocab_parallel_cross_entropy"] = _measure(
         megatron(copies), repeats, group,
         setup=lambda: copies.append(shard.detach().clone().requires_grad_(True)))
-    torch.save(dict(one_pass=one_pass, exp_pass=exp_pass, shard_bytes=shard_bytes, results=results),
+    torch.save(dict(one_pass=one_pass, exp_pass=exp_pass, shard_bytes=shard_bytes, results=results,
+                    compile_seconds=compile_seconds),
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -170,7 +185,8 @@ def run(tp: int, tokens: int, vocab: int, repeats: int) -> dict:
         max(r["exp_pass"] / r["one_pass"] for r in ranks), None,
         max(r["exp_pass"] for r in ranks)), **rows}
     return dict(rows=rows, shard_mb=ranks[0]["shard_bytes"] / 2**20,
-                one_pass_ms=1e3 * max(r["one_pass"] for r in ranks))
+                one_pass_ms=1e3 * max(r["one_pass"] for r in ranks),
+                compile_seconds=max(r["compile_seconds"] for r in ranks))
 
 
 def main(argv=None) -> int:
@@ -192,6 +208,8 @@ def main(argv=None) -> int:
             memory = "-" if m_rel is None else f"{m_rel:.2f}"  # None: a timing reference only
             print(f"| {tp} | {shard} | {name} | {memory} | {t_rel:.1f} | "
                   f"{1e3 * seconds:.0f} ms |")
+        print(f"| {tp} | {shard} | dgpo compiled: the first calls (compiling, entropy_grad off "
+              f"and on) | - | - | {res['compile_seconds']:.1f} s |")
         sys.stdout.flush()
     return 0
 
