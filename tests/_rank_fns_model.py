@@ -164,6 +164,7 @@ def parity_fn(rank, world_size):
                 padded=padded_vocab_size(cfg["vocab_size"], tp),
                 max_err=float((got[..., :cfg["vocab_size"]] - want).abs().max()),
                 scale=float(want.abs().max()),
+                # exact: the output layer's padded rows are zeros: a padded logit is a sum of h * 0
                 pad_cols_zero=bool((got[..., cfg["vocab_size"]:] == 0).all()),
                 names=sorted(n for n, _ in model.named_parameters()),
                 qkv_bias=model.config.add_qkv_bias,

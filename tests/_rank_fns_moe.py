@@ -184,6 +184,7 @@ def convert_fn(rank, world_size, dirs: dict, out_root: str):
                 exported = dict(export_hf_weights(load_model(source, **overrides)))
                 out[(label, tuple(sorted(layout.items())), source == ckpt)] = (
                     set(exported) == set(disk)
+                    # exact: converting and sharding copy the weights (no arithmetic)
                     and all(torch.equal(exported[k], v) for k, v in disk.items()))
             destroy_parallel()
     return out

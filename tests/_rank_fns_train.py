@@ -168,6 +168,8 @@ def _grads(models, vocab):
             grad = param.main_grad
             full = gather_tensor(name, grad, param, vocab_size=10**9)
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                # exact: padded rows are never looked up and their logit columns are zeroed:
+                # their gradient is a sum of zeros
                 pad_ok &= bool((full[vocab:] == 0).all())
                 full = full[:vocab]
             out[global_name(module, name)] = full.clone()
@@ -375,6 +377,8 @@ def compare(res, grads, want) -> dict:
     def rel(a, b):
         a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
         if not torch.isfinite(b).all():
+            # exact: a non-finite reference is a sentinel (+-inf, the min / max over no
+            # token), not a rounded value
             return 0.0 if torch.equal(a, b) else math.inf
         return float((a - b).abs().max() / b.abs().max().clamp(min=1.0))
 
@@ -430,4 +434,5 @@ def overlap_and_logits_fn(rank, world_size):
     return dict(dp_size=dp_size, overlap_err=overlap_err, kwargs=_forward_kwargs(model),
                 plain_kwargs=_forward_kwargs(models[0]), kept_dtype=str(kept.dtype),
                 default_dtype=str(default.dtype),
+                # exact: the same forward; fp32_output=False only skips the last bf16 -> fp32 cast
                 same_values=bool(torch.equal(kept.float(), default)))

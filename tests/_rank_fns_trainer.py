@@ -99,7 +99,9 @@ def optimizer_and_skipping(rank, world):
     before = _params(models)
     moments = [s["exp_avg"].clone() for s in _adam(optimizer).state.values()]
     out["inf_step"] = step_if_finite(optimizer, models, result.loss)[0]
+    # exact: a skipped step leaves the weights untouched: compared with their copies
     out["inf_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())
+    # exact: and the moments, compared with their copies
     out["moments_unchanged"] = all(torch.equal(a, s["exp_avg"]) for a, s in
                                    zip(moments, _adam(optimizer).state.values()))
     # A NaN advantage makes the loss NaN: skipped too; then a clean step goes through.
@@ -111,6 +113,7 @@ def optimizer_and_skipping(rank, world):
     result = train_step(models, bad, LossConfig(hyperparams=LossHyperparams()))
     out["nan_loss"] = result.loss
     out["nan_step"] = step_if_finite(optimizer, models, result.loss)[0]
+    # exact: a skipped step leaves the weights untouched: compared with their copies
     out["nan_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())
     out["clean_step"] = step_if_finite(optimizer, models, _grads(models).loss)[0]
     out["offload"] = _offload_round_trip()
@@ -135,13 +138,16 @@ def _offload_round_trip() -> dict:
     offload.offload()
     out["freed"] = all(s.nbytes() == 0 for s in storages) and all(
         b.grad_data.untyped_storage().nbytes() == 0 for b in models[0].buffers)
+    # exact: offloading keeps the weights in place: compared with their copies
     out["weights_kept"] = all(torch.equal(weights[n], p) for n, p in _params(models).items())
     with offload.resident():  # a checkpoint save in the middle of the offloaded phase
+        # exact: the state made resident again is its own round trip through host memory
         out["resident_inside"] = all(torch.equal(a[k], b[k]) for a, b in
                                      zip(state, _adam(optimizer).state.values()) for k in a)
     out["offloaded_after"] = offload.offloaded and all(s.nbytes() == 0 for s in storages)
     host = list(offload._host)
     offload.restore()
+    # exact: a round trip of the Adam state through host memory
     out["state_equal"] = all(torch.equal(a[k], b[k]) for a, b in
                              zip(state, _adam(optimizer).state.values()) for k in a)
     out["grads_zero"] = all(not p.main_grad.any() for p in models[0].module.parameters())
@@ -150,6 +156,7 @@ def _offload_round_trip() -> dict:
     offload.restore()
     for m, o in ((models, optimizer), (twin, twin_optimizer)):
         step_if_finite(o, m, _grads(m).loss)
+    # exact: the twin runs the same ops in the same order on the same (restored) state and data
     out["next_equal"] = all(torch.equal(a, b) for a, b in zip(_params(models).values(), _params(twin).values()))
     return out
 
@@ -215,11 +222,15 @@ def checkpoint_round_trip(rank, world, root):
     after_next = _params(models)
 
     fresh, fresh_optimizer = _setup(seed=9)
+    # exact: must differ (another seed)
     differs_before = any(not torch.equal(saved[n], p) for n, p in _params(fresh).items())
     state = load_checkpoint(latest_checkpoint(root), fresh, fresh_optimizer)
+    # exact: a round trip through the checkpoint
     loaded_equal = all(torch.equal(saved[n], p) for n, p in _params(fresh).items())
+    # exact: the same generator state draws the same numbers with the same op
     rng_restored = torch.equal(torch.rand(4), drawn)
     step_if_finite(fresh_optimizer, fresh, _grads(fresh).loss)
+    # exact: a resumed run replays the same kernels on the same state and data
     next_equal = all(torch.equal(after_next[n], p) for n, p in _params(fresh).items())
     return {"differs_before": differs_before, "loaded_equal": loaded_equal,
             "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed,

@@ -68,6 +68,7 @@ def _case(full, targets, g, h, group, tp, temperature, entropy_grad, vocab, chun
                 grad=_rel(shard.grad, want_grad[..., r * width:(r + 1) * width]),
                 out_dtypes=(str(logp.dtype), str(ent.dtype)),
                 ent_requires_grad=ent.requires_grad,
+                # exact: the input untouched by the kernel, compared with its copy
                 unmodified=bool(torch.equal(shard.detach(), before)),
                 grad_dtype=str(shard.grad.dtype))
 

@@ -30,7 +30,7 @@ def test_matches_reference_and_counts_degenerate_groups(unbiased):
     ref = _reference(rewards, 4, 1e-6, unbiased)
     assert torch.allclose(adv.double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6)
     assert stats.num_groups == 5 and stats.num_degenerate == 2 and stats.frac_degenerate == pytest.approx(0.4)
-    assert adv[4:12].abs().max() == 0  # exactly zero, not 0/eps noise
+    assert adv[4:12].abs().max() == 0  # exact: degenerate groups get torch.where's 0, not 0/eps noise
     assert stats.reward_mean == pytest.approx(sum(rewards) / len(rewards))
 
 
@@ -46,6 +46,7 @@ def test_binary_rewards_sample_vs_population_std():
 
 def test_group_of_one_and_errors():
     adv, stats = group_advantages(torch.tensor([1.0, -1.0]), 1)
+    # exact: a group of one is degenerate: torch.where's zeros
     assert adv.tolist() == [0.0, 0.0] and stats.num_degenerate == 2
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(torch.ones(4), 3)
@@ -61,7 +62,7 @@ def test_drop_degenerate_groups_keeps_informative_groups_only():
     rewards = [1, -1, 1,   1, 1, 1,   -1, -1, -1,   0.5, 0.5, 1,   2, 2, 2]
     kept = drop_degenerate_groups(rewards, 3)
     assert kept.indices == [0, 1, 2, 9, 10, 11]
-    assert kept.keep.tolist() == [i in kept.indices for i in range(15)]
+    assert kept.keep.tolist() == [i in kept.indices for i in range(15)]  # exact: booleans
     assert kept.num_dropped == 3 == group_advantages(torch.tensor(rewards), 3)[1].num_degenerate
     assert kept.as_dict() == {"adv/num_dropped_groups": 3.0}
     assert drop_degenerate_groups([1.0, -1.0], 1).num_dropped == 2  # G = 1: no signal

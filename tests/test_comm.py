@@ -80,4 +80,5 @@ def test_objects_cross_ranks_without_device_tensors(monkeypatch):
     back = pickle.loads(comm.host_pickle(obj))
     assert moved == ["meta", "meta"]  # the device tensors only; CPU ones pickle as they are
     assert back["sums"]["a"].device.type == back["rows"][0][1].device.type == "cpu"
+    # exact: a pickle round trip
     assert back["tokens"] == [[1, 2, 3]] and back["kept"].tolist() == [1.0, 1.0]

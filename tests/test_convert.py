@@ -32,6 +32,7 @@ def _assert_bitwise(got: dict, want: dict, what: str):
     for name in want:
         assert got[name].dtype == want[name].dtype, (what, name, got[name].dtype)
         assert got[name].shape == want[name].shape, (what, name)
+        # exact: conversion, sharding and storage copy the weights (no arithmetic)
         assert torch.equal(got[name], want[name]), f"{what}: {name} differs"
 
 
@@ -88,6 +89,7 @@ def test_megatron_to_hf_dtype_and_shards(converted, tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].dtype == torch.bfloat16
+        # exact: one fp32 -> bf16 rounding of the same values on both sides
         assert torch.equal(got[name], want[name].to(torch.bfloat16)), name
     cfg = json.load(open(tmp_path / "config.json"))
     assert "bfloat16" in (cfg.get("torch_dtype"), cfg.get("dtype"))
@@ -117,7 +119,7 @@ def test_logit_parity_tp1_tp2_and_resharding(converted):
             if case == "llama":  # stored in bf16: the reference is the bf16-rounded model
                 continue
             errors[(case, label)] = _max_rel(logits[..., :vocab], want)
-        assert torch.equal(case_tokens, tokens)  # all token ids are < every vocab size
+        assert torch.equal(case_tokens, tokens)  # exact: token ids, all < every vocab size
     # llama (stored in bf16): transformers' model loaded from the same files in fp32
     from transformers import AutoModelForCausalLM
 
@@ -230,6 +232,7 @@ def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, m
     assert json.load(open(tmp_path / "mg" / "dgpo_convert.json"))["hf_config"] == meta["hf_config"]
     blocks = dict(export_from_checkpoint(str(tmp_path / "mg"), row_blocks=True))
     assert isinstance(blocks["model.embed_tokens.weight"], TensorBlocks)  # 6 stored row chunks
+    # exact: the stored row chunks concatenated: a copy
     assert torch.equal(blocks["model.embed_tokens.weight"].materialize(),
                        want["model.embed_tokens.weight"])
     writer = ShardedSafetensorsWriter(str(tmp_path / "w"), max_shard_bytes=100, header_reserve=64)
@@ -240,6 +243,7 @@ def test_tp1_in_process_split_chunks_and_streaming_writer(converted, tmp_path, m
     writer.close()  # header outgrows the 64-byte reserve: exercises the shifting path
     _assert_bitwise(_hf_state(str(tmp_path / "w")), tensors, "writer")
     reader = LazyHFReader(str(tmp_path / "w"))
+    # exact: a slice read back from storage
     assert torch.equal(reader.read("t4", ((1, 3), (2, 4))), tensors["t4"][1:3, 2:4])
 
 

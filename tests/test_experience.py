@@ -146,7 +146,9 @@ def test_thd_params_carry_the_packers_cu_seqlens():
                        truncated=[False] * 3, advantages=torch.zeros(3))
     (row,) = pack_update(batch, [0, 1, 2], budget=64, pad_multiple=4)
     params = _packed_seq_params(row, "cpu")
+    # exact: integer offsets
     assert torch.equal(params.cu_seqlens_q, row.cu_seqlens) and params.qkv_format == "thd"
+    # exact: integers
     assert params.max_seqlen_q == int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max())
 
 
@@ -166,6 +168,8 @@ def test_loss_weights_travel_from_the_batch_to_the_packed_rows():
     kept = drop_degenerate_groups(batch.rewards, 2)
     batch.loss_weights = sample_loss_weights([len(r) for r in batch.response_tokens], 2,
                                              "group_token_mean", kept.keep)
+    # exact: 1 / 6 is one correctly rounded IEEE division of integers in torch as in Python; 0
+    # is torch.where's
     assert batch.loss_weights.tolist() == [1 / 6, 1 / 6, 0.0, 0.0]
     for row in pack_update(batch, [0, 1, 2, 3], budget=12, pad_multiple=1):
         ends = row.cu_seqlens.tolist()
@@ -174,8 +178,9 @@ def test_loss_weights_travel_from_the_batch_to_the_packed_rows():
             start = ends[k] + len(batch.prompt_tokens[sample]) - 1
             want[start:start + len(batch.response_tokens[sample])] = batch.loss_weights[sample]
         assert row.loss_weights.dtype == torch.float64
+        # exact: copies of the sample weights
         assert torch.equal(row.loss_weights, want)
-        assert torch.equal(row.loss_weights > 0, row.loss_mask & (want > 0))
+        assert torch.equal(row.loss_weights > 0, row.loss_mask & (want > 0))  # exact: booleans
 
 
 def test_rollout_roles_split_whole_groups_over_engines_and_refuse_engines_across_replicas():

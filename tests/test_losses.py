@@ -144,7 +144,7 @@ def test_no_nan_or_inf_on_extreme_inputs(method, dtype):
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss), (method, dtype)
         assert torch.isfinite(grad).all(), (method, dtype, grad)
-        assert torch.all(grad[-2:] == 0)
+        assert torch.all(grad[-2:] == 0)  # exact: masked: the slope is torch.where's 0
         for key, value in metrics.items():
             if not key.endswith(("_max", "_min")):
                 assert torch.isfinite(value), key
@@ -159,9 +159,13 @@ def test_masked_tokens_do_not_matter():
         loss, metrics = policy_loss("dgpo", lp, old, adv, mask, **kwargs())
         loss.backward()
         results.append((loss.detach(), lp.grad, metrics))
+    # exact: policy_loss replaces the masked garbage by torch.where before any arithmetic: the
+    # same ops on the same values
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    # exact: likewise for the gradient
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
     for key in results[0][2]:
+        # exact: and the metrics
         torch.testing.assert_close(results[0][2][key], results[1][2][key], rtol=0, atol=0)
 
 
@@ -228,7 +232,7 @@ def test_metrics_against_direct_counts():
     a = adv[mask]
     ln = (w < 1 - EPS_LOW) & (a < 0)
     hp = (w > 1 + EPS_HIGH) & (a > 0)
-    assert summary["tokens"] == mask.sum().item()
+    assert summary["tokens"] == mask.sum().item()  # exact: a count
     assert summary["region/LN_frac"] == pytest.approx(ln.double().mean().item())
     assert summary["region/HP_frac"] == pytest.approx(hp.double().mean().item())
     assert summary["clip_frac"] == pytest.approx((ln | hp).double().mean().item())
@@ -269,7 +273,7 @@ def test_empty_mask_gives_zero_loss_and_nan_free_summary():
     logp, old, adv, _ = random_batch(shape=(5,))
     mask = torch.zeros(5, dtype=torch.bool)
     loss, metrics = policy_loss("dgpo", logp.requires_grad_(True), old, adv, mask)
-    assert loss.item() == 0.0
+    assert loss.item() == 0.0  # exact: every term is torch.where's 0
     summary = losses.summarize_metrics(metrics)
     assert summary["tokens"] == 0 and math.isnan(summary["ratio/mean"])
 
@@ -356,11 +360,13 @@ def test_sample_loss_weights_keep_and_errors():
     lengths = torch.tensor([2, 3, 5, 4])
     assert losses.sample_loss_weights(lengths, 2, "token_mean") is None
     keep = torch.tensor([False, False, True, True])
+    # exact: weights 0 and 1; below, one correctly rounded IEEE division of integers (1.0 / 9)
+    # in torch as in Python
     assert losses.sample_loss_weights(lengths, 2, "token_mean", keep).tolist() == [0, 0, 1, 1]
     assert losses.sample_loss_weights(lengths, 2, "group_token_mean", keep).tolist() == \
-        [0, 0, 1 / 9, 1 / 9]
+        [0, 0, 1 / 9, 1 / 9]  # exact: one division of integers
     assert losses.sample_loss_weights(lengths, 2, "seq_mean_token_mean").tolist() == \
-        [1 / 2, 1 / 3, 1 / 5, 1 / 4]
+        [1 / 2, 1 / 3, 1 / 5, 1 / 4]  # exact: one division of integers each
     with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
         losses.sample_loss_weights(lengths, 2, "mean")
     with pytest.raises(ValueError, match="do not split into groups of 3"):
@@ -401,7 +407,7 @@ def test_tis_gradient_and_metrics_float64():
     assert summary["tis/clip_frac"] == pytest.approx(clipped / len(ratios), rel=1e-12)
     assert summary["tis/ratio_max"] == pytest.approx(max(ratios), rel=1e-12)
     assert summary["tis/ratio_min"] == pytest.approx(min(ratios), rel=1e-12)
-    assert float(tis[~mask].abs().max()) == 0.0
+    assert float(tis[~mask].abs().max()) == 0.0  # exact: torch.where's 0 under the mask
     with pytest.raises(ValueError, match="TIS cap must be finite and >= 1"):
         losses.truncated_is_weights(old, rollout, mask, 0.5)
 
@@ -490,11 +496,12 @@ def test_grpo_dual_clip_matches_verls_formula(c):
     # outside LN keep F = w; their value is c A (checked through the loss above)
     head = slice(0, 19)
     dual = (adv[head] < 0) & (w[head] > c)
-    assert dual.sum() >= 4 and torch.all(grad[head][dual] == 0)
+    assert dual.sum() >= 4 and torch.all(grad[head][dual] == 0)  # exact: F = 0 there (torch.where)
     kept = (adv[head] < 0) & (w[head] <= c) & (w[head] >= lo)
+    # exact: must differ from 0: F A / N with F = w >= 0.8 and A = -1.3
     assert kept.sum() >= 3 and torch.all(grad[head][kept] != 0)
     if c > hi:  # HN tokens between 1+eps_high and c are not cut
-        assert torch.all(grad[head][kept & (w[head] > hi)] != 0)
+        assert torch.all(grad[head][kept & (w[head] > hi)] != 0)  # exact: must differ from 0
         assert (kept & (w[head] > hi)).sum() >= 2
 
     summary = losses.summarize_metrics(metrics)
@@ -514,7 +521,10 @@ def test_dual_clip_leaves_non_negative_advantages_untouched():
         hp = LossHyperparams(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=c)
         loss, _ = policy_loss("grpo", lp, old, adv, keep, hp)
         results.append((loss, *torch.autograd.grad(loss, lp)))
+    # exact: the only tokens kept have A >= 0, where torch.where picks the same PPO values: the
+    # same sum of the same values
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    # exact: the gradient likewise
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
     # A > 0 above c (HP) keeps PPO's value (1+eps_high) A and zero gradient
     assert ((adv > 0) & keep & ((logp - old).exp() > 3.0)).sum() >= 3
@@ -544,9 +554,11 @@ def test_dual_clip_off_by_default_is_bit_identical():
     lp, ref = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
     loss, metrics = policy_loss("grpo", lp, old, adv, mask, hp)
     want = _pre_dual_clip_grpo(ref, old, adv, mask)
+    # exact: _pre_dual_clip_grpo is the old code op for op: the same ops in the same order on the
+    # same inputs
     torch.testing.assert_close(loss, want, rtol=0, atol=0)
     torch.testing.assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(want, ref)[0],
-                               rtol=0, atol=0)
+                               rtol=0, atol=0)  # exact: its gradient likewise
     # nothing new in the metrics when off
     assert "dual_clipped_count" not in metrics
     assert "dual_clip_frac" not in losses.summarize_metrics(metrics)
@@ -554,7 +566,7 @@ def test_dual_clip_off_by_default_is_bit_identical():
     on, _ = policy_loss("grpo", logp, old, adv, mask, LossHyperparams(eps_low=EPS_LOW,
                                                                       eps_high=EPS_HIGH,
                                                                       dual_clip=3.0))
-    assert not torch.equal(on, loss.detach())
+    assert not torch.equal(on, loss.detach())  # exact: must differ (c = 3 cuts tokens of this batch)
 
 
 @pytest.mark.parametrize("bad", [1.0, 0.5, -3.0, 0, math.inf, math.nan, "3.0", True, [3.0]])

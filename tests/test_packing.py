@@ -58,14 +58,15 @@ def test_row_layout_targets_masks_positions():
             s = samples[index]
             length, width = len(s.tokens), padded_length(len(s.tokens), 4)
             seg = slice(offset, offset + width)
+            # exact: packing copies token ids, positions, targets and old log-probs
             assert torch.equal(row.tokens[offset:offset + length], s.tokens)
-            assert torch.equal(row.position_ids[seg], torch.arange(width))
+            assert torch.equal(row.position_ids[seg], torch.arange(width))  # exact: integers
             # every response token is a target exactly once, from the position before it
             mask = row.loss_mask[seg]
-            assert mask.sum() == length - s.response_start
-            assert torch.equal(row.targets[seg][mask], s.tokens[s.response_start:])
+            assert mask.sum() == length - s.response_start  # exact: a count
+            assert torch.equal(row.targets[seg][mask], s.tokens[s.response_start:])  # exact: token ids
             assert torch.equal(row.old_logprobs[seg][mask],
-                               s.per_token["old_logprobs"])
+                               s.per_token["old_logprobs"])  # exact: a copy
             assert not mask[length - 1:].any()  # never predicts across into the next sample
             offset += width
         assert int(row.cu_seqlens[-1]) == len(row.tokens) == offset <= 16
@@ -78,7 +79,7 @@ def test_block_causal_mask():
     want[0, 0] = want[1, 0] = want[1, 1] = True
     for i in range(2, 5):
         want[i, 2:i + 1] = True
-    assert torch.equal(allowed, want)
+    assert torch.equal(allowed, want)  # exact: booleans
 
 
 def test_packing_preserves_per_sample_attention_outputs():

@@ -81,10 +81,11 @@ def test_packing_places_routing_at_its_tokens():
                Sample(torch.arange(3), 1, {"advantages": torch.ones(2)}, routed_experts=b)]
     (row,) = pack(samples, 16, pad_multiple=4)  # widths 8 and 4
     assert row.routed_experts.shape == (12, layers, topk)
+    # exact: expert ids (integers) copied into place
     assert torch.equal(row.routed_experts[0:4], a) and torch.equal(row.routed_experts[8:10], b)
     filler = torch.arange(topk, dtype=torch.int16).expand(layers, topk)
     for position in (4, 5, 6, 7, 10, 11):  # a's last token and padding; b's last token, padding
-        assert torch.equal(row.routed_experts[position], filler)
+        assert torch.equal(row.routed_experts[position], filler)  # exact: integers
     with pytest.raises(ValueError, match=r"routed_experts has shape \(5, 3, 2\), expected \(4, layers"):
         pack([Sample(torch.arange(5), 2, {"advantages": torch.ones(3)},
                      routed_experts=torch.zeros(5, layers, topk, dtype=torch.int16))], 16)

@@ -14,7 +14,9 @@ def test_tiny_model_is_deterministic_and_loadable(tiny_model_dir, tiny_model_dir
 
     again = make_tiny_model(tmp_path / "again", seed=0, initializer_range=0.1)
     a, b, c = (load_file(str(p / "model.safetensors")) for p in (tiny_model_dir, tiny_model_dir_b, again))
+    # exact: the same function on the same seed in the same process
     assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
+    # exact: must differ (another seed)
     assert not torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
     assert "lm_head.weight" in a and all(t.dtype == torch.float32 for t in a.values())
     assert (tiny_model_dir / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()

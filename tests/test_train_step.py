@@ -142,9 +142,10 @@ def test_micro_batch_validation():
                    cu_seqlens=cu[:2])
     mb = padded_micro_batch([torch.tensor([5, 6, 7]), torch.tensor([8, 9])],
                             [torch.tensor([0, 1, 1]), torch.tensor([0, 1])])
+    # exact: token ids, offsets and masks: integers and booleans
     assert mb.tokens.tolist() == [5, 6, 7, 8, 9, 0] and mb.cu_seqlens.tolist() == [0, 3, 6]
-    assert mb.targets.tolist() == [6, 7, 0, 9, 0, 0]
-    assert mb.loss_mask.tolist() == [True, True, False, True, False, False]
+    assert mb.targets.tolist() == [6, 7, 0, 9, 0, 0]  # exact: token ids
+    assert mb.loss_mask.tolist() == [True, True, False, True, False, False]  # exact: booleans
 
 
 def test_loss_config_and_micro_batch_checks_for_the_new_options():

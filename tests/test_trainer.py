@@ -160,6 +160,7 @@ def test_checkpoint_and_hf_export(full_run):
     exported = AutoModelForCausalLM.from_pretrained(full_run / "hf")
     initial = load_file(str(full_run / "initial_model" / "model.safetensors"))
     trained = dict(exported.named_parameters())
+    # exact: must differ: training moved these weights
     changed = [n for n, t in initial.items() if not torch.equal(t, trained[n].detach())]
     assert "lm_head.weight" in changed and len(changed) > len(initial) // 2
     from tools.plot_run import main as plot_main

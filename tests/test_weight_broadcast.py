@@ -88,6 +88,7 @@ def test_peer_group_objects_cross_in_pieces(monkeypatch):
         lambda g: (g.broadcast_object(None), g.recv_object(0), g.send_object("back", 0)),
     ])
     assert sent[2] == "back"
+    # exact: a broadcast copy
     assert got[0]["tokens"] == batch["tokens"] and torch.equal(got[0]["t"], batch["t"])
     assert got[1] == {"k": 2}
 
@@ -131,6 +132,7 @@ def test_bucket_broadcast_is_bitwise_for_mixed_dtypes():
     _, got = _pair(dist.HashStore(), "bucket", [lambda g: send_bucket(g, bucket), engine])
     assert [n for n, _ in got] == [n for n, _ in bucket]
     for (_, want), (_, have) in zip(bucket, got):
+        # exact: a broadcast copy
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
 
 
