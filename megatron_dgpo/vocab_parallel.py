@@ -36,7 +36,9 @@ its all-reduces serves two implementations of the last two (``kernel=``):
   per-token vectors, with chunks as large as one likes.
 
 ``"auto"`` (the default) takes the compiled kernels where inductor generates Triton code for the
-logits' device (CUDA, Triton importable: ``compiled_by_default``) and the eager ones elsewhere.
+logits' device (CUDA, Triton importable, both passes built and run once on a tiny chunk:
+``compiled_by_default``; a node where Triton cannot build kernels warns and runs eager) and the
+eager ones elsewhere.
 On CPU the compiled kernels, once compiled, are ~1.5x faster on [1024, 152064] (benchmarks/
 README.md, "Compiled kernels"), but each process pays seconds of C++ compilation per graph and
 needs a C++ compiler, for CPU runs whose log-prob work is milliseconds per step; ask for them
@@ -102,15 +104,47 @@ def default_chunk_size(local_vocab: int, device: torch.device | str = "cpu", *,
 
 def compiled_by_default(device: torch.device | str) -> bool:
     """Whether ``kernel="auto"`` compiles for logits on ``device``: where inductor generates
-    Triton code for it (CUDA with Triton importable and a GPU Triton supports), not merely where
-    CUDA is present. CPU: eager (module docstring)."""
-    if torch.device(device).type != "cuda":
+    Triton code for it (CUDA with Triton importable and a GPU Triton supports) and the fused
+    passes build and run there (``compiled_kernels_work``), not merely where CUDA is present.
+    CPU: eager (module docstring)."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return False
     try:
         from torch.utils._triton import has_triton
     except ImportError:  # a torch without inductor's Triton probe
         return False
-    return has_triton()
+    return has_triton() and _compiled_kernels_work_on(device)
+
+
+def compiled_kernels_work(device: torch.device) -> bool:
+    """Build and run both fused passes once on a [2, 8] chunk of ``device``. A node can import
+    Triton and still fail to build kernels (no C compiler or Python headers for Triton's
+    launcher, a Triton too old for the GPU): then this warns with the reason and ``"auto"``
+    takes the eager kernels, so a run starts either way. The dynamic graphs compiled here are
+    the ones the real chunks use."""
+    try:
+        kernels = _CompiledChunks(8, device, 1.0)
+        chunk = torch.zeros(2, 8, device=device)
+        m, zero = torch.zeros(2, device=device), torch.zeros(2, dtype=torch.long, device=device)
+        hit = torch.ones(2, dtype=torch.bool, device=device)
+        kernels.sums(chunk, m, zero, hit)
+        ones = torch.ones(2, device=device)
+        kernels.grad(torch.empty_like(chunk), chunk, m, -ones / 8, m, ones, None, zero, hit)
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure to build means: run eager
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "vocab_parallel: the compiled log-prob kernels do not build on %s (%s: %s); using "
+            "the eager kernels (same results, ~5x the time on a GPU)", device,
+            type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return False
+
+
+@functools.cache
+def _compiled_kernels_work_on(device: torch.device) -> bool:
+    return compiled_kernels_work(device)
 
 
 class _EagerChunks:

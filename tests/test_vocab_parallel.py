@@ -91,13 +91,26 @@ def test_compiled_kernels_against_float64_reference(tp2):
         (2, "torch.bfloat16", True), (2, "torch.float32", False), (2, "torch.float32", True)])
 
 
-def test_kernel_choice(monkeypatch):
+def test_kernel_choice(monkeypatch, caplog):
     """"auto" compiles only where inductor makes Triton code for the logits' device: CUDA with
-    Triton usable, never CPU; an unknown kernel name is refused."""
+    Triton usable and the fused passes building there (else eager, with the reason logged),
+    never CPU; an unknown kernel name is refused."""
     import torch.utils._triton
 
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    monkeypatch.setattr(vocab_parallel, "_compiled_kernels_work_on", lambda device: True)
     assert vocab_parallel.compiled_by_default("cuda")
+    # Triton imports but its kernels do not build here: eager, with the reason in a warning
+
+    def no_c_compiler(fn):
+        def build(*args):
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+        return build
+
+    monkeypatch.setattr(vocab_parallel, "_compile", no_c_compiler)
+    with caplog.at_level("WARNING", logger="megatron_dgpo.vocab_parallel"):
+        assert not vocab_parallel.compiled_kernels_work(torch.device("cpu"))
+    assert "do not build on cpu (RuntimeError: Failed to find C compiler" in caplog.text
     assert not vocab_parallel.compiled_by_default("cpu")
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
     assert not vocab_parallel.compiled_by_default(torch.device("cuda", 0))
