@@ -564,12 +564,9 @@ def check_seeded_sampling_v152064() -> Row:
     """vLLM's sampling draw for 1024 requests x vocabulary 152064 (benchmarks/bench_sampling.py):
     Model Runner V2's counter-based draw with every request seeded against V1's batched
     unseeded draw (goal: within 1.5x), and V1's per-request seeded draw beside them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        import bench_sampling
-    finally:
-        sys.path.pop(0)
-    ms = {name: 1e3 * s for name, s in bench_sampling.measure(1024, V_QWEN2, 5, "cuda").items()}
+    from benchmarks.bench_sampling import measure
+
+    ms = {name: 1e3 * s for name, s in measure(1024, V_QWEN2, 5, "cuda").items()}
     base = ms["v1 batched, unseeded"]
     ratio = ms["v2 gumbel, seeded"] / base
     return Row("seeded_sampling_v152064", ratio <= 1.5,

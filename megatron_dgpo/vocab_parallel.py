@@ -48,12 +48,15 @@ with ``kernel="compiled"``.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dgpo import comm
+
+log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "eager", "compiled")
 
@@ -133,9 +136,7 @@ def compiled_kernels_work(device: torch.device) -> bool:
         kernels.grad(torch.empty_like(chunk), chunk, m, -ones / 8, m, ones, None, zero, hit)
         return True
     except Exception as error:  # noqa: BLE001 - any failure to build means: run eager
-        import logging
-
-        logging.getLogger(__name__).warning(
+        log.warning(
             "vocab_parallel: the compiled log-prob kernels do not build on %s (%s: %s); using "
             "the eager kernels (same results, ~5x the time on a GPU)", device,
             type(error).__name__, str(error).splitlines()[0] if str(error) else "")

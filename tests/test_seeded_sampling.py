@@ -117,12 +117,9 @@ def test_which_draw_each_platform_and_runner_uses():
 def test_the_sampling_benchmark_runs_on_cpu():
     """benchmarks/bench_sampling.py (gpu_check's ``seeded_sampling_v152064`` on a GPU) at a
     small size: vLLM's CPU draws, seeded and not, are all measured."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_sampling
-    finally:
-        sys.path.pop(0)
-    seconds = bench_sampling.measure(rows=8, vocab=1000, repeats=1, device="cpu")
+    from benchmarks.bench_sampling import measure
+
+    seconds = measure(rows=8, vocab=1000, repeats=1, device="cpu")
     assert set(seconds) == {"v1 batched, unseeded", "v1 seeded", "v1 cpu sampler, unseeded",
                             "v1 cpu sampler, seeded"}
     assert all(s > 0 for s in seconds.values())

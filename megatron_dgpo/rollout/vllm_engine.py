@@ -221,9 +221,6 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
     return kwargs
 
 
-SEEDED_DRAWS = ("counter-based", "host row seeds", "per request")
-
-
 def seeded_draw(*, cpu: bool, v2_model_runner: bool) -> str:
     """How an engine draws the sampling noise of seeded requests (every request of this project
     is seeded: ``placement.prompt_seeds``), from the platform and vLLM's model runner:
