@@ -40,10 +40,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_dgpo.data import builtin_prompts, render_prompts
     from megatron_dgpo.rollout.hf_engine import HFEngine
     from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
-    from megatron_dgpo.tiny import make_tiny_model
+    from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
+    from megatron_dgpo.tasks.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,7 +40,7 @@ from benchmarks.bench_logprob import _hwm_kib, _reset_hwm, _rss_kib  # noqa: E40
 
 
 def _micro_batch(tokens: int, vocab: int):
-    from megatron_dgpo.packing import MicroBatch
+    from megatron_dgpo.algorithm.packing import MicroBatch
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (tokens,), generator=gen)
@@ -54,8 +54,8 @@ def _micro_batch(tokens: int, vocab: int):
 def _peak_copies(models, mb, shard_bytes: int, fp32_output: bool | None) -> float:
     """Peak extra memory of one ``train_step`` in logits shards. ``fp32_output`` True replaces
     the kwargs ``train_step`` gives a Float16Module (``fp32_output=False``) with its default."""
-    import megatron_dgpo.train_step as ts
-    from megatron_dgpo.train_step import LossConfig, train_step
+    import megatron_dgpo.training.train_step as ts
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     original = ts._forward_kwargs
     if fp32_output:
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron_dgpo.model import build_model, padded_vocab_of
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.policy import wrap_policy
+    from megatron_dgpo.models.builder import build_model, padded_vocab_of
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.training.policy import wrap_policy
 
     initialize_parallel(ParallelConfig())
     hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=args.vocab,

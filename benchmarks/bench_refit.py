@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Weight refit of the vLLM engine: one safetensors blob (the method before issue 12) vs buckets.
 
-One run, one random Qwen2 of a few hundred MB (fp32, built with ``megatron_dgpo.tiny``), its
+One run, one random Qwen2 of a few hundred MB (fp32, built with ``megatron_dgpo.tasks.tiny``), its
 weights resident in this process as the trainer's would be. Each method refits the engine from
 the same in-memory (name, tensor) stream, ``--repeats`` times; reported: median seconds, bucket
 count, largest payload, and the peak resident memory above the level before the refit (RSS of
@@ -141,10 +141,10 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from megatron_dgpo.data import builtin_prompts, render_prompts
-    from megatron_dgpo.parallel import init_distributed
     from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
-    from megatron_dgpo.tiny import make_tiny_model
+    from megatron_dgpo.runtime.parallel import init_distributed
+    from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
+    from megatron_dgpo.tasks.tiny import make_tiny_model
     from tests.distributed import free_port
 
     rows = []

@@ -13,12 +13,12 @@ megatron-core installed the checks marked "needs nothing" still run, the trainer
 Exit status 1 if a check failed, else 0. Without CUDA it prints one line saying it skipped and
 exits 0 (the CPU test suite runs it that way), unless this is a GPU node whose CUDA does not
 start (NVIDIA device files, ``torch.cuda.is_available()`` False: the wrong driver for torch's
-CUDA, a CPU torch): then it fails with torch's reason (``gpu_config.require_usable_cuda``).
+CUDA, a CPU torch): then it fails with torch's reason (``gpu_flags.require_usable_cuda``).
 
 Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun runs at the end):
 
 * ``fp32_thd_refused`` (needs TE): the trainer refuses model.dtype float32 with TE at start
-  (``gpu_config.require_gpu_stack``) instead of failing at the first forward.
+  (``gpu_flags.require_gpu_stack``) instead of failing at the first forward.
 * ``te_thd_bf16`` (needs TE): the Transformer-Engine layer spec with a packed row as THD
   ``PackedSeqParams`` (fused RoPE where TE has it) against Megatron's local spec with a
   block-diagonal causal mask, same weights, same packed row: log-probs and parameter gradients
@@ -38,7 +38,7 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
   are timed apart.
 * ``distopt_checkpoint`` (needs nothing: TE's layer spec where TE imports, the local spec
   otherwise): the trainer's bf16 policy (``policy.wrap_policy``: Float16Module, Megatron DDP
-  with ``gpu_config.ddp_flags``: overlapped grad reduce and param gather) and the distributed
+  with ``gpu_flags.ddp_flags``: overlapped grad reduce and param gather) and the distributed
   optimizer; one ``train_step`` update, an async dist-checkpoint save in each sharding type
   (``checkpoint.optimizer_sharding``; ``checkpoint.AsyncSaver``, Megatron's real queue, its
   writer started before the save), then the next update from the live model and from a fresh
@@ -169,7 +169,7 @@ def _logits(model, tokens, cu_seqlens, *, thd: bool, **kwargs):
 
 
 def _weighted_logprob_loss(logits, targets, weights, vocab_size):
-    from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+    from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
 
     logp, _ = logprobs_and_entropy(logits, targets[None].cuda(), vocab_size=vocab_size)
     return (logp * weights[None].cuda()).sum(), logp.detach()
@@ -205,7 +205,7 @@ def _peak_extra(fn) -> tuple[int, object]:
 
 
 def _gpu_platform():
-    from megatron_dgpo.gpu_config import Platform
+    from megatron_dgpo.runtime.gpu_flags import Platform
 
     return Platform.detect()
 
@@ -213,10 +213,10 @@ def _gpu_platform():
 def _policy(hf_config, *, seed: int, recompute: bool = False,
             use_distributed_optimizer: bool = True):
     """The trainer's bf16 policy of random weights: ``build_model`` (this machine's spec and
-    ``gpu_config`` flags) wrapped by ``policy.wrap_policy`` (Float16Module, DDP flags)."""
-    from megatron_dgpo.model import build_model
-    from megatron_dgpo.policy import model_overrides, wrap_policy
+    ``gpu_flags`` flags) wrapped by ``policy.wrap_policy`` (Float16Module, DDP flags)."""
+    from megatron_dgpo.models.builder import build_model
     from megatron_dgpo.recipe import ModelConfig
+    from megatron_dgpo.training.policy import model_overrides, wrap_policy
 
     overrides = model_overrides(ModelConfig(dtype="bfloat16", recompute_activations=recompute))
     chunks = build_model(hf_config, dtype=torch.bfloat16, seed=seed, **overrides)
@@ -225,13 +225,13 @@ def _policy(hf_config, *, seed: int, recompute: bool = False,
 
 def _micro_batch(lengths, vocab: int, seed: int, models=None):
     """One packed ``MicroBatch`` of random samples of ``lengths`` (a quarter prompt, the rest
-    response; advantages +-1), padded to ``gpu_config.pad_multiple``; with ``models`` its
+    response; advantages +-1), padded to ``gpu_flags.pad_multiple``; with ``models`` its
     ``old_logprobs`` are the policy's own (as the trainer's forward pass sets them)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.gpu_config import pad_multiple
-    from megatron_dgpo.packing import Sample, pack
-    from megatron_dgpo.train_step import forward_logprobs
+    from megatron_dgpo.algorithm.packing import Sample, pack
+    from megatron_dgpo.runtime.gpu_flags import pad_multiple
+    from megatron_dgpo.training.train_step import forward_logprobs
 
     gen = torch.Generator().manual_seed(seed)
     samples = []
@@ -251,8 +251,8 @@ def _micro_batch(lengths, vocab: int, seed: int, models=None):
 def _update(models, optimizer, row) -> float:
     """One optimizer update on ``row`` through the trainer's ``train_step`` (THD with TE, bf16
     logits, overlapped reduction) and ``step_if_finite``. Returns the loss."""
-    from megatron_dgpo.optimizer import step_if_finite
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.training.optimizer import step_if_finite
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     result = train_step(models, [row], LossConfig())
     stepped, _ = step_if_finite(optimizer, models, result.loss)
@@ -262,8 +262,8 @@ def _update(models, optimizer, row) -> float:
 
 
 def _params(models) -> dict:
-    from megatron_dgpo.model import unwrap_model
-    from megatron_dgpo.optimizer import sync_params
+    from megatron_dgpo.models.builder import unwrap_model
+    from megatron_dgpo.training.optimizer import sync_params
 
     sync_params(models)
     return {n: p.detach().clone() for n, p in unwrap_model(models[0]).named_parameters()}
@@ -274,8 +274,8 @@ def _params(models) -> dict:
 
 def _reference_weights() -> dict:
     """SMALL_QWEN2's weights (local spec names, fp32): what every agreement run loads."""
-    from megatron_dgpo.gpu_config import Platform
-    from megatron_dgpo.model import build_model
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.runtime.gpu_flags import Platform
 
     model = build_model(SMALL_QWEN2, seed=3, platform=Platform(cuda=True))[0]
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -285,8 +285,8 @@ def _spec_run(spec: str, dtype: torch.dtype, weights: dict):
     """(log-probs [1, S] fp32, {local name: grad fp32}) of sum_t w_t log p_t on the packed row:
     ``spec="te"``: TE layer spec + THD (this machine's flags: fused RoPE); ``"local"``: the local
     spec + block-diagonal mask. Same weights (cast to ``dtype``)."""
-    from megatron_dgpo.gpu_config import Platform
-    from megatron_dgpo.model import build_model
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.runtime.gpu_flags import Platform
 
     platform = _gpu_platform() if spec == "te" else Platform(cuda=True)
     if spec == "te" and not platform.transformer_engine:
@@ -314,7 +314,7 @@ def _agreement(a, b) -> tuple[float, float, float]:
 
 
 def check_fp32_thd_refused() -> Row:
-    from megatron_dgpo.gpu_config import require_gpu_stack
+    from megatron_dgpo.runtime.gpu_flags import require_gpu_stack
 
     goal = "float32 + TE refused at start, naming model.dtype"
     try:
@@ -355,7 +355,7 @@ def _fp32_logprob_reference(logits, targets, weights, entropy: bool):
 def check_logprobs_v152064() -> Row:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_dgpo.vocab_parallel import compiled_by_default, logprobs_and_entropy
+    from megatron_dgpo.algorithm.vocab_parallel import compiled_by_default, logprobs_and_entropy
 
     goal = ("compiled kernels, entropy gradient off and on: time <= 8x one read of the logits, "
             "extra memory (gradient included) <= 1.2x the logits; vs float32: |d logp| <= 1e-3, "
@@ -432,11 +432,11 @@ def check_logprobs_v152064() -> Row:
 
 
 def check_distopt_checkpoint() -> Row:
-    from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
-                                          load_checkpoint, save_checkpoint)
-    from megatron_dgpo.model import padded_vocab_of
-    from megatron_dgpo.optimizer import build_optimizer
+    from megatron_dgpo.models.builder import padded_vocab_of
     from megatron_dgpo.recipe import OptimizerConfig
+    from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
+                                                   load_checkpoint, save_checkpoint)
+    from megatron_dgpo.training.optimizer import build_optimizer
 
     goal = "next update bitwise equal after save/load"
     config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
@@ -489,7 +489,7 @@ def _colocated_engine(hf_dir: str):
 
 def _rollout_row(groups, prompts):
     """The samples of ``groups`` as one packed ``MicroBatch`` with their rollout log-probs."""
-    from megatron_dgpo.packing import Sample, pack
+    from megatron_dgpo.algorithm.packing import Sample, pack
 
     samples = []
     for group in groups:
@@ -504,12 +504,12 @@ def _rollout_row(groups, prompts):
 
 
 def check_vllm_colocated() -> Row:
-    from megatron_dgpo.optimizer import build_optimizer
-    from megatron_dgpo.policy import build_policy
     from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
     from megatron_dgpo.rollout.mismatch import mismatch_metrics
-    from megatron_dgpo.tiny import make_tiny_model
-    from megatron_dgpo.train_step import forward_logprobs
+    from megatron_dgpo.tasks.tiny import make_tiny_model
+    from megatron_dgpo.training.optimizer import build_optimizer
+    from megatron_dgpo.training.policy import build_policy
+    from megatron_dgpo.training.train_step import forward_logprobs
 
     goal = "mismatch after sleep/train/refit <= 3x before (bf16)"
     with tempfile.TemporaryDirectory() as tmp:
@@ -542,7 +542,7 @@ def check_vllm_colocated() -> Row:
                 _update(models, optimizer, row)
                 begin = time.perf_counter()
                 from megatron_dgpo.convert import export_hf_weights
-                from megatron_dgpo.optimizer import sync_params
+                from megatron_dgpo.training.optimizer import sync_params
 
                 sync_params(models)
                 engine.update_weights(export_hf_weights(models, consumer="first"))
@@ -604,7 +604,7 @@ def _model_flops(cfg: dict, lengths) -> float:
 def _train_step_seconds(hf_config, lengths, recompute: bool) -> tuple[float, float]:
     """(best seconds of one ``train_step`` forward + backward of a fresh random bf16 policy on
     one packed row of ``lengths``, peak GiB allocated)."""
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     models = _policy(hf_config, seed=0, recompute=recompute, use_distributed_optimizer=False)
     row = _micro_batch(lengths, hf_config["vocab_size"], seed=0, models=models)
@@ -750,7 +750,7 @@ def _stop_after_first_step(cmd: list[str], run: Path, log: Path) -> tuple[int, f
 
 
 def check_tiny_gpu_stop_resume() -> Row:
-    from megatron_dgpo.interrupt import EXIT_STOPPED
+    from megatron_dgpo.runtime.interrupt import EXIT_STOPPED
 
     overrides = tiny_gpu_overrides(available_components())
     goal = (f"SIGTERM after the first metrics line: exit {EXIT_STOPPED}, the step in flight "
@@ -816,14 +816,14 @@ COMPONENTS = ("TE", "vLLM", "apex")
 
 def available_components() -> dict:
     """What this machine offers the checks: ``TE`` (``transformer_engine.pytorch`` imports:
-    a TE built for another torch counts as absent, as ``gpu_config.Platform.detect`` has it),
+    a TE built for another torch counts as absent, as ``gpu_flags.Platform.detect`` has it),
     ``vLLM`` (installed: found, not imported, so that vLLM enters this process only in the
     last in-process check; an installed but broken vLLM fails its checks instead), ``apex``
     (its ``fused_weight_gradient_mlp_cuda`` and ``fused_layer_norm_cuda`` extensions import),
     ``GPUs`` (``torch.cuda.device_count()``)."""
     import importlib.util
 
-    from megatron_dgpo.gpu_config import _import_error
+    from megatron_dgpo.runtime.gpu_flags import _import_error
 
     return {"TE": _import_error("transformer_engine.pytorch") is None,
             "vLLM": importlib.util.find_spec("vllm") is not None,
@@ -901,7 +901,7 @@ def _table(rows: list[Row]) -> str:
 def run_checks(names=None, available: dict | None = None) -> list[Row]:
     """Every check (or those in ``names``) in this process; failures become rows, a check
     whose needs ``available`` lacks a "not run" row."""
-    from megatron_dgpo.parallel import ParallelConfig, init_distributed, initialize_parallel
+    from megatron_dgpo.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel
     from megatron_dgpo.train import _single_process_world
 
     available = available_components() if available is None else available
@@ -927,10 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=[name for name, _ in CHECKS],
                         help="run only these checks")
     args = parser.parse_args(argv)
-    from megatron_dgpo import gpu_config
+    from megatron_dgpo.runtime import gpu_flags
 
     try:  # a GPU node whose CUDA does not start is a failed check, not a CPU machine
-        gpu_config.require_usable_cuda()
+        gpu_flags.require_usable_cuda()
     except RuntimeError as error:
         print(f"gpu_check: FAIL: {error}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@
 What it runs (each stage skipped when its output already exists, so an interrupted study
 continues where it stopped; a cell already in ``results.csv`` is not run again):
 
-1. the column-addition task (``megatron_dgpo.arithmetic``): supervised pairs, RL prompts,
+1. the column-addition task (``megatron_dgpo.tasks.arithmetic``): supervised pairs, RL prompts,
    held-out problems and a random tiny Qwen2 (``<out>/task``);
 2. the supervised warm start (``megatron_dgpo.sft``, ``recipes/sft_arithmetic.yaml``,
    ``<out>/sft/hf``), evaluated on the held-out problems, as is the random initial model;
@@ -41,7 +41,7 @@ from threading import Lock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_dgpo.losses import METHODS  # noqa: E402
+from megatron_dgpo.algorithm.losses import METHODS  # noqa: E402
 from megatron_dgpo.telemetry import read_metrics  # noqa: E402
 
 SFT_RECIPE = ROOT / "recipes" / "sft_arithmetic.yaml"
@@ -129,7 +129,7 @@ def warm_start(out: Path, sft_steps: int, args, seed: int = 0) -> Path:
     """The task and the supervised warm start of ``sft.seed=seed`` (once each); returns the
     warm-started HF folder. Warm starts differ in the SFT data order (the seed); the task and
     the random initial policy are shared."""
-    from megatron_dgpo.arithmetic import make_task
+    from megatron_dgpo.tasks.arithmetic import make_task
 
     task = make_task(out / "task")
     sft_dir = out / warm_start_name(seed)

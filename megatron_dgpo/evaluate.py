@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from megatron_dgpo.data import PromptRecord, benchmark_files, find_benchmarks_dir, render_prompts, resolve_benchmarks
-from megatron_dgpo.rewards import RewardPool
-from megatron_dgpo.rollout.evaluation import (BenchmarkResult, grade_problems, ks_up_to, pass_at_k,  # noqa: F401
-                                              problem_seeds, score_benchmark)
+from megatron_dgpo.rollout.evaluation import (BenchmarkResult, grade_problems,  # noqa: F401
+                                              ks_up_to, pass_at_k, problem_seeds, score_benchmark)
+from megatron_dgpo.tasks.prompts import (PromptRecord, benchmark_files, find_benchmarks_dir,
+                                         render_prompts, resolve_benchmarks)
+from megatron_dgpo.tasks.rewards import RewardPool
 
 
 def evaluate(

@@ -1,9 +1,175 @@
-"""``python -m megatron_dgpo.plan``: the ``dgpo-plan`` command line at the path users type; the
-planner itself is ``megatron_dgpo.planner`` (``megatron_dgpo/planner/cli.py``)."""
+"""``dgpo-plan``: which TP x PP x DP (x EP for MoE) layout fits a recipe's model on a cluster,
+and how long a step takes with generation colocated or on dedicated engines.
 
+    dgpo-plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 1 \\
+        --gpu-memory-gb 80 [key=value overrides] [--json]
+
+(``python -m megatron_dgpo.plan`` is the same). For every layout the trainer can run (TP within
+a node, TP | heads, KV groups and FFN width, PP | layers, DP = world / (TP PP); for an MoE model
+EP | experts and EP x expert TP | the ranks of a stage; no context parallelism, which the
+trainer does not have) it estimates the peak memory of one GPU, term by term
+(``megatron_dgpo.planner.peak``), prints them all in a table, marks which fit and picks one,
+saying why (``megatron_dgpo.planner.search``). With ``rollout.placement: dedicated`` the
+trainer is planned on the GPUs left after ``rollout.num_gpus`` and the engines' own GPU is
+estimated beside it. For vLLM rollout it then estimates a step's time
+(``megatron_dgpo.planner.steptime``) colocated, on dedicated engines and one-step-off, and the
+engines' share of the GPUs that balances one-step-off. The formulas and their checks are in
+``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB" A100/H100 has ~80 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
 import sys
+from dataclasses import replace
 
-from megatron_dgpo.planner.cli import main
+from megatron_dgpo.planner.catalogue import architecture_for
+from megatron_dgpo.planner.inputs import GIB, Cluster, Workload
+from megatron_dgpo.planner.peak import dedicated_engines, dedicated_split_problem
+from megatron_dgpo.planner.report import explain, explain_step_time, format_table
+from megatron_dgpo.planner.search import balanced_rollout_gpus, estimate_step_times, make_plan
+from megatron_dgpo.planner.steptime import HARDWARE, StepShape
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def _positive_int(flag):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
+        return value
+    return parse
+
+
+def _float_in(flag, low, high, what):
+    """argparse type: a float with low <= value < high (``what`` says so in the error)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dgpo-plan",
+        description="Per-GPU memory of every TP x PP x DP layout of a recipe on a "
+                    "cluster, and the layout to use (formulas: docs/planner.md).")
+    ap.add_argument("recipe", help="recipe YAML (as for dgpo-train)")
+    ap.add_argument("overrides", nargs="*", help="key=value recipe overrides")
+    ap.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), required=True)
+    ap.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
+    ap.add_argument("--gpu-memory-gb", required=True,
+                    type=_float_in("--gpu-memory-gb", 1e-9, math.inf, "a positive number"),
+                    help="memory of one GPU in GiB (80 for an A100/H100 80GB)")
+    ap.add_argument("--headroom", type=_float_in("--headroom", 0.0, 1.0, "in [0, 1)"), default=0.1,
+                    help="fraction of GPU memory to keep free in the preferred layout")
+    ap.add_argument("--overhead-gb", type=_float_in("--overhead-gb", 0.0, math.inf, ">= 0"),
+                    default=1.0,
+                    help="per-GPU allowance for the CUDA context and the cuBLAS/TE workspaces "
+                         "(GiB)")
+    ap.add_argument("--cuda-graph-gb", type=_float_in("--cuda-graph-gb", 0.0, math.inf, ">= 0"),
+                    default=1.0, help="a vLLM engine's CUDA-graph pool per GPU (GiB), kept "
+                                      "while it sleeps")
+    ap.add_argument("--nccl-channels", type=_positive_int("--nccl-channels"), default=32,
+                    help="NCCL channels per communicator (32: NVLink)")
+    ap.add_argument("--allocator-slack", default=0.1,
+                    type=_float_in("--allocator-slack", 0.0, 1.0, "in [0, 1)"),
+                    help="the caching allocator's share on top of activations + logits")
+    ap.add_argument("--expert-parallel", type=_positive_int("--expert-parallel"),
+                    help="MoE: plan only this expert-parallel size (default: search the sizes "
+                         "that divide the experts and the GPUs per pipeline stage)")
+    ap.add_argument("--expert-tensor-parallel", type=_positive_int("--expert-tensor-parallel"),
+                    help="MoE: plan only this expert tensor-parallel size (default: search 1 "
+                         "and the layout's TP)")
+    ap.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
+                    help="GPU type of the step-time estimate (default a100, the paper's)")
+    ap.add_argument("--mean-prompt-tokens", default=200.0,
+                    type=_float_in("--mean-prompt-tokens", 1.0, math.inf, ">= 1"),
+                    help="step time: the mean prompt in tokens (default 200, at most "
+                         "rollout.max_prompt_tokens)")
+    ap.add_argument("--mean-response-fraction", default=0.5,
+                    type=_float_in("--mean-response-fraction", 1e-9, 1.0 + 1e-9, "in (0, 1]"),
+                    help="step time: the mean response as a fraction of "
+                         "rollout.max_response_tokens (default 0.5)")
+    ap.add_argument("--explain", action="store_true",
+                    help="after the table, every term of the pick with its formula")
+    ap.add_argument("--hf-config", help="config.json (or its folder) giving the architecture, "
+                                        "instead of model.path")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not, 2 on
+    bad input."""
+    from megatron_dgpo.recipe import load_recipe
+    from megatron_dgpo.runtime.config import ConfigError
+
+    ap = _parser()
+    args = ap.parse_intermixed_args(argv)
+    try:
+        run = load_recipe(args.recipe, args.overrides)
+        model = architecture_for(run, args.hf_config)
+    except (ConfigError, ValueError) as exc:
+        print(f"dgpo-plan: error: {exc}", file=sys.stderr)
+        return 2
+    work = replace(Workload.from_recipe(run), overhead_bytes=int(args.overhead_gb * GIB),
+                   cuda_graph_bytes=int(args.cuda_graph_gb * GIB),
+                   nccl_channels=args.nccl_channels, allocator_slack=args.allocator_slack)
+    # rollout.num_gpus is 0 unless placement is dedicated (the recipe's own validation)
+    cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb,
+                      rollout_gpus=run.rollout.num_gpus)
+    if cluster.rollout_gpus >= cluster.gpus:
+        print(f"dgpo-plan: error: rollout.num_gpus={cluster.rollout_gpus} leaves no GPU for the "
+              f"trainer on {cluster.nodes} x {cluster.gpus_per_node} GPUs", file=sys.stderr)
+        return 2
+    if (work.colocated_rollout or cluster.rollout_gpus) and (work.rollout_tp or 1) > cluster.gpus_per_node:
+        print(f"dgpo-plan: error: rollout.tensor_parallel_size={work.rollout_tp} exceeds "
+              f"--gpus-per-node {cluster.gpus_per_node}", file=sys.stderr)
+        return 2
+    if not model.description.dims.moe and (args.expert_parallel or args.expert_tensor_parallel):
+        print(f"dgpo-plan: error: --expert-parallel / --expert-tensor-parallel need an MoE "
+              f"model; {model.name} is dense", file=sys.stderr)
+        return 2
+    plan = make_plan(model, cluster, work, headroom=args.headroom,
+                     recipe_tp=run.parallel.tensor_parallel,
+                     recipe_pp=run.parallel.pipeline_parallel,
+                     recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
+                     expert_parallel=args.expert_parallel,
+                     expert_tensor_parallel=args.expert_tensor_parallel)
+    if run.rollout.engine == "vllm" and plan.pick is not None:
+        shape = StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
+                                      mean_response_fraction=args.mean_response_fraction)
+        hw = HARDWARE[args.hardware]
+        plan.step_times = estimate_step_times(plan, shape, hw)
+        plan.balanced = balanced_rollout_gpus(plan, shape, hw, headroom=args.headroom)
+        plan.step_time_basis = (f"{hw.name}, mean prompt {shape.mean_prompt_tokens:.0f} + "
+                                f"response {shape.mean_response_tokens:.0f} of at most "
+                                f"{shape.max_response_tokens} tokens")
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(format_table(plan, args.headroom))
+        own_mp = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+        own_dp = cluster.world // own_mp
+        if cluster.world % own_mp == 0 and dedicated_split_problem(cluster, work, own_dp):
+            print(f"the recipe's own layout TP{run.parallel.tensor_parallel} "
+                  f"PP{run.parallel.pipeline_parallel} has {own_dp} DP replicas, which cannot "
+                  f"share {dedicated_engines(cluster, work)} dedicated engines evenly: the "
+                  f"trainer would refuse it")
+        if args.explain and plan.pick is not None:
+            print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
+            if plan.step_times:
+                print("\nstep-time terms (docs/planner.md#step-time):\n"
+                      + explain_step_time(plan.step_times))
+    return 0 if plan.fits else 1
+

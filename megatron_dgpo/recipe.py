@@ -7,7 +7,7 @@ passes the whole tree down), and it lives with that component, so that no compon
 run's schema: ``model`` (``policy.ModelConfig``) to model loading, ``parallel``
 (``parallel.ParallelConfig``) to Megatron's parallel state, ``rollout``
 (``rollout.config.RolloutConfig``) to the rollout engines, ``optimizer``
-(``optimizer.OptimizerConfig``) to Megatron's optimizer, ``data`` (``data.DataConfig``) to the
+(``optimizer.OptimizerConfig``) to Megatron's optimizer, ``data`` (``prompts.DataConfig``) to the
 prompt source, ``checkpoint`` (``checkpoint.CheckpointConfig``) to save/resume, ``logging``
 (``telemetry.LoggingConfig``) to telemetry, ``eval`` (``rollout.evaluation.EvalConfig``) to the
 evaluation on held-out problems during training. The loop's own sections are declared here,
@@ -28,17 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megatron_dgpo.checkpoint import CheckpointConfig
-from megatron_dgpo.config import load_config, require_choice
-from megatron_dgpo.data import DataConfig
-from megatron_dgpo.losses import (AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS, LossHyperparams,
-                                  check_method)
-from megatron_dgpo.optimizer import OptimizerConfig
-from megatron_dgpo.parallel import ParallelConfig
-from megatron_dgpo.policy import ModelConfig
+from megatron_dgpo.algorithm.losses import (AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS,
+                                            LossHyperparams, check_method)
 from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.evaluation import EvalConfig
+from megatron_dgpo.runtime.config import load_config, require_choice
+from megatron_dgpo.runtime.parallel import ParallelConfig
+from megatron_dgpo.tasks.prompts import DataConfig
 from megatron_dgpo.telemetry import LoggingConfig
+from megatron_dgpo.training.checkpoint import CheckpointConfig
+from megatron_dgpo.training.optimizer import OptimizerConfig
+from megatron_dgpo.training.policy import ModelConfig
 
 
 @dataclass
@@ -46,11 +46,11 @@ class AlgorithmConfig:
     """The policy-gradient method and its advantage estimator."""
 
     method: str = "dgpo"
-    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.losses.METHODS``)."""
+    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.algorithm.losses.METHODS``)."""
     loss: LossHyperparams = field(default_factory=LossHyperparams)
     """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO;
     GRPO's optional ``dual_clip``, which the other methods refuse). How they and the log-ratio
-    clamp differ from the paper's official code: ``megatron_dgpo.losses``' docstring, README."""
+    clamp differ from the paper's official code: ``megatron_dgpo.algorithm.losses``' docstring, README."""
     advantage_eps: float = 1e-6
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
     advantage_unbiased_std: bool = True
@@ -139,7 +139,7 @@ class TrainConfig:
     """Tokens per chunk in the vocab-parallel log-prob kernel (None: automatic)."""
     offload_training_state: bool = False
     """Move the gradient buffers and the optimizer state (Adam moments, fp32 main weights) off
-    the GPU after each step's updates and back before the next step's (``megatron_dgpo.offload``),
+    the GPU after each step's updates and back before the next step's (``megatron_dgpo.training.offload``),
     so the colocated vLLM engine refits and generates without them beside it (NeMo-RL's offload
     before refit). Costs host memory (~16 bytes per parameter of a rank's shard, pinned) and
     two host copies of them per step. The state also leaves before the engines start, so vLLM
@@ -217,7 +217,7 @@ def save_recipe(cfg: RunConfig, run_dir: str | Path) -> None:
     """Write the resolved recipe (defaults and overrides applied) to ``<run_dir>/config.yaml``."""
     import yaml
 
-    from megatron_dgpo.config import to_dict
+    from megatron_dgpo.runtime.config import to_dict
 
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

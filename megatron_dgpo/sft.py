@@ -10,13 +10,13 @@ Megatron's optimizer, distributed checkpoints with ``--resume``, metrics.jsonl, 
 export through the converter. The loss is the token-mean negative log-likelihood of the response
 tokens, the end-of-turn token included (so the policy learns to stop), normalised over the whole
 batch exactly like the RL loss (``train_step.sft_step``). Step s trains on samples
-``(s-1)*B .. s*B-1`` of an endless per-epoch shuffled order (``data.prompt_order``), each
+``(s-1)*B .. s*B-1`` of an endless per-epoch shuffled order (``prompts.prompt_order``), each
 data-parallel replica taking every DP-th sample, so a run (and a resumed run) is a function of
 its recipe.
 
 The data: a .jsonl/.json/.parquet file whose rows hold the prompt (a string or chat messages,
 rendered with the tokenizer's chat template, as in the rollout) and the response text
-(``sft.prompt_field`` / ``sft.response_field``); ``megatron_dgpo.arithmetic`` writes one.
+(``sft.prompt_field`` / ``sft.response_field``); ``megatron_dgpo.tasks.arithmetic`` writes one.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
-from megatron_dgpo.checkpoint import CheckpointConfig  # noqa: E402
-from megatron_dgpo.config import load_config  # noqa: E402
-from megatron_dgpo.optimizer import OptimizerConfig  # noqa: E402
-from megatron_dgpo.parallel import ParallelConfig  # noqa: E402
-from megatron_dgpo.policy import ModelConfig  # noqa: E402
+from megatron_dgpo.runtime.config import load_config  # noqa: E402
+from megatron_dgpo.runtime.parallel import ParallelConfig  # noqa: E402
 from megatron_dgpo.telemetry import LoggingConfig  # noqa: E402
+from megatron_dgpo.training.checkpoint import CheckpointConfig  # noqa: E402
+from megatron_dgpo.training.optimizer import OptimizerConfig  # noqa: E402
+from megatron_dgpo.training.policy import ModelConfig  # noqa: E402
 from megatron_dgpo.training_run import TrainingRun  # noqa: E402
 
 
@@ -94,8 +94,8 @@ def tokenize_pairs(config: SFTConfig, tokenizer) -> list:
     naming its row (it could never be trained on)."""
     import torch
 
-    from megatron_dgpo.data import load_sft_pairs, render_prompt
-    from megatron_dgpo.packing import Sample
+    from megatron_dgpo.algorithm.packing import Sample
+    from megatron_dgpo.tasks.prompts import load_sft_pairs, render_prompt
 
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end a response with")
@@ -131,11 +131,11 @@ def train_sft(cfg: SFTRunConfig) -> int:
 def _sft_step(cfg: SFTRunConfig, run: TrainingRun, samples: list, step: int) -> dict[str, float]:
     """Step ``step``: samples ``(step-1)*B .. step*B-1`` of the shuffled order, every DP-th to
     this replica, packed, one optimizer update. Collective."""
-    from megatron_dgpo.data import prompt_order
-    from megatron_dgpo.gpu_config import pad_multiple
-    from megatron_dgpo.optimizer import step_if_finite
-    from megatron_dgpo.packing import pack
-    from megatron_dgpo.train_step import sft_step
+    from megatron_dgpo.algorithm.packing import pack
+    from megatron_dgpo.runtime.gpu_flags import pad_multiple
+    from megatron_dgpo.tasks.prompts import prompt_order
+    from megatron_dgpo.training.optimizer import step_if_finite
+    from megatron_dgpo.training.train_step import sft_step
 
     begin, config = time.perf_counter(), cfg.sft
     order = prompt_order(len(samples), config.seed, (step - 1) * config.batch_samples,

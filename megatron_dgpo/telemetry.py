@@ -124,7 +124,7 @@ def update_metrics(merged: dict, grad_norms: list[float], skipped: int, lr: floa
     F statistics over all of them (the paper's Fig. 4 analysis; ``merged`` is
     ``losses.merge_metrics`` of the updates' ``StepResult.metrics``), entropy, loss, grad
     norms (mean and max of the finite ones), skipped updates and the learning rate."""
-    from megatron_dgpo.losses import summarize_metrics
+    from megatron_dgpo.algorithm.losses import summarize_metrics
 
     out = {f"train/{k}": v for k, v in summarize_metrics(merged).items()}
     finite = [g for g in grad_norms if math.isfinite(g)]

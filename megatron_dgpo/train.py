@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from megatron_dgpo.config import ConfigError, describe  # noqa: E402
+from megatron_dgpo.runtime.config import ConfigError, describe  # noqa: E402
 
 
 def recipe_command(argv: list[str] | None, *, prog: str, description: str, config_class,
@@ -57,7 +57,7 @@ def recipe_command(argv: list[str] | None, *, prog: str, description: str, confi
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     _single_process_world()
-    from megatron_dgpo.interrupt import stop_requests
+    from megatron_dgpo.runtime.interrupt import stop_requests
 
     with stop_requests():  # from here on a stop signal is a request, even during start-up
         return run(config)

@@ -20,15 +20,9 @@ import contextlib
 import torch
 
 from megatron_dgpo import telemetry
-from megatron_dgpo.advantages import drop_degenerate_groups, group_advantages
+from megatron_dgpo.algorithm.advantages import drop_degenerate_groups, group_advantages
+from megatron_dgpo.algorithm.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.convert import export_hf_weights
-from megatron_dgpo.experience import pack_update, plan_updates, reduce_group_stats, rollout_metrics
-from megatron_dgpo.expert_load import ExpertLoad
-from megatron_dgpo.gpu_config import pad_multiple
-from megatron_dgpo.losses import merge_metrics, sample_loss_weights
-from megatron_dgpo.offload import TrainingStateOffload
-from megatron_dgpo.optimizer import step_if_finite, sync_params
-from megatron_dgpo.parallel import split_world
 from megatron_dgpo.recipe import RunConfig
 from megatron_dgpo.rollout.base import Rollout
 from megatron_dgpo.rollout.dedicated.ahead import load_ahead, save_ahead
@@ -37,8 +31,15 @@ from megatron_dgpo.rollout.dedicated.server import serve as serve_engines
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
 from megatron_dgpo.rollout.mismatch import mismatch_metrics
 from megatron_dgpo.rollout.replica import ReplicaRollout
-from megatron_dgpo.routing_replay import RoutingReplay
-from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step
+from megatron_dgpo.runtime.gpu_flags import pad_multiple
+from megatron_dgpo.runtime.parallel import split_world
+from megatron_dgpo.training.expert_load import ExpertLoad
+from megatron_dgpo.training.minibatches import (pack_update, plan_updates, reduce_group_stats,
+                                                rollout_metrics)
+from megatron_dgpo.training.offload import TrainingStateOffload
+from megatron_dgpo.training.optimizer import step_if_finite, sync_params
+from megatron_dgpo.training.routing_replay import RoutingReplay
+from megatron_dgpo.training.train_step import LossConfig, forward_logprobs, train_step
 from megatron_dgpo.training_run import TrainingRun
 
 

@@ -21,14 +21,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import comm, model, policy, telemetry
-from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume, export_latest,
-                                      load_checkpoint, save_checkpoint)
-from megatron_dgpo.config import to_dict
-from megatron_dgpo.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
-from megatron_dgpo.optimizer import build_optimizer, use_distributed_optimizer
-from megatron_dgpo.parallel import init_distributed, initialize_parallel
+from megatron_dgpo import telemetry
+from megatron_dgpo.models.builder import padded_vocab_of
 from megatron_dgpo.recipe import save_recipe
+from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.config import to_dict
+from megatron_dgpo.runtime.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
+from megatron_dgpo.runtime.parallel import init_distributed, initialize_parallel
+from megatron_dgpo.training import policy
+from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume,
+                                               export_latest, load_checkpoint, save_checkpoint)
+from megatron_dgpo.training.optimizer import build_optimizer, use_distributed_optimizer
 
 
 class TrainingRun:
@@ -97,7 +100,7 @@ class TrainingRun:
         """Checkpoint the current state (``write_extra(folder)`` adds files to it). Collective."""
         save_checkpoint(self.run_dir / "checkpoints", self.state, self.models, self.optimizer,
                         hf_config=self.hf_config, dtype=self.dtype, hf_dir=str(self.hf_dir),
-                        padded_vocab_size=model.padded_vocab_of(self.models),
+                        padded_vocab_size=padded_vocab_of(self.models),
                         keep_last=self.cfg.checkpoint.keep_last, saver=self.saver,
                         optimizer_sharding=self.cfg.checkpoint.optimizer_sharding,
                         write_extra=write_extra)

@@ -1,4 +1,4 @@
-"""Run by ``tests/test_weight_broadcast.py`` under torchrun (2 ranks): rank 0 plays the trainer's
+"""Run by ``tests/rollout/test_weight_broadcast.py`` under torchrun (2 ranks): rank 0 plays the trainer's
 exporting rank, rank 1 a dedicated engine in its own world (``parallel.split_world``).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/_dedicated_refit.py A B BUCKET OUT
@@ -23,9 +23,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def main(model_a: str, model_b: str, bucket_bytes: int, out: str) -> None:
-    from megatron_dgpo import comm
-    from megatron_dgpo.parallel import init_distributed, launch_store, split_world
     from megatron_dgpo.rollout.dedicated.wire import receive_bucket, send_bucket
+    from megatron_dgpo.runtime import comm
+    from megatron_dgpo.runtime.parallel import init_distributed, launch_store, split_world
 
     init_distributed(timeout_minutes=5, rollout_ranks=1)
     side = split_world(1)

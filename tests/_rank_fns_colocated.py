@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_refit.py: colocated vLLM engines (external_launcher) on two
+"""Rank functions for tests/rollout/test_refit.py: colocated vLLM engines (external_launcher) on two
 gloo ranks, and a collective timeout. Each returns plain data; the test asserts on it."""
 
 from __future__ import annotations
@@ -111,8 +111,10 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
 def slow_rank_times_out(rank, world, port, timeout_minutes, delay_s):
     """Re-create the process group through ``init_distributed`` with a short timeout; rank 1
     arrives ``delay_s`` late. Returns (error text or None, seconds waited) per collective."""
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, init_distributed, initialize_parallel
     from megatron.core import parallel_state
+
+    from megatron_dgpo.runtime.parallel import (ParallelConfig, destroy_parallel, init_distributed,
+                                                initialize_parallel)
 
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)

@@ -68,7 +68,7 @@ def _full_logits(chunks, tokens) -> torch.Tensor | None:
 def tp2pp2_fn(rank, world_size, dirs: dict):
     """TP2 x PP2: convert every case, export from the loaded checkpoint and from the HF folder."""
     from megatron_dgpo.convert import export_hf_weights, hf_to_megatron, load_model
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=2))
     out = {}
@@ -89,7 +89,7 @@ def tp2pp2_fn(rank, world_size, dirs: dict):
 def tp2_fn(rank, world_size, dirs: dict, tokens):
     """TP2 (PP1): logits from the TP2xPP2 checkpoints and from the TP2 x PP1 one."""
     from megatron_dgpo.convert import load_model  # the public entry point
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=2))
     out = {}
@@ -104,7 +104,7 @@ def tp2_fn(rank, world_size, dirs: dict, tokens):
 def tp1_fn(rank, world_size, dirs: dict, tokens):
     """TP1 (DP2): logits of the TP2xPP2 checkpoints; then TP1 x PP2 from the TP2 x PP1 one."""
     from megatron_dgpo.convert import load_model
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=1))
     out = {case: _full_logits(load_model(mg_dir), tokens) for case, (_, mg_dir) in dirs.items()}

@@ -1,5 +1,5 @@
-"""Rank functions for tests/test_distributed_optimizer.py: Megatron's distributed optimizer on
-gloo ranks (``megatron_dgpo.cpu`` patches 11-13), against the plain optimizer, and its
+"""Rank functions for tests/training/test_distributed_optimizer.py: Megatron's distributed optimizer on
+gloo ranks (``megatron_dgpo.runtime.cpu`` patches 11-13), against the plain optimizer, and its
 checkpoints (both sharding types, the async save's persistent writer, resharding)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ def _setup(tp: int, *, distributed: bool, seed: int = 5, bucket_size: int | None
            overlap: bool = False):
     from megatron.core import parallel_state
 
-    from megatron_dgpo.model import build_model, wrap_ddp
-    from megatron_dgpo.optimizer import build_optimizer
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.models.builder import build_model, wrap_ddp
     from megatron_dgpo.recipe import OptimizerConfig
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.training.optimizer import build_optimizer
 
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(ParallelConfig(tensor_parallel=tp), seed=1)
@@ -35,9 +35,9 @@ def _setup(tp: int, *, distributed: bool, seed: int = 5, bucket_size: int | None
 def _update(models, optimizer, step: int) -> float:
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.losses import LossHyperparams
-    from megatron_dgpo.optimizer import step_if_finite
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.training.optimizer import step_if_finite
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     loss = LossConfig(method="dgpo", hyperparams=LossHyperparams())
     # each step a different share of the sequences: the Adam moments differ from step to step
@@ -49,7 +49,7 @@ def _update(models, optimizer, step: int) -> float:
 
 
 def _params(models) -> dict:
-    from megatron_dgpo.optimizer import sync_params
+    from megatron_dgpo.training.optimizer import sync_params
 
     sync_params(models)  # overlapped param gather: the other ranks' shards of the last update
     return {n: p.detach().clone() for n, p in models[0].module.named_parameters()}
@@ -67,7 +67,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 def _logprobs(models) -> torch.Tensor:
     """Log-probs of every sequence (the same on every rank and at every layout)."""
-    from megatron_dgpo.train_step import forward_logprobs
+    from megatron_dgpo.training.train_step import forward_logprobs
 
     return torch.cat([logp.flatten() for logp, _ in forward_logprobs(models, micro_batches(0, 1, 2))])
 
@@ -86,8 +86,8 @@ def train_save_and_resume(rank, world, root) -> dict:
     at its creation); a third update from the live optimizer and from a fresh one loaded from
     the checkpoint: bitwise equal. And why the sharding type is always passed: Megatron's
     default one raises on save."""
-    from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, distributed_optimizers,
-                                          load_checkpoint, save_checkpoint)
+    from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, distributed_optimizers,
+                                                   load_checkpoint, save_checkpoint)
 
     out = {"default_sharding": _megatron_default_sharding_fails()}
     # a run ending on an exception stops its writer (else the process hangs at exit joining it)
@@ -148,7 +148,7 @@ def resume_at_another_layout(rank, world, root, tp: int) -> dict:
     third update made: the log-probs then are those of the run that never stopped (within
     float rounding: another layout sums the gradients in another order), or the load is
     refused with the reason."""
-    from megatron_dgpo.checkpoint import load_checkpoint
+    from megatron_dgpo.training.checkpoint import load_checkpoint
 
     out = {}
     for sharding in SHARDINGS:

@@ -12,7 +12,7 @@ PLAN = {"a": [0, 1, 4, 2, 3, 0, 4], "b": [2, 0, 1, 4]}
 
 
 def benchmarks() -> dict:
-    from megatron_dgpo.data import builtin_prompts
+    from megatron_dgpo.tasks.prompts import builtin_prompts
 
     return {"a": builtin_prompts(["add"])[:7], "b": builtin_prompts(["repeat"])[:4]}
 
@@ -54,7 +54,7 @@ class InProcessPool:
     """``RewardPool.score`` with the evaluation grader, in this process."""
 
     def score(self, texts, truths, grader):
-        from megatron_dgpo.rewards import eval_correct
+        from megatron_dgpo.tasks.rewards import eval_correct
 
         assert grader == "eval"
         return [1.0 if eval_correct(t, g) else 0.0 for t, g in zip(texts, truths)]

@@ -137,8 +137,9 @@ def parity_fn(rank, world_size):
     """Megatron logits vs transformers' logits, TP=2 then TP=1 (DP=2), tied and untied."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.model import build_model, padded_vocab_size, transformer_config_from_hf
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.models.builder import (build_model, padded_vocab_size,
+                                              transformer_config_from_hf)
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     results = {}
     torch.manual_seed(1)

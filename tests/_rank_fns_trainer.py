@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_optimizer_checkpoint.py (TP=2 on two gloo ranks)."""
+"""Rank functions for tests/training/test_optimizer_checkpoint.py (TP=2 on two gloo ranks)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ LR, WD, CLIP, BETAS, EPS = 5e-3, 0.1, 0.05, (0.9, 0.95), 1e-8
 
 
 def _setup(seed: int = 5):
-    from megatron_dgpo.model import build_model
-    from megatron_dgpo.optimizer import build_optimizer
-    from megatron_dgpo.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.recipe import OptimizerConfig
-    from megatron_dgpo.model import wrap_ddp
-
     from megatron.core import parallel_state
+
+    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.recipe import OptimizerConfig
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.training.optimizer import build_optimizer
 
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(ParallelConfig(tensor_parallel=2), seed=1)
@@ -30,8 +29,8 @@ def _setup(seed: int = 5):
 
 
 def _grads(models):
-    from megatron_dgpo.losses import LossHyperparams
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     loss = LossConfig(method="dgpo", hyperparams=LossHyperparams())
     return train_step(models, micro_batches(0, 1, 2), loss)
@@ -70,7 +69,7 @@ def _reference_adamw(param, grad, state, step, coefficient, decay):
 
 def optimizer_and_skipping(rank, world):
     """Megatron's optimizer on CPU vs AdamW + global clip in float64; non-finite skipping."""
-    from megatron_dgpo.optimizer import step_if_finite
+    from megatron_dgpo.training.optimizer import step_if_finite
 
     models, optimizer = _setup()
     out = {"errors": [], "norm_errors": []}
@@ -105,8 +104,8 @@ def optimizer_and_skipping(rank, world):
     out["moments_unchanged"] = all(torch.equal(a, s["exp_avg"]) for a, s in
                                    zip(moments, _adam(optimizer).state.values()))
     # A NaN advantage makes the loss NaN: skipped too; then a clean step goes through.
-    from megatron_dgpo.losses import LossHyperparams
-    from megatron_dgpo.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.training.train_step import LossConfig, train_step
 
     bad = micro_batches(0, 1, 2)
     bad[0].advantages[:] = float("nan")  # the whole row: the loss is NaN
@@ -124,8 +123,8 @@ def _offload_round_trip() -> dict:
     """train.offload_training_state: after an update the gradient buffers and the Adam state
     are freed (their storages hold nothing) while the weights stay; they come back bit for bit
     (gradients zeroed) and the next update equals a twin's that never offloaded."""
-    from megatron_dgpo.offload import TrainingStateOffload, optimizer_storages
-    from megatron_dgpo.optimizer import step_if_finite
+    from megatron_dgpo.training.offload import TrainingStateOffload, optimizer_storages
+    from megatron_dgpo.training.optimizer import step_if_finite
 
     (models, optimizer), (twin, twin_optimizer) = _setup(seed=5), _setup(seed=5)
     for m, o in ((models, optimizer), (twin, twin_optimizer)):
@@ -189,9 +188,9 @@ def checkpoint_round_trip(rank, world, root):
     differently initialised model + optimizer, and the next update from both is identical."""
     import os
 
-    from megatron_dgpo.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
-                                          load_checkpoint, save_checkpoint)
-    from megatron_dgpo.optimizer import step_if_finite
+    from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, latest_checkpoint,
+                                                   load_checkpoint, save_checkpoint)
+    from megatron_dgpo.training.optimizer import step_if_finite
 
     models, optimizer = _setup(seed=5)
     meta = dict(hf_config=TINY_QWEN2, padded_vocab_size=models[0].module.vocab_size,
@@ -248,8 +247,8 @@ def _ctrl_c_in_writer(root, models, optimizer, meta) -> dict:
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    from megatron_dgpo.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
-    from megatron_dgpo.interrupt import stop_requests
+    from megatron_dgpo.runtime.interrupt import stop_requests
+    from megatron_dgpo.training.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
 
     deliver = [True]
     write = FileSystemWriterAsync.write_preloaded_data

@@ -1,11 +1,11 @@
-"""Rank functions for tests/test_vocab_parallel.py (module level so spawn can import them)."""
+"""Rank functions for tests/algorithm/test_vocab_parallel.py (module level so spawn can import them)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.vocab_parallel import logprobs_and_entropy
+from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
 
 VOCAB = 96  # divisible by 1, 2, 4
 REAL_VOCAB = 90  # the last 6 columns play TP padding
@@ -133,6 +133,6 @@ def large_vocab_grad_errors(rank, world_size, kernels=("eager", "compiled")):
 
 
 def large_vocab_and_compiled_cases(rank, world_size):
-    """Both, at TP = world_size: one launch for two tests of tests/test_vocab_parallel.py."""
+    """Both, at TP = world_size: one launch for two tests of tests/algorithm/test_vocab_parallel.py."""
     return dict(large_vocab=large_vocab_grad_errors(rank, world_size),
                 compiled=compiled_cases(rank, world_size))

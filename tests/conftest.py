@@ -15,7 +15,7 @@ TINY_INIT_RANGE = 0.1  # peakier than the 0.02 default, so distinct weights give
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Random tiny Qwen2 "A" (seed 0) with the locally trained tokenizer."""
-    from megatron_dgpo.tiny import make_tiny_model
+    from megatron_dgpo.tasks.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_a"), seed=0, initializer_range=TINY_INIT_RANGE)
 
@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir_b(tmp_path_factory):
     """Model "B": same architecture and tokenizer as A, different random weights (seed 1)."""
-    from megatron_dgpo.tiny import make_tiny_model
+    from megatron_dgpo.tasks.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_b"), seed=1, initializer_range=TINY_INIT_RANGE)
 

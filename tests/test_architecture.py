@@ -1,10 +1,12 @@
 """docs/architecture.md stays true to the code.
 
-The page names modules by path (``megatron_dgpo/rollout/refit.py``). It fails here when a module
-of the package has no row, when it names a module, function or file that does not exist, when a
-module's "may import" cell differs from the layers its imports (lazy ones included) belong to,
-when a module's cell allows more than its layer does or the layers form a cycle, and when the
-"uses from comm" table differs from what each module takes from ``megatron_dgpo.comm``.
+The page names modules by path (``megatron_dgpo/rollout/refit.py``). Each folder of the package is
+a layer and the top-level modules are the driver. It fails here when a module of the package has
+no row or sits under another folder's heading, when a folder has no layer, when it names a
+module, function or file that does not exist, when a module's "may import" cell differs from the
+layers its imports (lazy ones included) belong to, when a module's cell allows more than its
+layer does or the layers form a cycle, and when the "uses from comm" table differs from what each
+module takes from ``megatron_dgpo.runtime.comm``.
 """
 
 from __future__ import annotations
@@ -85,13 +87,13 @@ def defines(rel: str, qualified: str) -> bool:
 
 
 def comm_uses(rel: str) -> set[str]:
-    """What ``rel`` takes from ``megatron_dgpo.comm``: ``comm.X`` attributes and names imported
+    """What ``rel`` takes from ``megatron_dgpo.runtime.comm``: ``comm.X`` attributes and names imported
     from it."""
     tree, aliases, used = _tree(rel), set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "megatron_dgpo":
+        if isinstance(node, ast.ImportFrom) and node.module == "megatron_dgpo.runtime":
             aliases |= {a.asname or a.name for a in node.names if a.name == "comm"}
-        elif isinstance(node, ast.ImportFrom) and node.module == "megatron_dgpo.comm":
+        elif isinstance(node, ast.ImportFrom) and node.module == "megatron_dgpo.runtime.comm":
             used |= {a.name for a in node.names}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
@@ -144,6 +146,27 @@ def _ticked(cell: str) -> list[str]:
 
 def _layer_list(cell: str) -> set[str]:
     return set() if cell.strip() == NONE else {x.strip() for x in cell.split(",") if x.strip()}
+
+
+DRIVER = "driver"
+
+
+def folder_layer(rel: str) -> str:
+    """The layer a module belongs to: its folder under ``megatron_dgpo/``, or the driver for the
+    modules at the top of the package."""
+    parts = rel.split("/")
+    return DRIVER if len(parts) == 2 else parts[1]
+
+
+def layer_folders(text: str) -> dict[str, str]:
+    """The "Layers" table: layer -> its folder cell."""
+    folders = {}
+    for table in tables(text):
+        if table.section == "Layers" and table.header[:1] == ["layer"]:
+            for row in table.rows:
+                (layer,) = _ticked(row[0])
+                (folders[layer],) = _ticked(row[table.column("folder")])
+    return folders
 
 
 def layer_rules(text: str) -> dict[str, set[str]]:
@@ -218,6 +241,31 @@ def test_other_files_the_page_names_exist():
     assert not absent, f"docs/architecture.md names files that do not exist: {absent}"
 
 
+def test_each_folder_is_one_layer_and_each_module_sits_under_its_folder():
+    folders = layer_folders(_text())
+    expected = {layer: f"megatron_dgpo/{layer}/" for layer in folders if layer != DRIVER} | {
+        DRIVER: "megatron_dgpo/*.py"}
+    assert folders == expected, f"the 'Layers' table's folders: {folders}, expected {expected}"
+    package_folders = {folder_layer(rel) for rel in package_modules()}
+    assert package_folders == set(folders), ("folders of the package without a layer: "
+                                             f"{sorted(package_folders - set(folders))}; layers "
+                                             f"without a folder: {sorted(set(folders) - package_folders)}")
+    rows, _ = module_rows(_text())
+    misplaced = sorted(f"{path} is under `{layer}`, it lives in `{folder_layer(path)}`"
+                       for path, (layer, _) in rows.items() if layer != folder_layer(path))
+    assert not misplaced, "docs/architecture.md:\n" + "\n".join(misplaced)
+
+
+def test_test_folders_mirror_the_package():
+    """``tests/<folder>/`` holds the tests of ``megatron_dgpo/<folder>/``; ``tests/cluster/`` (the
+    cluster's life) is the one folder of its own."""
+    test_folders = {p.parent.relative_to(ROOT / "tests").parts[0] for p in (ROOT / "tests").rglob("test_*.py")
+                    if p.parent != ROOT / "tests"}
+    package_folders = {folder_layer(rel) for rel in package_modules()} - {DRIVER}
+    assert test_folders - {"cluster"} <= package_folders, (
+        f"test folders with no package folder of that name: {sorted(test_folders - {'cluster'} - package_folders)}")
+
+
 def test_may_import_is_what_each_module_imports():
     rows, _ = module_rows(_text())
     layer_of_dotted = {_dotted(path): layer for path, (layer, _) in rows.items()}
@@ -289,7 +337,7 @@ def test_comm_table_matches_the_code():
                 (path,) = MODULE_PATH.findall(row[table.column("module")])
                 documented[path] = set(_ticked(row[table.column("uses from comm")]))
     actual = {rel: used for rel in package_modules()
-              if rel != "megatron_dgpo/comm.py" and (used := comm_uses(rel))}
+              if rel != "megatron_dgpo/runtime/comm.py" and (used := comm_uses(rel))}
     diff = [f"{rel}: code {sorted(actual.get(rel, ()))}, page {sorted(documented.get(rel, ()))}"
             for rel in sorted(set(actual) | set(documented)) if actual.get(rel) != documented.get(rel)]
     assert not diff, "docs/architecture.md 'uses from comm' differs from the code:\n" + "\n".join(diff)
@@ -300,12 +348,14 @@ def test_the_checks_see_a_planted_error():
     row = next(line for line in text.splitlines() if line.startswith("| `megatron_dgpo/rollout/refit.py`"))
     missing, unknown = missing_and_unknown(text.replace(row + "\n", "")
                                            + "\n`megatron_dgpo/rollout/nowhere.py`, `megatron_dgpo.nowhere`,"
-                                           + " `megatron_dgpo.comm.no_such_function`\n")
+                                           + " `megatron_dgpo.runtime.comm.no_such_function`\n")
     assert missing == ["megatron_dgpo/rollout/refit.py"]
-    assert unknown == ["megatron_dgpo.comm.no_such_function", "megatron_dgpo.nowhere",
+    assert unknown == ["megatron_dgpo.nowhere", "megatron_dgpo.runtime.comm.no_such_function",
                        "megatron_dgpo/rollout/nowhere.py"]
-    assert imported_modules("megatron_dgpo/rollout/replica.py") >= {"megatron_dgpo.data",
+    assert folder_layer("megatron_dgpo/trainer.py") == DRIVER
+    assert folder_layer("megatron_dgpo/rollout/dedicated/wire.py") == "rollout"
+    assert imported_modules("megatron_dgpo/rollout/replica.py") >= {"megatron_dgpo.tasks.prompts",
                                                                    "megatron_dgpo.rollout.refit"}
-    assert comm_uses("megatron_dgpo/interrupt.py") == {"any_rank"}
+    assert comm_uses("megatron_dgpo/runtime/interrupt.py") == {"any_rank"}
     assert defines("megatron_dgpo/rollout/replica.py", "ReplicaRollout.refit")
     assert not defines("megatron_dgpo/rollout/replica.py", "ReplicaRollout.nothing")

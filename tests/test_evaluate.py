@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dgpo.data import builtin_prompts, find_benchmarks_dir, load_benchmark
 from megatron_dgpo.evaluate import evaluate, format_table, ks_up_to, pass_at_k
-from megatron_dgpo.rewards import RewardPool
 from megatron_dgpo.rollout.base import Completion
+from megatron_dgpo.tasks.prompts import builtin_prompts, find_benchmarks_dir, load_benchmark
+from megatron_dgpo.tasks.rewards import RewardPool
 from tests._rank_fns_eval import GenerateOnlyEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_dgpo_eval_cli_end_to_end(tiny_model_dir, tmp_path):
 
 
 def test_benchmarks_resolve_by_name_or_file_and_errors_name_the_spec(tmp_path):
-    from megatron_dgpo.data import resolve_benchmarks
+    from megatron_dgpo.tasks.prompts import resolve_benchmarks
 
     folder = tmp_path / "bench"
     folder.mkdir()

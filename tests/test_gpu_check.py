@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py on a machine without CUDA: one line saying it skipped, exit 0,
 nothing written (the GPU checks themselves run only on a GPU); what every check needs, and the
 "not run: needs ..." rows where that is missing, decided without a GPU. (A GPU node whose CUDA
-does not start: tests/test_cuda_unusable.py.)"""
+does not start: tests/runtime/test_cuda_unusable.py.)"""
 
 from __future__ import annotations
 

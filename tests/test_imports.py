@@ -71,9 +71,9 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_graph_sees_real_imports():
     graph = _graph()
-    assert "megatron_dgpo.model" in graph["megatron_dgpo.policy"]
-    assert "megatron_dgpo.convert" in graph["megatron_dgpo.policy"]
-    assert "megatron_dgpo.losses" in graph["megatron_dgpo.train_step"]
+    assert "megatron_dgpo.models.builder" in graph["megatron_dgpo.training.policy"]
+    assert "megatron_dgpo.convert" in graph["megatron_dgpo.training.policy"]
+    assert "megatron_dgpo.algorithm.losses" in graph["megatron_dgpo.training.train_step"]
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dgpo.losses import METHODS
+from megatron_dgpo.algorithm.losses import METHODS
 from megatron_dgpo.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -50,7 +50,7 @@ def test_async_14b_recipe_is_the_14b_run_with_dedicated_engines_one_step_off(cap
     dgpo-plan fits it with the recipe's own layout and its 10 rollout nodes are the balanced split."""
     import json
 
-    from megatron_dgpo.planner import cli
+    from megatron_dgpo.plan import main as dgpo_plan
 
     sync, async_ = load_recipe(_path("dgpo_14b")), load_recipe(_path("dgpo_14b_async"))
     ro = async_.rollout
@@ -64,7 +64,7 @@ def test_async_14b_recipe_is_the_14b_run_with_dedicated_engines_one_step_off(cap
     header = _path("dgpo_14b_async").read_text().split("\n\n")[0]
     assert "RECIPE=recipes/dgpo_14b_async.yaml sbatch --nodes=30 slurm/train.sbatch" in header
     assert "tools/launch.py" in header and "-m megatron_dgpo.train recipes/dgpo_14b_async.yaml" in header
-    assert cli.main([str(_path("dgpo_14b_async")), "--gpus-per-node", "8", "--nodes", "30",
+    assert dgpo_plan([str(_path("dgpo_14b_async")), "--gpus-per-node", "8", "--nodes", "30",
                       "--gpu-memory-gb", "80", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     lay = out["pick"]["layout"]
@@ -159,11 +159,11 @@ def test_layout_is_what_dgpo_plan_picks_for_the_headers_node_count(name, capsys)
     8 x 80 GB nodes, dgpo-plan picks exactly the recipe's TP x PP (and no CP)."""
     import json
 
-    from megatron_dgpo.planner import cli
+    from megatron_dgpo.plan import main as dgpo_plan
 
     cfg = load_recipe(_path(name))
     nodes = int(re.search(r"sbatch --nodes=(\d+)", _path(name).read_text()).group(1))
-    assert cli.main([str(_path(name)), "--gpus-per-node", str(GPUS_PER_NODE), "--nodes", str(nodes),
+    assert dgpo_plan([str(_path(name)), "--gpus-per-node", str(GPUS_PER_NODE), "--nodes", str(nodes),
                       "--gpu-memory-gb", "80", "--json"]) == 0
     pick = json.loads(capsys.readouterr().out)["pick"]
     assert pick["fits"]
@@ -177,7 +177,7 @@ def test_tiny_gpu_recipe_is_a_five_step_bf16_gpu_run(capsys):
     80 GB GPU with room to spare by the planner."""
     import json
 
-    from megatron_dgpo.planner import cli
+    from megatron_dgpo.plan import main as dgpo_plan
 
     cfg = load_recipe(RECIPES / "tiny_gpu.yaml")
     assert cfg.train.steps == 5 and cfg.checkpoint.save_every < cfg.train.steps
@@ -186,7 +186,7 @@ def test_tiny_gpu_recipe_is_a_five_step_bf16_gpu_run(capsys):
     assert cfg.checkpoint.async_save is True
     assert cfg.model.tiny["hidden_size"] // cfg.model.tiny["num_attention_heads"] % 16 == 0, \
         "TE's fused attention wants a head size that is a multiple of 16"
-    assert cli.main([str(RECIPES / "tiny_gpu.yaml"), "--gpus-per-node", "1", "--nodes", "1",
+    assert dgpo_plan([str(RECIPES / "tiny_gpu.yaml"), "--gpus-per-node", "1", "--nodes", "1",
                       "--gpu-memory-gb", "80", "--json"]) == 0
     pick = json.loads(capsys.readouterr().out)["pick"]
     assert pick["fits"] and pick["gib"]["total"] < 0.5 * 80
@@ -219,7 +219,7 @@ def test_qwen3_recipe_loads_launches_and_is_what_dgpo_plan_picks(name, capsys):
     node count on 8 x 80 GB nodes dgpo-plan picks exactly their TP x PP (x EP x expert TP)."""
     import json
 
-    from megatron_dgpo.planner import cli
+    from megatron_dgpo.plan import main as dgpo_plan
 
     hub, layers, heads, kv_heads, experts = QWEN3[name]
     cfg = load_recipe(_path(name))
@@ -238,7 +238,7 @@ def test_qwen3_recipe_loads_launches_and_is_what_dgpo_plan_picks(name, capsys):
         assert experts % par.expert_parallel == 0 and par.expert_parallel > 1
         assert cfg.model.moe_token_dispatcher == "alltoall" and cfg.model.moe_aux_loss_coeff == 0
     nodes = int(re.search(r"sbatch --nodes=(\d+)", text).group(1))
-    assert cli.main([str(_path(name)), "--gpus-per-node", str(GPUS_PER_NODE), "--nodes",
+    assert dgpo_plan([str(_path(name)), "--gpus-per-node", str(GPUS_PER_NODE), "--nodes",
                       str(nodes), "--gpu-memory-gb", "80", "--json"]) == 0
     pick = json.loads(capsys.readouterr().out)["pick"]
     assert pick["fits"] and pick["gib"]["total"] <= 0.9 * 80
@@ -252,11 +252,11 @@ def test_moe_model_keys_are_checked_and_reach_only_moe_models():
     """model.moe_token_dispatcher / moe_aux_loss_coeff: a bad value names the key; the policy
     passes them as TransformerConfig overrides for an MoE config only (a dense model keeps the
     alltoall dispatcher its variable sequence lengths need, and still builds)."""
-    from megatron_dgpo.config import ConfigError
-    from megatron_dgpo.model import transformer_config_from_hf
-    from megatron_dgpo.policy import model_overrides
-    from tests.test_models import TINY_QWEN3_MOE
+    from megatron_dgpo.models.builder import transformer_config_from_hf
+    from megatron_dgpo.runtime.config import ConfigError
+    from megatron_dgpo.training.policy import model_overrides
     from tests._rank_fns_model import TINY_QWEN2
+    from tests.models.test_describe import TINY_QWEN3_MOE
 
     for bad in ("model.moe_token_dispatcher=ring", "model.moe_aux_loss_coeff=-1"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dgpo.checkpoint import latest_checkpoint
 from megatron_dgpo.telemetry import read_metrics
+from megatron_dgpo.training.checkpoint import latest_checkpoint
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -46,9 +46,9 @@ def test_sft_step_is_transformers_nll_at_any_split(reference, world_size, tp):
 
 
 def test_sft_data_and_recipe_errors(tmp_path):
-    from megatron_dgpo.config import ConfigError
-    from megatron_dgpo.data import load_sft_pairs
+    from megatron_dgpo.runtime.config import ConfigError
     from megatron_dgpo.sft import SFTConfig, load_sft_recipe, tokenize_pairs
+    from megatron_dgpo.tasks.prompts import load_sft_pairs
 
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"prompt": "hi", "response": "ok"}) + "\n"
@@ -63,8 +63,9 @@ def test_sft_data_and_recipe_errors(tmp_path):
     with pytest.raises(ConfigError, match="batch_samples"):
         load_sft_recipe(None, ["model.path=/x", "sft.data=/y", "sft.batch_samples=0"])
 
-    from megatron_dgpo.tiny import make_tiny_model
     from transformers import AutoTokenizer
+
+    from megatron_dgpo.tasks.tiny import make_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
     data.write_text(json.dumps({"prompt": "What is 3+4?", "response": "\\boxed{7}"}) + "\n")
@@ -77,7 +78,7 @@ def test_sft_data_and_recipe_errors(tmp_path):
 
 
 def test_every_sft_key_is_documented():
-    from megatron_dgpo.config import describe
+    from megatron_dgpo.runtime.config import describe
     from megatron_dgpo.sft import SFTRunConfig
 
     rows = list(describe(SFTRunConfig))
@@ -94,8 +95,8 @@ def test_sft_cli_time_budget_stop_then_rerun_is_exact_and_exports_hf(tmp_path):
     import sys
     from pathlib import Path
 
-    from megatron_dgpo.arithmetic import TaskSizes, make_task
-    from megatron_dgpo.interrupt import EXIT_STOPPED
+    from megatron_dgpo.runtime.interrupt import EXIT_STOPPED
+    from megatron_dgpo.tasks.arithmetic import TaskSizes, make_task
     from megatron_dgpo.telemetry import read_metrics
 
     root = Path(__file__).resolve().parents[1]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dgpo.config import describe
 from megatron_dgpo.recipe import RunConfig, load_recipe
+from megatron_dgpo.runtime.config import describe
 from megatron_dgpo.train import main
 
 RECIPE = "recipes/tiny_cpu.yaml"
@@ -71,7 +71,7 @@ def test_describe_documents_every_key(capsys):
 def test_new_algorithm_keys_default_to_todays_behaviour_and_match_losses():
     from typing import get_args, get_type_hints
 
-    from megatron_dgpo.losses import AGGREGATIONS, ROLLOUT_CORRECTIONS
+    from megatron_dgpo.algorithm.losses import AGGREGATIONS, ROLLOUT_CORRECTIONS
     from megatron_dgpo.recipe import AlgorithmConfig
 
     cfg = load_recipe(RECIPE, ["algorithm.loss_aggregation=group_token_mean",

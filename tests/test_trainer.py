@@ -339,7 +339,7 @@ def _signal_after_step(proc, run_dir: Path, step: int, signum, target=None):
 def _assert_stopped_with_checkpoint(run_dir: Path, steps: int) -> int:
     """The run stopped early at a step boundary: its last metrics line's step has a complete
     checkpoint named by ``latest``, and there is no final export. Returns that step."""
-    from megatron_dgpo.checkpoint import latest_checkpoint
+    from megatron_dgpo.training.checkpoint import latest_checkpoint
 
     logged = [r["step"] for r in read_metrics(run_dir)]
     assert logged == list(range(1, len(logged) + 1)) and len(logged) < steps, logged
@@ -356,7 +356,7 @@ def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(fi
     is written (off the save schedule), engines and workers shut down, exit 75. Running the same
     command again continues from it (resume is the default) and the run equals the
     uninterrupted one: the signal cost no completed step."""
-    from megatron_dgpo.interrupt import EXIT_STOPPED
+    from megatron_dgpo.runtime.interrupt import EXIT_STOPPED
 
     run_dir = tmp_path / "ctrl_c"
     cmd = [sys.executable, "-m", "megatron_dgpo.train", str(RECIPE), f"run_dir={run_dir}", *QUIET,
@@ -474,8 +474,8 @@ def test_a_save_brings_offloaded_state_back_only_after_the_engines_sleep():
     engines are left alone."""
     import torch
 
-    from megatron_dgpo.offload import TrainingStateOffload
     from megatron_dgpo.trainer import _resident_beside_sleeping_engines
+    from megatron_dgpo.training.offload import TrainingStateOffload
 
     events = []
 

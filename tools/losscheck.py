@@ -1,4 +1,4 @@
-"""Self-check and figure of the losses' gradient weights F (``megatron_dgpo.losses``).
+"""Self-check and figure of the losses' gradient weights F (``megatron_dgpo.algorithm.losses``).
 
     python tools/losscheck.py [--n 1 --m 2 --eps-low 0.2 --eps-high 0.2] [--plot F.png]
 
@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch import Tensor
 
-from megatron_dgpo.losses import METHODS, LossHyperparams, coefficient, policy_loss
+from megatron_dgpo.algorithm.losses import METHODS, LossHyperparams, coefficient, policy_loss
 
 
 def _autograd_coefficients(method: str, w: Tensor, advantage: float, hp: LossHyperparams):

@@ -3,7 +3,7 @@
 # math-verify, transformers, test tools. Idempotent: `make` only calls it when pyproject.toml or
 # constraints-cpu.txt changed. Python 3.12 by default: for cp312 the default index serves torch
 # 2.13.0's CUDA build (+cu130, with triton), which runs on a machine without a GPU;
-# megatron_dgpo/cpu.py covers what Megatron-Core needs there. Set TORCH_INDEX_URL to a CPU torch
+# megatron_dgpo/runtime/cpu.py covers what Megatron-Core needs there. Set TORCH_INDEX_URL to a CPU torch
 # index to get the +cpu build instead.
 set -euo pipefail
 venv="${1:-.venv}"

@@ -13,8 +13,8 @@ import torch
 
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.convert.transforms import hf_tensors, megatron_box
-from megatron_dgpo.model import transformer_config_from_hf
 from megatron_dgpo.models import ParamMap, describe
+from megatron_dgpo.models.builder import transformer_config_from_hf
 
 
 class HFSource:
@@ -67,13 +67,13 @@ def conversion_overrides(hf_config) -> dict:
     at the TP of Megatron's parallel state (1 when it is not initialised).
 
     An MoE at TP > 1: sequence parallelism as the platform gives it (on with CUDA), but stated
-    explicitly. Without CUDA it is off, and ``model.moe_kwargs`` refuses that for training (gloo
+    explicitly. Without CUDA it is off, and ``builder.moe_kwargs`` refuses that for training (gloo
     has no reduce-scatter, and Megatron refuses an MoE's training forward at TP > 1 without
     SP); building the model and slicing tensors need no SP, and SP changes neither the
     parameters nor their checkpoint layout, so the explicit value skips that refusal."""
     from megatron.core import parallel_state
 
-    from megatron_dgpo.gpu_config import Platform, sequence_parallel
+    from megatron_dgpo.runtime.gpu_flags import Platform, sequence_parallel
 
     tp = (parallel_state.get_tensor_model_parallel_world_size()
           if parallel_state.model_parallel_is_initialized() else 1)

@@ -13,11 +13,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import comm
 from megatron_dgpo.convert.hf_source import iter_params
 from megatron_dgpo.convert.transforms import hf_from_megatron, megatron_shape, tp_unshard
-from megatron_dgpo.model import unwrap_model
 from megatron_dgpo.models import Family, describe, megatron_param_key
+from megatron_dgpo.models.builder import unwrap_model
+from megatron_dgpo.runtime import comm
 
 
 def _local_params(chunks, family: Family, tied: bool):
@@ -72,7 +72,7 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
     send from the owning stage); the others yield nothing. Tensors are on the model's device,
     in each parameter's dtype unless ``dtype`` is given (floating tensors are cast to it).
     They may be views of per-step buffers: copy what you keep.
-    ``hf_config`` is only needed for models not built by ``megatron_dgpo.model.build_model``.
+    ``hf_config`` is only needed for models not built by ``megatron_dgpo.models.builder.build_model``.
     """
     from megatron.core import parallel_state
 

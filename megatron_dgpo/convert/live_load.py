@@ -16,8 +16,8 @@ from megatron_dgpo.convert.checkpoint_format import (METADATA_FILE, model_sharde
 from megatron_dgpo.convert.hf_source import HFSource
 from megatron_dgpo.convert.safetensors_io import read_hf_config
 from megatron_dgpo.convert.transforms import expert_shape, megatron_shape, tp_shard_boxes
-from megatron_dgpo.model import build_model, unwrap_model
 from megatron_dgpo.models import megatron_param_key
+from megatron_dgpo.models.builder import build_model, unwrap_model
 
 
 def load_hf_into(chunks, hf_dir: str) -> None:
@@ -64,7 +64,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, **overrides) ->
     """This rank's model chunks (``list[GPTModel]``) on the current parallel state, loaded from
     an HF folder (config.json + safetensors) or a checkpoint written by ``hf_to_megatron``.
 
-    ``overrides`` go to ``megatron_dgpo.model.build_model`` (TransformerConfig fields).
+    ``overrides`` go to ``megatron_dgpo.models.builder.build_model`` (TransformerConfig fields).
     Collective over the world when loading a torch_dist checkpoint.
     """
     from megatron.core import dist_checkpointing

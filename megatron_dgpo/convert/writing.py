@@ -15,13 +15,13 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import comm
 from megatron_dgpo.convert import _megatron_compat as compat
 from megatron_dgpo.convert.checkpoint_format import model_sharded_state_dict, write_metadata
 from megatron_dgpo.convert.hf_source import HFSource, conversion_overrides
-from megatron_dgpo.cpu import cpu_only
-from megatron_dgpo.model import build_model
-from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+from megatron_dgpo.models.builder import build_model
+from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.cpu import cpu_only
+from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
 _CHUNK_BYTES = 64 * 1024**2  # largest stored chunk of embeddings / lm_head written by us
 

@@ -2,7 +2,7 @@
 
 A family says which HF architectures it covers, its quirks (QKV bias, fields the Megatron
 builder cannot honour, the norm-epsilon field, tying default) and its declarative
-HF <-> Megatron-Core tensor name map. The builder (``megatron_dgpo.model``), the converter
+HF <-> Megatron-Core tensor name map. The builder (``megatron_dgpo.models.builder``), the converter
 (``megatron_dgpo.convert``) and the planner (``megatron_dgpo.planner``) all read it through
 ``megatron_dgpo.models.describe``; adding a family is one entry in ``FAMILIES`` below.
 

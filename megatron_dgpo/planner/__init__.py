@@ -12,7 +12,8 @@ Its modules, bottom to top (each imports only those listed before it):
     published_steps.py  the published step times the step-time model is checked against
     search.py           every layout a recipe can run, the one to pick, the step times of a plan
     report.py           the table, the pick's reasons and ``--explain``'s terms as text
-    cli.py              ``dgpo-plan``'s command line (``python -m megatron_dgpo.plan``)
+
+``dgpo-plan``'s command line sits above them, in the driver (``megatron_dgpo/plan.py``).
 
 Notation of the formulas: h hidden size, L layers, a attention heads, g KV groups, d head size,
 f FFN width, V vocabulary (padded to a multiple of 128 TP as Megatron does), t TP, p PP, c CP,

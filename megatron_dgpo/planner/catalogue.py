@@ -8,7 +8,6 @@ import os
 
 from megatron_dgpo.planner.inputs import PlannedModel
 
-
 _QWEN2 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False)
 _LLAMA31_70B = dict(model_type="llama", hidden_size=8192, num_hidden_layers=80,
                     num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
@@ -73,13 +72,13 @@ it; the published step times do)."""
 
 def architecture_for(run, hf_config: str | None = None) -> PlannedModel:
     """The recipe's model shape: ``hf_config`` (a config.json or its folder) if given; else
-    ``model.tiny`` (the tiny Qwen2 of ``megatron_dgpo.tiny``); else ``model.path`` when it is a
+    ``model.tiny`` (the tiny Qwen2 of ``megatron_dgpo.tasks.tiny``); else ``model.path`` when it is a
     local folder with config.json; else the built-in table ``PUBLISHED`` keyed by hub id."""
     if hf_config:
         return PlannedModel.from_hf_config(_read_config(hf_config, "--hf-config"),
                                            name=os.path.basename(hf_config.rstrip("/")))
     if run.model.tiny is not None:
-        from megatron_dgpo.tiny import TINY_CONFIG
+        from megatron_dgpo.tasks.tiny import TINY_CONFIG
 
         kwargs = {k: v for k, v in run.model.tiny.items() if k != "seed"}
         cfg = {"model_type": "qwen2", "vocab_size": kwargs.pop("vocab_size", 512),

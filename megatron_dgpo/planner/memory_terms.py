@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_dgpo.gpu_config import GPU
-from megatron_dgpo.gpu_config import sequence_parallel as gpu_sequence_parallel
 from megatron_dgpo.models import ModelDescription
 from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, Workload
 from megatron_dgpo.planner.parameters import param_count
+from megatron_dgpo.runtime.gpu_flags import GPU
+from megatron_dgpo.runtime.gpu_flags import sequence_parallel as gpu_sequence_parallel
 
 
 def weight_bytes(params: int, dtype_bytes: int = 2) -> int:
@@ -91,7 +91,7 @@ def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight
 
     t' = t with sequence parallelism (the layer inputs are sharded along the sequence), 1
     without. ``sequence_parallel`` defaults to what the trainer runs on a GPU
-    (``gpu_config.sequence_parallel``: on whenever t > 1). ``in_flight`` micro-batches are
+    (``gpu_flags.sequence_parallel``: on whenever t > 1). ``in_flight`` micro-batches are
     alive at once (1F1B: up to p on stage 0, 1 on the last stage). ``etp``: expert TP u of an
     MoE model.
     """
@@ -166,7 +166,7 @@ def logprob_workspace_bytes(tokens: int, vocab_rows: int, tp: int,
     """The chunked log-prob kernel's work buffers: 2 min(chunk, tokens) (V_pad / t) 4 bytes
     (two float32 [chunk, V_local] buffers, V_local = V_pad / t on the first TP rank; chunk
     defaults to 256 MiB / (4 V_local), ``vocab_parallel.default_chunk_size`` on GPU)."""
-    from megatron_dgpo.vocab_parallel import default_chunk_size
+    from megatron_dgpo.algorithm.vocab_parallel import default_chunk_size
 
     local = vocab_rows // tp
     chunk = chunk_size or default_chunk_size(local, "cuda")

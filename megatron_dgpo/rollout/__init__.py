@@ -3,7 +3,7 @@
 vLLM is imported lazily (only when a ``VLLMEngine`` is built), so importing this package is cheap.
 """
 
-from megatron_dgpo.rollout.base import RolloutEngine, Completion
+from megatron_dgpo.rollout.base import Completion, RolloutEngine
 from megatron_dgpo.rollout.mismatch import MismatchStats, logprob_mismatch
 
 

@@ -45,7 +45,7 @@ from typing import Iterable, Literal, NamedTuple, Protocol, Sequence
 
 import torch
 
-from megatron_dgpo.batch import Experience
+from megatron_dgpo.algorithm.batch import Experience
 from megatron_dgpo.rollout.refit import RefitStats
 
 

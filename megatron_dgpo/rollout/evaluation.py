@@ -36,9 +36,9 @@ from typing import Sequence
 
 import torch
 
-from megatron_dgpo import comm
-from megatron_dgpo.data import PromptRecord, render_prompts, resolve_benchmarks
 from megatron_dgpo.rollout.config import RolloutConfig
+from megatron_dgpo.runtime import comm
+from megatron_dgpo.tasks.prompts import PromptRecord, render_prompts, resolve_benchmarks
 
 PROBLEMS_PER_CALL = 32
 """Problems per engine call: bounds the completions held at once (n per problem)."""
@@ -167,7 +167,7 @@ class EvalConfig:
     benchmarks: list[str] = field(default_factory=list)
     """What to evaluate on: names of the published benchmarks ``dgpo-eval`` knows (aime24,
     aime25, amc23, math500, minerva_math, olympiadbench; read from ``benchmarks_dir``) and/or
-    paths to held-out files (.jsonl/.json/.parquet in a layout ``data.load_benchmark`` reads,
+    paths to held-out files (.jsonl/.json/.parquet in a layout ``prompts.load_benchmark`` reads,
     e.g. rows {"problem", "answer"}; named by the file's stem). Required when evaluation is on."""
     benchmarks_dir: str | None = None
     """Folder of the named benchmarks (aime24.jsonl, ...). None: $DGPO_BENCHMARKS_DIR, else

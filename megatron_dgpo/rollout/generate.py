@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from megatron_dgpo.advantages import drop_degenerate_groups
-from megatron_dgpo.batch import Experience
-from megatron_dgpo.rewards import RewardPool
+from megatron_dgpo.algorithm.advantages import drop_degenerate_groups
+from megatron_dgpo.algorithm.batch import Experience
 from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.placement import prompt_seeds
+from megatron_dgpo.tasks.rewards import RewardPool
 
 
 def build_engine(config: RolloutConfig, model: str | os.PathLike, *, seed: int = 0,
@@ -70,7 +70,7 @@ def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: lis
     """``config.group_size`` responses for the prompts ``indices[p]``, p in ``positions`` (this
     engine's share of the step's batch ``indices``), graded (+1/-1) when ``pool`` is given.
 
-    ``prompts[i]`` is ``(PromptRecord, token_ids)`` as ``data.load_prompts`` returns them;
+    ``prompts[i]`` is ``(PromptRecord, token_ids)`` as ``prompts.load_prompts`` returns them;
     batch position p of the step that starts at stream position ``prompts_consumed`` is sampled
     with seed ``(train_seed << 40) + (prompts_consumed + p) * group_size``
     (``placement.prompt_seeds``: one stream per sample for the whole run).

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dgpo import comm
+from megatron_dgpo.runtime import comm
 
 _LOG_CAP = 80.0
 

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from megatron_dgpo import comm
+from megatron_dgpo.runtime import comm
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 """512 MiB, slime's default bucket for ``update_weight_from_tensor``."""

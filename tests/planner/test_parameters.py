@@ -13,7 +13,6 @@ from tests._rank_fns_model import TINY_QWEN2
 from tests.distributed import run_ranks
 from tests.planner._inputs import SMALL, SMALL_MOE
 
-
 TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300,
                   hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
@@ -72,9 +71,8 @@ def count_params_fn(rank, world_size):
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.model import build_model
-    from megatron_dgpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-    from megatron_dgpo.model import wrap_ddp
+    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     out = {}
     for tp, pp in ((2, 2), (1, 1)):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dgpo.plan import main
 from megatron_dgpo.planner.catalogue import PUBLISHED
-from megatron_dgpo.planner.cli import main
 from megatron_dgpo.planner.inputs import GIB, Cluster, Workload
 from megatron_dgpo.planner.search import make_plan
 from tests.planner._inputs import RECIPE_14B, ROOT, run_main

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_dgpo.batch import Experience
+from megatron_dgpo.algorithm.batch import Experience
 from megatron_dgpo.rollout.base import Sampled
 
 AHEAD_DIR = "rollout_ahead"

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo import comm
-from megatron_dgpo.batch import Experience
+from megatron_dgpo.algorithm.batch import Experience
 from megatron_dgpo.rollout.base import Sampled
 from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, send_bucket
 from megatron_dgpo.rollout.placement import shard_prompts
 from megatron_dgpo.rollout.refit import RefitStats, refit_engines, run_bucketed_refit
+from megatron_dgpo.runtime import comm
 
 
 class DedicatedRollout:

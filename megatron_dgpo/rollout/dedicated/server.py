@@ -10,18 +10,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_dgpo import comm, data
-from megatron_dgpo.batch import Experience
+from megatron_dgpo.algorithm.batch import Experience
 from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, receive_bucket
 from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
                                             refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
+from megatron_dgpo.runtime import comm
+from megatron_dgpo.tasks import prompts
 
 
 def serve(cfg) -> int:
     """The main of a rollout rank (``RunConfig`` ``cfg``): join the rollout world and this
     engine's replica, then run commands until ``stop``. Returns 0."""
-    from megatron_dgpo.parallel import engine_group, init_distributed, split_world
+    from megatron_dgpo.runtime.parallel import engine_group, init_distributed, split_world
 
     rollout = cfg.rollout
     init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
@@ -82,7 +83,7 @@ class _EngineServer:
 
     def _start(self, hf_dir: Path) -> None:
         rollout = self.cfg.rollout
-        self.prompts, self.tokenizer = data.load_prompts(self.cfg.data, hf_dir,
+        self.prompts, self.tokenizer = prompts.load_prompts(self.cfg.data, hf_dir,
                                                          rollout.max_prompt_tokens)
         self.engine = build_engine(rollout, hf_dir, seed=self.cfg.train.seed, placement="colocated",
                                    tensor_parallel_size=self.layout.engine_tp, refitted=True,
@@ -122,7 +123,7 @@ class _EngineServer:
     def _sample(self, start: int, batch_prompts: int, positions: list[int]) -> Experience | None:
         if not positions:
             return Experience([], [], [], [], []) if self.leader else None
-        indices = data.prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
+        indices = prompts.prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
         return generate_experience(self.engine, self.pool, self.tokenizer, self.prompts, indices,
                                    positions, self.cfg.rollout, train_seed=self.cfg.train.seed,
                                    prompts_consumed=start)

@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import torch
 
-from megatron_dgpo import comm
 from megatron_dgpo.rollout.placement import DedicatedLayout
+from megatron_dgpo.runtime import comm
 
 _ALIGN = 16  # bytes: each tensor of a broadcast bucket starts aligned for any dtype's view
 
@@ -26,7 +26,7 @@ def open_link(layout: DedicatedLayout, replica: int, index: int,
               timeout_minutes: float) -> comm.PeerGroup:
     """Member ``index`` (0: the replica's leader, then its engines' ranks) of ``replica``'s link,
     on torchrun's store; its first broadcast tries the weight channel."""
-    from megatron_dgpo.parallel import launch_store
+    from megatron_dgpo.runtime.parallel import launch_store
 
     return comm.PeerGroup(launch_store(timeout_minutes), layout.link_name(replica), index,
                           layout.link_size, device_backend=_device_backend(),

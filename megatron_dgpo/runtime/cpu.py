@@ -1,0 +1,376 @@
+"""Megatron-Core on a machine without a GPU (CPU tensors, gloo): the few CUDA-only spots.
+
+Megatron-Core assumes CUDA in a handful of places that the CPU code path still reaches (facts
+measured in ``shared/notes/megatron-core-on-cpu.md``). ``apply_cpu_compat()`` redirects exactly
+those, and only when ``torch.cuda.is_available()`` is False: on a GPU it returns without
+touching anything, so clusters run Megatron-Core untouched. Every patch turns a call that
+would raise "Torch not compiled with CUDA enabled" into its CPU equivalent; nothing that works
+on a CPU-only torch changes behaviour.
+
+Patched (all idempotent, process-wide, never undone):
+
+1. ``torch.cuda.current_device()`` -> ``torch.device("cpu")``: Megatron passes it as
+   ``device=`` to ~40 allocations (global memory buffer, TP gather/scatter outputs, p2p
+   buffers, RoPE frequencies).
+2. ``torch.cuda.synchronize()`` -> no-op (p2p, variable-length shape exchange, checkpoints).
+3. The schedules' ``torch.zeros(..., device="cuda")`` token counter: the schedules module sees
+   a ``torch`` whose ``zeros`` maps ``device="cuda"`` to the CPU.
+4. ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding with
+   ``weight.data.cuda()`` when PP > 1: during that call ``Tensor.cuda`` returns the tensor.
+5. RNG: ``model_parallel_cuda_manual_seed`` needs CUDA generators; on CPU use
+   ``seed_model_parallel_rng`` below (an inference-style tracker whose ``fork`` is a no-op, so
+   dropout inside TP regions draws from the CPU generator; RL fine-tuning runs without dropout).
+
+6. Megatron's (non-distributed) optimizer: ``megatron.core.optimizer.optimizer``,
+   ``.clip_grads`` and ``megatron.core.utils`` allocate their scalars (found-inf flag, loss
+   scale, grad-norm accumulators) with ``device="cuda"``: those modules see the same CPU-mapping
+   ``torch``; ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients and
+   is replaced by the same scaling (``grads *= max_norm / (total_norm + 1e-6)`` when < 1) on
+   CPU tensors. One optimizer and one checkpoint format then serve CPU and GPU.
+
+Mixture of experts (``shared/notes/qwen3-moe-on-cpu.md``; SequentialMLP experts, both the
+allgather and the alltoall token dispatcher over gloo):
+
+7. Router gating calls ``moe_utils.te_general_gemm`` when it is not None, but 0.16.1's
+   import fallback never defines it (``NameError``): without TE it is set to None, the torch
+   path. (0.19's fallback sets it to None itself: there the patch finds it and does nothing.)
+8. The alltoall dispatcher builds a ``torch.cuda.Stream`` for its device-to-host copies and
+   synchronises on it: the ``token_dispatcher`` module sees a ``torch`` whose ``cuda`` streams
+   are no-ops (CPU work is synchronous anyway).
+9. The same dispatcher hands its split sizes to ``all_to_all_single`` as numpy arrays through
+   ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts CUDA tensors only (gloo then
+   gets tensors: ``TypeError``): the module's copy also converts CPU tensors.
+
+10. Activation recomputation (``model.recompute_activations``): Megatron's checkpoint function
+    saves and restores the CUDA generator's state around each recomputed layer ("Torch not
+    compiled with CUDA enabled"); without CUDA there is none, and the CPU generator's state,
+    which it restores too, is all there is.
+
+The distributed optimizer (``optimizer.use_distributed_optimizer``), so that its sharding, its
+checkpoint formats and the async save run in the CPU tests exactly as on a GPU:
+
+11. ``DistributedOptimizer.__init__`` accepts only parameters whose ``Tensor.type()`` is
+    ``torch.cuda.{Float,Half,BFloat16}Tensor``: during that call a CPU tensor's ``type()``
+    reads as its CUDA name. Its fully-reshardable checkpoint gather
+    (``get_parameter_state_dp_zero``) moves its shards with ``Tensor.cuda()``: the identity
+    there, as in patch 4.
+12. gloo has no reduce-scatter nor all-gather into one tensor (Megatron's gradient buffers
+    reduce-scatter each bucket into this rank's shard, and all-gather the updated parameters):
+    ``param_and_grad_buffer``'s two collectives become one all-reduce of the whole bucket, of
+    which the shard is a view (reduce-scatter: the shard then holds its reduced sum; all-gather:
+    every other rank's part is zeroed first, so the sum is each rank's own values, exactly).
+    Still inside Megatron's coalescing manager (all-reduces coalesce on gloo).
+13. The async checkpoint save's persistent writer (``PersistentAsyncCaller``, a spawned process
+    per rank) starts with ``torch.cuda.set_device(rank % device_count())`` and synchronises CUDA
+    before staging the tensors it writes: its CPU worker skips both and runs Megatron's own
+    loop. The queue's finalisation all-reduces a tensor on ``torch.cuda.current_device()``, the
+    CPU by patch 1.
+
+Gradient synchronisation (megatron-core 0.19):
+
+14. ``param_and_grad_buffer``'s ``start_grad_sync`` calls ``torch.cuda.current_stream()`` on
+    every gradient reduction, to wait on the CUDA-graph events of the parameters that a local
+    CUDA-graph replay accumulated into (none on a CPU): the ``param_and_grad_buffer`` module
+    sees a ``torch`` whose ``cuda`` streams are no-ops (as patch 8), so the wait is over no
+    events.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from megatron_dgpo.runtime import comm
+
+_APPLIED = False
+
+
+def cpu_only() -> bool:
+    """True when no CUDA device is usable: the case this module exists for."""
+    return not torch.cuda.is_available()
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as seen by a Megatron module: identical, except that the factory functions
+    given ``device="cuda"`` (or a CUDA device) allocate on the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "empty", "ones", "full")
+
+    def __init__(self, real):
+        super().__init__("torch")
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args, device=None, **kwargs):
+            if device is not None and torch.device(device).type == "cuda":
+                device = "cpu"
+            return attr(*args, device=device, **kwargs)
+
+        return factory
+
+
+class _NoStream:
+    """A CUDA stream / event stand-in: CPU work is already ordered and complete."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> "_NoStream":
+        return self
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def __enter__(self) -> "_NoStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _CudaStreamsOnCpu(types.ModuleType):
+    """``torch.cuda`` whose streams are ``_NoStream`` (the alltoall dispatcher's side stream)."""
+
+    _STREAM = _NoStream()
+
+    def __init__(self, real):
+        super().__init__("torch.cuda")
+        self._real = real
+
+    def Stream(self, *args, **kwargs) -> _NoStream:  # noqa: N802  (torch.cuda's name)
+        return self._STREAM
+
+    def current_stream(self, device=None) -> _NoStream:
+        return self._STREAM
+
+    def stream(self, stream) -> _NoStream:
+        return self._STREAM
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _TorchWithCpuStreams(_TorchOnCpu):
+    """``_TorchOnCpu`` whose ``cuda`` is ``_CudaStreamsOnCpu``."""
+
+    def __init__(self, real):
+        super().__init__(real)
+        self.cuda = _CudaStreamsOnCpu(real.cuda)
+
+
+def _to_host(move):
+    """``moe_utils.maybe_move_tensor_to_cpu`` that also gives CPU tensors as numpy when asked."""
+
+    @functools.wraps(move)
+    def wrapper(tensor, as_numpy: bool = False, record_stream: bool = False):
+        tensor = move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(tensor):
+            tensor = tensor.numpy()
+        return tensor
+
+    return wrapper
+
+
+def _no_cuda_rng_state(*args, **kwargs):
+    return None
+
+
+def _apply_moe_compat() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not isinstance(token_dispatcher.torch, _TorchWithCpuStreams):
+        token_dispatcher.torch = _TorchWithCpuStreams(torch)
+    if not hasattr(token_dispatcher.maybe_move_tensor_to_cpu, "__wrapped__"):
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host(
+            token_dispatcher.maybe_move_tensor_to_cpu)
+
+
+def _cuda_named(original):
+    """``Tensor.type`` for which a CPU tensor's name (no argument) reads as its CUDA name."""
+
+    def type_(self, dtype=None, non_blocking=False, **rest):
+        if dtype is None and not rest and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **rest)
+
+    return type_
+
+
+def _shard_offset(shard: torch.Tensor, whole: torch.Tensor) -> int:
+    """Where ``shard`` (a view) starts inside the contiguous 1-D ``whole``."""
+    offset = shard.storage_offset() - whole.storage_offset()
+    if (shard.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+            or offset < 0 or offset + shard.numel() > whole.numel()):
+        raise NotImplementedError("cpu.py: the gloo stand-in for reduce-scatter / all-gather needs "
+                                  "the shard to be a view of the whole buffer, as Megatron's "
+                                  "gradient and parameter buckets are")
+    return offset
+
+
+def _reduce_scatter_by_all_reduce(output, input, op=torch.distributed.ReduceOp.SUM, group=None,
+                                  async_op=False):
+    """Megatron's bucket reduce-scatter over gloo: the whole bucket all-reduced in place, so its
+    shard ``output`` holds the reduced sum (the other shards too, where NCCL leaves partial sums
+    that nothing reads)."""
+    _shard_offset(output, input)
+    return comm.all_reduce_as_megatron(input, op=op, group=group, async_op=async_op)
+
+
+def _all_gather_by_all_reduce(output, input, group=None, async_op=False):
+    """Megatron's bucket all-gather over gloo: every part but this rank's shard ``input`` zeroed,
+    then the bucket all-reduced (a sum of one value and zeros: every rank's values, exactly)."""
+    _shard_offset(input, output)
+    own = input.clone()
+    output.zero_()
+    input.copy_(own)
+    return comm.all_reduce_as_megatron(output, group=group, async_op=async_op)
+
+
+def _apply_distributed_optimizer_compat() -> None:
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not getattr(DistributedOptimizer.__init__, "_dgpo_cpu_compat", False):
+        DistributedOptimizer.__init__ = _cuda_type_names(DistributedOptimizer.__init__)
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
+    if not getattr(gather, "_dgpo_cpu_compat", False):
+        DistributedOptimizer.get_parameter_state_dp_zero = _tensor_cuda_is_identity(gather)
+    param_and_grad_buffer.dist_reduce_scatter_func = _reduce_scatter_by_all_reduce
+    param_and_grad_buffer.dist_all_gather_func = _all_gather_by_all_reduce
+
+
+def _apply_grad_sync_compat() -> None:
+    from megatron.core.distributed import param_and_grad_buffer
+
+    if not isinstance(param_and_grad_buffer.torch, _TorchWithCpuStreams):
+        param_and_grad_buffer.torch = _TorchWithCpuStreams(torch)
+
+
+def _async_save_worker_on_cpu(*args, **kwargs):
+    """``PersistentAsyncCaller.async_loop`` in a spawned CPU process: no CUDA device to select."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.synchronize = _no_synchronize  # before staging the tensors it writes
+    # Megatron's loop: the class is unpatched in the child unless its main module patched it
+    loop = getattr(PersistentAsyncCaller, "_dgpo_async_loop", PersistentAsyncCaller.async_loop)
+    return loop(*args, **kwargs)
+
+
+def _apply_async_save_compat() -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    # The parent starts the worker with target=PersistentAsyncCaller.async_loop; the spawned
+    # child unpickles this function by name.
+    if not hasattr(PersistentAsyncCaller, "_dgpo_async_loop"):
+        PersistentAsyncCaller._dgpo_async_loop = PersistentAsyncCaller.async_loop
+        PersistentAsyncCaller.async_loop = staticmethod(_async_save_worker_on_cpu)
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """``megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32`` for CPU tensors."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if grads and coefficient < 1.0:
+        torch._foreach_mul_(grads, coefficient)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _no_synchronize(device=None) -> None:
+    return None
+
+
+def _tensor_method_during(name: str, replacement):
+    """A decorator: while the decorated function runs, ``torch.Tensor.<name>`` is
+    ``replacement(the original method)``."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, replacement(original))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                setattr(torch.Tensor, name, original)
+
+        wrapper._dgpo_cpu_compat = True
+        return wrapper
+
+    return decorate
+
+
+_tensor_cuda_is_identity = _tensor_method_during("cuda", lambda original: lambda self, *a, **k: self)
+_cuda_type_names = _tensor_method_during("type", _cuda_named)
+
+
+def apply_cpu_compat() -> bool:
+    """Apply the patches above once, only without a GPU. Returns True if they are active."""
+    global _APPLIED
+    if not cpu_only():
+        return False
+    if _APPLIED:
+        return True
+    import megatron.core.utils as core_utils
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _no_synchronize
+    for module in (schedules, optimizer, clip_grads, core_utils):
+        if not isinstance(module.torch, _TorchOnCpu):
+            module.torch = _TorchOnCpu(torch)
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    setup = LanguageModule.setup_embeddings_and_output_layer
+    if not getattr(setup, "_dgpo_cpu_compat", False):
+        LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(setup)
+    _apply_moe_compat()
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = _no_cuda_rng_state
+    tp_random._set_cuda_rng_state = _no_cuda_rng_state
+    _apply_distributed_optimizer_compat()
+    _apply_async_save_compat()
+    _apply_grad_sync_compat()
+    _APPLIED = True
+    return True
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed torch and Megatron's model-parallel RNG tracker, on GPU or CPU.
+
+    GPU: ``model_parallel_cuda_manual_seed(seed)`` (Megatron's own, with per-TP-rank states).
+    CPU: the same call with ``inference_rng_tracker=True`` (CUDA RNG states do not exist);
+    ``torch.manual_seed(seed)`` makes ``use_cpu_initialization`` weights identical on all ranks
+    of a model-parallel group, as Megatron's CPU initialisation slices one master weight.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if cpu_only():
+        apply_cpu_compat()
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=True, force_reset_rng=True)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

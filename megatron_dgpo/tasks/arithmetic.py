@@ -1,0 +1,139 @@
+"""A built-in task in the paper's regime: column addition with the carries written out.
+
+The paper's RL starts from a competent distilled policy that writes a chain of reasoning before
+its boxed answer; the built-in "repeat" task (one-token answers, a random policy) is nowhere near
+that regime. Here a response is a short worked chain, one column per line of thought, then the
+answer (3-digit operands, ~30 tokens with one token per digit):
+
+    prompt:   "What is 478+385? Add column by column with carries, then put the sum in \\boxed{}."
+    response: "8+5+0=13. 7+8+1=16. 4+3+1=8. \\boxed{863}"
+
+Each column reads two digits at known offsets in the prompt, adds the carry of the column before
+and writes the sum, so partial competence is graded: a policy can get most columns right and
+one wrong. A tiny model warm-started by supervised steps on worked solutions (``megatron_dgpo.sft``)
+reaches a mixed accuracy (some groups all right, some mixed, some all wrong), which is the regime
+where the group advantages carry signal and the methods' clipping differs.
+
+``make_task(out_dir)`` writes everything a study needs, disjoint by operand pair:
+
+    sft.jsonl        supervised pairs: {"prompt": [messages], "response": worked solution}
+    train.jsonl      RL prompts in DAPO-Math-17k's layout ({"prompt", "reward_model": {"ground_truth"}})
+    heldout.jsonl    evaluation problems in the benchmarks' layout ({"problem", "answer"}), for
+                     ``dgpo-eval --benchmarks heldout.jsonl``
+    initial_model/   a random tiny Qwen2 whose tokenizer (trained on this corpus) writes every
+                     digit as its own token, as Qwen2's does
+
+CLI: ``python -m megatron_dgpo.arithmetic OUT_DIR [--digits 3] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+INSTRUCTION = "Add column by column with carries, then put the sum in \\boxed{}."
+
+
+@dataclass(frozen=True)
+class TaskSizes:
+    """How many problems of each split ``make_task`` writes (disjoint operand pairs)."""
+
+    sft: int = 6000
+    """Supervised warm-start pairs."""
+    train: int = 3000
+    """RL training prompts."""
+    heldout: int = 200
+    """Held-out evaluation problems."""
+
+
+def prompt_text(a: int, b: int) -> str:
+    """The user message asking for a + b."""
+    return f"What is {a}+{b}? {INSTRUCTION}"
+
+
+def worked_solution(a: int, b: int, digits: int) -> str:
+    """The column-by-column solution of a + b (units first), ending with the boxed sum.
+
+    Every column is written as ``x+y+c=s`` with c the carry in (0 or 1), so each column has the
+    same shape; the last carry is the leading digit of the sum."""
+    columns, carry = [], 0
+    for i in range(digits):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        total = x + y + carry
+        columns.append(f"{x}+{y}+{carry}={total}.")
+        carry = total // 10
+    return " ".join(columns) + f" \\boxed{{{a + b}}}"
+
+
+def operand_pairs(digits: int, count: int, seed: int) -> list[tuple[int, int]]:
+    """``count`` distinct ordered pairs of ``digits``-digit numbers, in a seeded random order."""
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    space = (high - low + 1) ** 2
+    if count > space:
+        raise ValueError(f"{count} problems asked for, only {space} distinct {digits}-digit pairs exist")
+    rng = random.Random(seed)
+    chosen: dict[tuple[int, int], None] = {}
+    while len(chosen) < count:
+        chosen.setdefault((rng.randint(low, high), rng.randint(low, high)))
+    return list(chosen)
+
+
+def corpus(pairs: list[tuple[int, int]], digits: int) -> list[str]:
+    """Chat-formatted prompt + solution texts (the tokenizer's training corpus)."""
+    return [f"<|im_start|>user\n{prompt_text(a, b)}<|im_end|>\n<|im_start|>assistant\n"
+            f"{worked_solution(a, b, digits)}<|im_end|>\n" for a, b in pairs]
+
+
+def make_task(out_dir: str | Path, *, digits: int = 3, seed: int = 0, sizes: TaskSizes = TaskSizes(),
+              model_overrides: dict | None = None) -> Path:
+    """Write the task's splits and its initial random policy under ``out_dir`` (see the module
+    docstring). Deterministic in (digits, seed, sizes, model_overrides). Returns ``out_dir``."""
+    from megatron_dgpo.tasks.tiny import make_tiny_model
+
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = operand_pairs(digits, sizes.sft + sizes.train + sizes.heldout, seed)
+    sft, train, heldout = (pairs[: sizes.sft], pairs[sizes.sft: sizes.sft + sizes.train],
+                           pairs[sizes.sft + sizes.train:])
+    _write_jsonl(out / "sft.jsonl", [
+        {"prompt": [{"role": "user", "content": prompt_text(a, b)}],
+         "response": worked_solution(a, b, digits), "id": f"sft-{i}"} for i, (a, b) in enumerate(sft)])
+    _write_jsonl(out / "train.jsonl", [
+        {"prompt": [{"role": "user", "content": prompt_text(a, b)}],
+         "reward_model": {"ground_truth": str(a + b)}, "id": f"train-{i}"}
+        for i, (a, b) in enumerate(train)])
+    _write_jsonl(out / "heldout.jsonl", [
+        {"problem": prompt_text(a, b), "answer": str(a + b), "id": f"heldout-{i}"}
+        for i, (a, b) in enumerate(heldout)])
+    model_dir = out / "initial_model"
+    if not (model_dir / "config.json").is_file():
+        make_tiny_model(model_dir, seed=seed, tokenizer_texts=corpus(pairs, digits),
+                        individual_digits=True, **(model_overrides or {}))
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_dgpo.arithmetic",
+                                     description="Write the column-addition task and its initial tiny model.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--digits", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(make_task(args.out_dir, digits=args.digits, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The policy of a training job: where its initial weights come from and how this rank holds it.
+
+Sits above ``model`` (building) and ``convert`` (loading HF weights into the built chunks), so
+neither of those imports the other through it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from megatron_dgpo.convert import load_model
+from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
+from megatron_dgpo.models import describe
+from megatron_dgpo.models.builder import dtype_named, wrap_ddp
+from megatron_dgpo.runtime.config import require_choice
+from megatron_dgpo.runtime.gpu_flags import Platform, ddp_flags, require_gpu_stack
+from megatron_dgpo.training.routing_replay import ROUTING_REPLAYS, clear_instances
+
+
+@dataclass
+class ModelConfig:
+    """The initial policy."""
+
+    path: str = ""
+    """HF model folder (config.json + safetensors + tokenizer) of the initial policy. Relative
+    paths are resolved against the working directory. Ignored when ``tiny`` is set."""
+    tiny: dict[str, Any] | None = None
+    """Create a tiny random Qwen2 and its tokenizer at start instead of loading ``path``
+    (``megatron_dgpo.tasks.tiny.make_tiny_model`` keyword arguments, e.g. {seed: 0,
+    num_hidden_layers: 2}); written to ``<run_dir>/initial_model``. No download."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter dtype of the trained model. bfloat16 on GPU (fp32 main weights live in the
+    optimizer); float32 on CPU (bf16 matmuls are slow there and vLLM's CPU log-probs are fp32)."""
+    nominal_params: float | None = None
+    """The model's size as its name states it (1.5e9 for a "1.5B" model), used by
+    ``optimizer.lr: auto``. None: the parameter count of the built model."""
+    recompute_activations: bool = False
+    """Full-layer activation recomputation (Megatron ``recompute_granularity="full"``,
+    uniform method, one layer per block): trades ~33% more compute for O(layers) activations."""
+    without_transformer_engine: bool = False
+    """On a GPU, run without Transformer-Engine (Megatron's local layer spec). A GPU run stops
+    at start when TE does not import, because the local spec builds a dense [S, S] attention
+    mask per layer (~10 GB of scores per layer at 16k tokens, TP 4); set this only for short
+    sequences (and to train in float32 on a GPU). No effect on CPU."""
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """MoE models (Qwen3-MoE): how tokens reach their experts across expert-parallel ranks
+    (Megatron's ``moe_token_dispatcher_type``). ``alltoall``: routed tokens only, any layout;
+    ``allgather``: every rank gathers all tokens of its EP group, needs
+    ``parallel.pipeline_parallel: 1`` (it refuses the variable sequence lengths pipelining
+    uses); ``flex``: DeepEP / HybridEP kernels, a GPU with DeepEP installed only. Dense models
+    ignore it."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: weight of Megatron's load-balancing loss (``moe_aux_loss_coeff``; > 0 turns
+    on ``aux_loss`` balancing). 0 (off) by default: RL fine-tunes a pre-trained router, and the
+    extra loss term would change the policy gradient (HF's ``router_aux_loss_coef`` is the
+    pre-training value). Dense models ignore it."""
+
+    def __post_init__(self):
+        coeff = self.moe_aux_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
+                math.isfinite(coeff) and coeff >= 0):
+            raise ValueError(f"moe_aux_loss_coeff must be a finite number >= 0, got {coeff!r}")
+
+    def require_source(self) -> None:
+        """Raise unless the policy has a source (``path`` or ``tiny``); called by the run
+        configs that need one (a bare ``ModelConfig()`` is their default)."""
+        if not self.tiny and not self.path:
+            raise ValueError("model: set model.path (an HF folder) or model.tiny")
+
+
+def initial_model(config, run_dir, seed: int):
+    """Collective: the HF folder (``Path``) of the initial policy of ``config`` (a recipe's
+    ``ModelConfig``). ``model.tiny`` creates one once under ``<run_dir>/initial_model`` (kept for
+    resuming); a hub id is downloaded on rank 0; a folder is used as it is."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_dgpo.runtime import comm
+
+    target = _materialise_model(config, Path(run_dir), seed) if dist.get_rank() == 0 else None
+    return Path(comm.broadcast_object(str(target) if target else None, src=0))
+
+
+def _materialise_model(config, run_dir, seed: int):
+    import shutil
+    from pathlib import Path
+
+    if config.tiny is not None:
+        from megatron_dgpo.tasks.tiny import make_tiny_model
+
+        target = run_dir / "initial_model"
+        if not (target / "config.json").is_file():
+            staging = run_dir / ".initial_model.incomplete"
+            shutil.rmtree(staging, ignore_errors=True)
+            make_tiny_model(staging, **{"seed": seed, **config.tiny})
+            os.replace(staging, target)
+        return target
+    if Path(config.path).is_dir():
+        if not (Path(config.path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {config.path} has no config.json")
+        return Path(config.path)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"model.path: {config.path} is not a folder and HF_HUB_OFFLINE=1")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(config.path, allow_patterns=["*.json", "*.safetensors",
+                                                                "*.model", "*.txt", "*.jinja"]))
+
+
+def model_overrides(config, hf_config=None, *, routing_replay: str = "off") -> dict:
+    """``TransformerConfig`` overrides that ``config`` (a recipe's ``ModelConfig``) asks for:
+    bf16, full-layer recomputation (uniform, one layer per checkpoint) and, when ``hf_config``
+    (a dict, config.json or its folder) is an MoE model, the token dispatcher and the
+    load-balancing loss weight (``model.moe_token_dispatcher``, ``model.moe_aux_loss_coeff``).
+    A dense model gets neither: its config keeps the alltoall dispatcher that
+    ``variable_seq_lengths`` needs, which ``allgather`` would break.
+    ``routing_replay`` (``algorithm.routing_replay``): ``r3`` adds
+    ``moe_enable_routing_replay`` (each router gets a Megatron ``RouterReplay``) and refuses a
+    dense model; ``off`` adds nothing."""
+    overrides = {"bf16": True} if dtype_named(config.dtype) == torch.bfloat16 else {}
+    if config.recompute_activations:
+        overrides.update(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
+    moe = hf_config is not None and describe(hf_config).dims.moe
+    if moe:
+        overrides.update(moe_token_dispatcher_type=config.moe_token_dispatcher,
+                         moe_aux_loss_coeff=float(config.moe_aux_loss_coeff))
+    require_choice("algorithm.routing_replay", routing_replay, ROUTING_REPLAYS)
+    if routing_replay == "r3":
+        if not moe:
+            raise ValueError("algorithm.routing_replay: r3 replays the expert choices of MoE "
+                             "layers; this model is dense (no routed experts): set "
+                             "algorithm.routing_replay: off")
+        overrides["moe_enable_routing_replay"] = True
+    return overrides
+
+
+def wrap_policy(chunks: list, *, use_distributed_optimizer: bool,
+                platform: Platform | None = None) -> list:
+    """Collective: built model chunks as the trainer trains them. bf16 chunks go into Megatron's
+    Float16Module (``train_step`` asks it for logits in bf16, ``fp32_output=False``); then
+    Megatron DDP with ``gpu_flags.ddp_flags`` of this machine (overlapped grad reduce, and
+    param gather with the distributed optimizer, on a GPU). ``platform``: default
+    ``Platform.detect()``."""
+    if chunks and chunks[0].config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = []
+        for chunk in chunks:
+            wrapper = Float16Module(chunk.config, chunk)
+            wrapper.hf_spec = chunk.hf_spec
+            wrapped.append(wrapper)
+        chunks = wrapped
+    return wrap_ddp(chunks, **ddp_flags(platform or Platform.detect(),
+                                        use_distributed_optimizer=use_distributed_optimizer))
+
+
+def build_policy(config, hf_dir, *, use_distributed_optimizer: bool,
+                 routing_replay: str = "off"):
+    """Collective: ``(models, hf_config, dtype)``: this rank's chunks of the policy loaded from
+    ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, wrapped by ``wrap_policy``, the
+    HF config and the parameter dtype. ``routing_replay``: ``model_overrides``'; Megatron's
+    class-level list of ``RouterReplay`` instances is emptied first, so it holds this
+    policy's routers only."""
+    dtype = dtype_named(config.dtype)
+    platform = Platform.detect()
+    require_gpu_stack(platform, dtype=dtype, without_transformer_engine=config.without_transformer_engine)
+    if config.without_transformer_engine:
+        platform = replace(platform, transformer_engine=False)
+    hf_config = read_hf_config(str(hf_dir))
+    overrides = model_overrides(config, hf_config, routing_replay=routing_replay)
+    clear_instances()
+    chunks = load_model(str(hf_dir), dtype=dtype, platform=platform, **overrides)
+    models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer,
+                         platform=platform)
+    return models, hf_config, dtype
+
+
+def count_parameters(hf_dir) -> float:
+    """Parameters of the HF checkpoint in ``hf_dir`` (for ``optimizer.lr: auto`` without
+    ``model.nominal_params``), read from the safetensors headers."""
+    reader = LazyHFReader(str(hf_dir))
+    return float(sum(math.prod(reader.shape_dtype(name)[0]) for name in reader.names()))

@@ -1,0 +1,509 @@
+"""One policy-gradient forward/backward on a mini-batch with Megatron's schedules, split-invariant.
+
+The trainer calls, per mini-batch (after ``models = wrap_ddp(build_model(...))``)::
+
+    result = train_step(models, micro_batches, LossConfig(method="dgpo"), vocab_size=V)
+    optimizer.step()          # the trainer's (Megatron's optimizer on GPU)
+
+and, for old log-probs or evaluation::
+
+    outputs = forward_logprobs(models, micro_batches, vocab_size=V)   # [S] per micro-batch
+
+and, for the supervised warm start (``megatron_dgpo.sft``), ``sft_step(models, micro_batches)``:
+the token-mean negative log-likelihood with the same normalisation.
+
+Normalisation. The loss is the DGPO estimator averaged over the N valid tokens of the WHOLE
+mini-batch: all micro-batches of this rank and of every data-parallel rank,
+
+    L = -(1/N) sum_{all DP ranks, micro-batches, tokens t} mask_t s_t,     N = sum mask_t,
+
+so the gradient does not depend on TP, PP, DP sizes or on how a rank's rows are cut into
+micro-batches. How Megatron's own averaging is neutralised: the model config has
+``calculate_per_token_loss=True`` (``builder.transformer_config_from_hf`` sets it; checked here),
+and the loss function returns the triple ``(-sum_t mask_t s_t, n_valid_tokens, logs)``
+(``policy_loss(..., num_tokens=1)``). With that flag
+
+* the schedule does not divide the loss by ``num_microbatches`` (it only sums the token counts),
+* Megatron DDP sums gradients over DP instead of averaging (``gradient_scaling_factor = 1``),
+* ``finalize_model_grads(models, total_tokens)`` broadcasts the count from the last pipeline
+  stage, all-reduces it over DP and scales every gradient by ``1/N``.
+
+So the gradients left in ``param.main_grad`` are exactly dL/dtheta. N is also all-reduced over DP
+here before the schedule runs (every rank knows its masks) and checked against the count
+Megatron used. ``finalize_model_grads`` (DP all-reduce, tied-embedding gradient sum across the
+first and last pipeline stages, 1/N scaling) runs inside ``train_step``: afterwards the
+gradients are final and the optimizer may step.
+
+Other aggregations (``LossConfig.aggregation``, ``losses.sample_loss_weights``). Micro-batches
+that carry ``loss_weights`` c_t (computed per sample from whole groups before packing) give
+
+    L = -(1/W) sum_t mask_t c_t s_t,      W = sum_{all DP ranks, micro-batches} mask_t c_t,
+
+the number of groups (``group_token_mean``) or samples (``seq_mean_token_mean``) of the
+mini-batch; tokens with c_t = 0 (filtered groups) are out of the loss, of N and of the metrics.
+W is all-reduced over DP with N, and each micro-batch's sum is scaled by N / W before Megatron
+divides by N, so Megatron's integer token path is kept and the result is as split-invariant as
+N itself. ``rollout_correction: tis`` multiplies each token's term by
+``losses.truncated_is_weights`` (not part of W). Without ``loss_weights`` and TIS the code path
+is the token-mean one above, unchanged.
+
+Metrics (``policy_loss`` metrics + entropy as token-weighted ``entropy_sum`` and the loss sum)
+are merged exactly over micro-batches on the last stage (``losses.merge_metrics``), broadcast
+to the other pipeline stages, and reduced over DP (``losses.reduce_metrics``): every rank
+returns the same numbers.
+
+Micro-batches are ``packing.MicroBatch`` rows, built by ``packing.pack`` (or
+``packing.padded_micro_batch``) and passed unchanged: 1-D per-token tensors and the samples'
+boundaries as host ``cu_seqlens``. Megatron's RoPE uses positions 0..S-1 of the row
+(``position_ids`` only matter for learned absolute embeddings), so packed samples rely on RoPE
+being relative. With the local spec a row gets the block-diagonal causal mask built from
+``cu_seqlens``; with Transformer-Engine (GPU) it goes in as THD ``PackedSeqParams`` with the
+same ``cu_seqlens`` (the longest sample read on the host), because TE's causal kernel ignores
+arbitrary masks. The THD path needs a GPU with TE and has not been run yet (no GPU here).
+
+Logits dtype. A bf16 model is wrapped in Megatron's ``Float16Module``, which by default upcasts
+the last stage's output to fp32: an fp32 copy of the [S, V / TP] logits (8 bytes per logit with
+its gradient instead of 4). The forward step asks it for ``fp32_output=False`` instead, so the
+logits reach ``vocab_parallel.logprobs_and_entropy`` in bf16 and are upcast there one chunk at
+a time (bf16 -> fp32 is exact: the log-probs are the same).
+
+Routing replay (``algorithm.routing_replay: r3``, MoE): ``train_step`` and ``forward_logprobs``
+take ``routing_replay=`` a ``routing_replay.RoutingReplay``; each micro-batch's
+``routed_experts`` (the rollout engine's expert ids) are handed to the routers of the chunk
+about to run it, right before its forward, and every router is back to free routing when the
+schedule returns (also on an error). None (the default): routing is the router's own.
+
+Overlapped gradient reduction (``gpu_flags.ddp_flags`` on a GPU): the schedule gets
+``gpu_flags.schedule_sync_hooks`` (DDP's ``no_sync`` for all but the last micro-batch, as
+Megatron-LM's training loop sets them), so each bucket is reduced once, after the last
+micro-batch's backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from megatron_dgpo.algorithm.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
+                                            LossMetrics, merge_metrics, policy_loss, reduce_metrics,
+                                            summarize_metrics, truncated_is_weights)
+from megatron_dgpo.algorithm.packing import MicroBatch
+from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
+from megatron_dgpo.models.builder import unwrap_model
+from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.config import require_choice
+from megatron_dgpo.runtime.gpu_flags import schedule_sync_hooks
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss settings of a train step (``losses.policy_loss`` arguments plus temperature)."""
+
+    method: str = "dgpo"
+    temperature: float = 1.0
+    """Sampling temperature: logits are divided by it, as in the rollout sampler."""
+    hyperparams: LossHyperparams = field(default_factory=LossHyperparams)
+    """The loss's hyper-parameters (a recipe's ``algorithm.loss``)."""
+    chunk_size: int | None = None
+    """Tokens per chunk in ``logprobs_and_entropy`` (default: ``vocab_parallel.default_chunk_size``)."""
+    aggregation: str = "token_mean"
+    """``losses.AGGREGATIONS``; anything but ``token_mean`` needs ``MicroBatch.loss_weights``."""
+    rollout_correction: str = "none"
+    """``losses.ROLLOUT_CORRECTIONS``; ``tis`` needs ``MicroBatch.rollout_logprobs``."""
+    rollout_correction_cap: float = 2.0
+    """The TIS truncation C (``losses.truncated_is_weights``)."""
+
+    def __post_init__(self):
+        require_choice("aggregation", self.aggregation, AGGREGATIONS)
+        require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+
+
+@dataclass
+class StepResult:
+    """What one ``train_step`` returns, identical on every rank.
+
+    loss: L of the module docstring (float). num_tokens: N (kept valid tokens; 0 when every
+    token of the mini-batch is filtered out: the gradients are zero and the caller should not
+    step). metrics: the reduced ``losses.LossMetrics`` (``losses.loss_metrics`` + sums
+    ``entropy_sum``, ``loss_sum`` (= L * W), ``weight_sum`` when weighted, TIS's when on).
+    """
+
+    loss: float
+    num_tokens: int
+    metrics: LossMetrics
+
+    @property
+    def summary(self) -> dict[str, float]:
+        """Readable numbers: ``losses.summarize_metrics`` of ``metrics`` (with ``entropy`` and
+        ``loss`` per token)."""
+        return summarize_metrics(self.metrics)
+
+
+def _packed_seq_params(mb: MicroBatch, device):
+    """THD ``PackedSeqParams`` of one packed micro-batch, from its host ``cu_seqlens`` (the
+    longest sample is read on the host: no device sync).
+
+    Transformer-Engine's fused attention ignores arbitrary masks (its causal kernel would let a
+    sample see the previous one); with cu_seqlens each sample is its own causal sequence.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = mb.cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    longest = mb.max_seqlen()
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _forward_kwargs(model) -> dict:
+    """``{"fp32_output": False}`` when ``model`` (or a wrapper inside it) is Megatron's
+    ``Float16Module``: logits stay in the model's dtype (module docstring); else nothing."""
+    from megatron.core.transformer.module import Float16Module
+
+    while True:
+        if isinstance(model, Float16Module):
+            return {"fp32_output": False}
+        if not hasattr(model, "module"):
+            return {}
+        model = model.module
+
+
+def _device(models) -> torch.device:
+    return next(unwrap_model(models[0]).parameters()).device
+
+
+def _pp_info():
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size(),
+            ps.is_pipeline_last_stage(ignore_virtual=True),
+            ps.get_pipeline_model_parallel_last_rank())
+
+
+def _run_schedule(models, micro_batches, loss_fn, forward_only: bool, routing_replay=None):
+    """Megatron's forward-backward over ``micro_batches`` with ``loss_fn(mb, output)``; with
+    ``routing_replay`` each micro-batch's recorded routing is set before its forward."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("micro_batches is empty")
+    device = _device(models)
+
+    thd = unwrap_model(models[0]).transformer_engine
+    extra = _forward_kwargs(models[0])
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator).to(device)
+        if routing_replay is not None:
+            routing_replay.set(model, mb)
+        if thd:
+            output = model(mb.tokens[None], mb.position_ids[None], None,
+                           packed_seq_params=_packed_seq_params(mb, device), **extra)
+        else:
+            output = model(mb.tokens[None], mb.position_ids[None], mb.attention_mask(), **extra)
+        return output, partial(loss_fn, mb)
+
+    iterators = [iter(micro_batches) for _ in models]
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(models) > 1 else iterators[0],
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=len(micro_batches),
+            seq_length=max(len(mb.tokens) for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    finally:
+        if routing_replay is not None:
+            routing_replay.done()
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
+def _check_micro_batch(mb: MicroBatch, index: int, need_loss_inputs: bool,
+                       loss: LossConfig | None = None) -> None:
+    if need_loss_inputs and (mb.old_logprobs is None or mb.advantages is None):
+        raise ValueError(f"micro_batches[{index}] lacks old_logprobs or advantages")
+    if loss is None:
+        return
+    if loss.aggregation != "token_mean" and mb.loss_weights is None:
+        raise ValueError(f"micro_batches[{index}] lacks loss_weights, which aggregation "
+                         f"{loss.aggregation!r} needs (losses.sample_loss_weights per sample)")
+    if loss.rollout_correction == "tis" and mb.rollout_logprobs is None:
+        raise ValueError(f"micro_batches[{index}] lacks rollout_logprobs, which "
+                         f"rollout_correction 'tis' needs")
+
+
+def _valid_and_weights(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+    """The tokens in the loss ([S] bool: loss_mask and, when weighted, weight > 0) and the
+    aggregation weights ([S] float64, or None on the unweighted path)."""
+    if mb.loss_weights is None:
+        return mb.loss_mask.bool(), None
+    weights = mb.loss_weights.double()
+    return mb.loss_mask.bool() & (weights > 0), weights
+
+
+def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, *,
+               vocab_size: int | None = None, zero_grad: bool = True,
+               routing_replay=None) -> StepResult:
+    """Forward + backward of the policy loss on one mini-batch; gradients final on return.
+
+    Args:
+        models: this rank's model chunks wrapped by ``wrap_ddp`` (one per VPP stage).
+        micro_batches: this DP rank's micro-batches (every TP/PP rank of the DP rank passes
+            the same list); any count, any shapes; N is counted over all DP ranks.
+        loss: method, temperature, hyper-parameters.
+        vocab_size: the HF vocabulary size (logit columns past it are TP padding); default
+            ``models[0].hf_spec.vocab_size`` when built by ``builder.build_model``.
+        zero_grad: zero the DDP gradient buffers first (set False to accumulate).
+        routing_replay: a ``routing_replay.RoutingReplay``: the routers replay each
+            micro-batch's ``routed_experts`` (module docstring); None: free routing.
+
+    Returns:
+        ``StepResult`` (same on every rank). Gradients are in ``param.main_grad``, already
+        DP-reduced, tied-embedding-synchronised and scaled by 1/N (module docstring).
+    """
+    _check_models(models)
+    for i, mb in enumerate(micro_batches):
+        _check_micro_batch(mb, i, need_loss_inputs=True, loss=loss)
+    weighted = {mb.loss_weights is not None for mb in micro_batches}
+    if len(weighted) > 1:
+        raise ValueError("some micro_batches carry loss_weights and some do not")
+    weighted = weighted == {True}
+    vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
+    device = _device(models)
+
+    # N (valid tokens) and, when weighted, W = sum_t c_t, both over every DP rank: Megatron
+    # divides the gradients by N, so each micro-batch's loss sum is scaled by N / W.
+    counts = [0.0, 0.0]
+    for mb in micro_batches:
+        valid, weights = _valid_and_weights(mb)
+        counts[0] += float(valid.sum())
+        if weighted:
+            counts[1] += float(torch.where(valid, weights, 0.0).sum())
+    total = _count_over_dp(counts if weighted else counts[:1], device)
+    num_tokens = int(total[0])
+    weight_sum = float(total[1]) if weighted else float(num_tokens)
+    # policy_loss divides its sum by ``scale``; Megatron then by N: the total is 1 / W.
+    scale = weight_sum / num_tokens if weighted and num_tokens else 1.0
+
+    seen = _prepare_backward(models, num_tokens, zero_grad)
+    parts: list[dict] = []
+
+    def loss_fn(mb: MicroBatch, logits: Tensor):
+        logp, entropy = logprobs_and_entropy(logits, mb.targets[None],
+                                             temperature=loss.temperature,
+                                             chunk_size=loss.chunk_size, vocab_size=vocab_size)
+        valid, weights = _valid_and_weights(mb)
+        valid, tis = valid[None], None
+        if loss.rollout_correction == "tis":
+            tis, tis_metrics = truncated_is_weights(mb.old_logprobs[None],
+                                                    mb.rollout_logprobs[None], valid,
+                                                    loss.rollout_correction_cap)
+        if weights is not None or tis is not None:
+            token_weights = weights[None] if weights is not None else 1.0
+            token_weights = token_weights * tis if tis is not None else token_weights
+        else:
+            token_weights = None
+        loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs[None],
+                                        mb.advantages[None], valid, loss.hyperparams,
+                                        num_tokens=scale, weights=token_weights)
+        metrics.sums["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
+        metrics.sums["loss_sum"] = loss_sum.detach().double() * scale
+        if weighted:
+            metrics.sums["weight_sum"] = torch.where(valid, weights[None], 0.0).sum()
+        if tis is not None:
+            for (into, _, _), (group, _, _) in zip(metrics.groups(), tis_metrics.groups()):
+                into.update(group)
+        parts.append(metrics)
+        return loss_sum, valid.sum().to(torch.int), {}
+
+    _run_schedule(models, micro_batches, loss_fn, forward_only=False,
+                  routing_replay=routing_replay)
+    _check_token_count(seen, num_tokens)
+
+    merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
+    reduced = reduce_metrics(merged, group=_dp_group())
+    loss_value = float(reduced["loss_sum"]) / weight_sum if num_tokens else 0.0
+    return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced)
+
+
+def _check_models(models: list) -> None:
+    config = unwrap_model(models[0]).config
+    if not config.calculate_per_token_loss:
+        raise ValueError("the model config must have calculate_per_token_loss=True (the train "
+                         "step's 1/N normalisation relies on it); build it with "
+                         "megatron_dgpo.models.builder.build_model")
+    if not all(hasattr(m, "zero_grad_buffer") for m in models):
+        raise TypeError("train_step needs models wrapped by model.wrap_ddp")
+
+
+def _count_over_dp(values: list[float], device) -> list[float]:
+    return comm.reduce_values(torch.tensor(values, dtype=torch.float64), "sum", _dp_group()).tolist()
+
+
+def _prepare_backward(models: list, num_tokens: int, zero_grad: bool) -> dict:
+    """Set up one backward of Megatron's schedule normalised by ``num_tokens`` (module
+    docstring): Megatron's ``finalize_model_grads`` as the config's finalize function, DDP's
+    sync hooks, and (``zero_grad``) clean gradient buffers. Returns the dict in which the
+    finalize step records the token count Megatron used (``_check_token_count``)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = unwrap_model(models[0]).config
+    seen = {}
+
+    def finalize(model_chunks, tokens, **kwargs):
+        # no kept token anywhere (every group of the mini-batch filtered out): the gradients
+        # are exact zeros; 1/0 would turn them into NaN
+        finalize_model_grads(model_chunks, tokens if num_tokens else None, **kwargs)
+        seen["megatron_tokens"] = int(tokens.item()) if tokens is not None else None
+
+    config.finalize_model_grads_func = finalize
+    for name, hook in schedule_sync_hooks(models).items():
+        setattr(config, name, hook)
+    for model in models:
+        if zero_grad:
+            model.zero_grad_buffer()
+        # Megatron's optimizer leaves param.grad aliasing main_grad after a step; autograd would
+        # then accumulate into main_grad AND the DDP hook add the same gradient again (2x).
+        for param in model.parameters():
+            param.grad = None
+    return seen
+
+
+def _check_token_count(seen: dict, num_tokens: int) -> None:
+    if seen.get("megatron_tokens") not in (None, num_tokens):
+        raise RuntimeError(f"Megatron normalised by {seen['megatron_tokens']} tokens, the "
+                           f"mini-batch has {num_tokens}: micro-batches differ across ranks?")
+
+
+def sft_step(models: list, micro_batches: list[MicroBatch], *, vocab_size: int | None = None,
+             chunk_size: int | None = None, zero_grad: bool = True) -> tuple[float, int]:
+    """Forward + backward of the supervised (negative log-likelihood) loss on one batch:
+
+        L = -(1/N) sum_{all DP ranks, micro-batches, t} mask_t log pi_theta(targets_t),
+
+    N the valid (response) tokens of the whole batch, normalised exactly as ``train_step``'s
+    token mean (module docstring), so the gradient does not depend on TP, PP, DP or the
+    micro-batch split. Micro-batches need only tokens, targets and ``loss_mask``. Returns
+    ``(L, N)``, the same on every rank; gradients are final in ``param.main_grad``.
+    """
+    _check_models(models)
+    vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
+    device = _device(models)
+    num_tokens = int(_count_over_dp([float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))],
+                                    device)[0])
+    if not num_tokens:
+        raise ValueError("sft_step: the batch has no response token (every loss_mask is False)")
+    seen = _prepare_backward(models, num_tokens, zero_grad)
+    nll_sums: list[Tensor] = []
+
+    def loss_fn(mb: MicroBatch, logits: Tensor):
+        logp, _ = logprobs_and_entropy(logits, mb.targets[None], chunk_size=chunk_size,
+                                       vocab_size=vocab_size)
+        valid = mb.loss_mask.bool()[None]
+        nll = -torch.where(valid, logp.float(), 0.0).sum()
+        nll_sums.append(nll.detach().double())
+        return nll, valid.sum().to(torch.int), {}
+
+    _run_schedule(models, micro_batches, loss_fn, forward_only=False)
+    _check_token_count(seen, num_tokens)
+    local = {"nll_sum": torch.stack(nll_sums).sum()} if nll_sums else None
+    nll_sum = comm.reduce_values(_metrics_from_last_stage(local)["nll_sum"], "sum", _dp_group())
+    return float(nll_sum) / num_tokens, num_tokens
+
+
+def _metrics_from_last_stage(merged):
+    """The last pipeline stage's merged metrics (a ``LossMetrics`` or a dict of scalar
+    tensors) on every stage. They cross PP as plain floats, read from the device in one
+    transfer per group: no tensor travels in the broadcast object (pickled device tensors
+    come back on the sender's device index); every stage rebuilds float64 CPU tensors, which
+    ``reduce_metrics`` / ``comm.reduce_values`` then place for the DP reduction."""
+    pp_group, pp_size, last, last_rank = _pp_info()
+    if pp_size == 1:
+        return merged
+    host = _host_floats(merged) if last else None
+    return _from_host_floats(comm.broadcast_object(host, src=last_rank, group=pp_group))
+
+
+def _host_floats(metrics) -> tuple | None:
+    """``metrics`` as ``(kind, {group: {name: float}})``: nothing but Python floats."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, LossMetrics):
+        kind, groups = "loss", {"sums": metrics.sums, "mins": metrics.mins, "maxs": metrics.maxs}
+    else:
+        kind, groups = "dict", {"values": metrics}
+
+    def floats(group: dict) -> dict:
+        keys = sorted(group)
+        values = torch.stack([group[k].detach().double() for k in keys]).tolist() if keys else []
+        return dict(zip(keys, values))
+
+    return kind, {name: floats(group) for name, group in groups.items()}
+
+
+def _from_host_floats(host):
+    if host is None:
+        return None
+    kind, groups = host
+    tensors = {name: {k: torch.tensor(v, dtype=torch.float64) for k, v in group.items()}
+               for name, group in groups.items()}
+    return LossMetrics(**tensors) if kind == "loss" else tensors["values"]
+
+
+def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperature: float = 1.0,
+                     vocab_size: int | None = None, chunk_size: int | None = None,
+                     all_stages: bool = True,
+                     routing_replay=None) -> list[tuple[Tensor, Tensor]] | None:
+    """Per-token log pi(labels) and entropy for each micro-batch, without gradients.
+
+    Returns ``[(logprobs [S], entropy [S]), ...]`` float32 on CPU, one pair per
+    micro-batch (values under ``loss_mask == 0`` are computed too but meaningless for
+    padding). With PP > 1 the pairs are broadcast from the last stage to every stage unless
+    ``all_stages=False`` (then other stages get None). Models may be DDP-wrapped or not.
+    ``routing_replay``: as in ``train_step``.
+    """
+    if vocab_size is None:
+        vocab_size = unwrap_model(models[0]).hf_spec.vocab_size
+    outputs: list[tuple[Tensor, Tensor]] = []
+
+    def loss_fn(mb: MicroBatch, logits: Tensor):
+        logp, entropy = logprobs_and_entropy(logits, mb.targets[None], temperature=temperature,
+                                             chunk_size=chunk_size, vocab_size=vocab_size)
+        outputs.append((logp[0].detach().cpu(), entropy[0].detach().cpu()))
+        zero = torch.zeros((), device=logits.device)
+        return zero, torch.zeros((), dtype=torch.int, device=logits.device), {}
+
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        with torch.no_grad():
+            _run_schedule(models, micro_batches, loss_fn, forward_only=True,
+                          routing_replay=routing_replay)
+    finally:
+        for m, mode in zip(models, was_training):
+            m.train(mode)
+
+    pp_group, pp_size, last, last_rank = _pp_info()
+    if pp_size == 1:
+        return outputs
+    if not all_stages:
+        return outputs if last else None
+    device = _device(models)
+    result = []
+    for i, mb in enumerate(micro_batches):
+        both = (torch.stack(outputs[i]).to(device) if last
+                else torch.empty(2, *mb.tokens.shape, dtype=torch.float32, device=device))
+        comm.broadcast_(both, src=last_rank, group=pp_group)
+        both = both.cpu()
+        result.append((both[0], both[1]))
+    return result

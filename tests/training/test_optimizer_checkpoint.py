@@ -1,0 +1,127 @@
+"""Megatron's optimizer on CPU (TP=2) against AdamW in float64, non-finite step skipping, and
+the atomic distributed checkpoint of model + optimizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _rank_fns_trainer as fns
+from tests.distributed import run_ranks
+
+
+@pytest.fixture(scope="module")
+def optimizer_results():
+    return run_ranks(fns.optimizer_and_skipping, 2)
+
+
+def test_megatron_optimizer_on_cpu_is_adamw_with_global_clip(optimizer_results):
+    for result in optimizer_results:
+        assert max(result["norm_errors"]) < 1e-6  # the TP-aware global grad norm
+        assert result["clipped"]  # the clip was active, so the coefficient was checked too
+        assert max(result["errors"]) < 1e-6
+
+
+def test_non_finite_updates_are_skipped_on_every_rank(optimizer_results):
+    for result in optimizer_results:
+        assert result["inf_step"] is False and result["inf_unchanged"]
+        assert result["moments_unchanged"]
+        assert result["nan_loss"] != result["nan_loss"]  # NaN
+        assert result["nan_step"] is False and result["nan_unchanged"]
+        assert result["clean_step"] is True
+
+
+def test_offloaded_training_state_frees_its_memory_and_round_trips_bit_for_bit(optimizer_results):
+    for result in optimizer_results:
+        offload = result["offload"]
+        # fp32 weights: the param groups' tensors are the model's and stay; the Adam state of
+        # every parameter (two moments and the step count) is the optimizer's own
+        assert offload["storages"] == offload["state_tensors"] > 0
+        assert offload["freed"] and offload["weights_kept"]
+        assert offload["resident_inside"] and offload["offloaded_after"]
+        assert offload["state_equal"] and offload["grads_zero"] and offload["host_reused"]
+        assert offload["next_equal"]
+
+
+def test_offload_keeps_storages_the_model_shares():
+    """Main weights distinct from the model's (bf16 training) are offloaded; a param-group
+    tensor that is a view of a model parameter (fp32 weights, distributed-optimizer shards)
+    is not. Through Megatron's wrapper shapes: ``chained_optimizers`` and ``.optimizer``."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_dgpo.training.offload import optimizer_storages
+
+    model = torch.nn.Linear(4, 3)
+    main = [p.detach().float().clone() for p in model.parameters()]
+    shard_view = model.weight.detach().view(-1)[2:6]  # shares the weight's storage
+    inner = torch.optim.Adam([{"params": main}, {"params": [shard_view]}])
+    for p in main:
+        p.grad = torch.ones_like(p)
+    inner.step()
+    wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])
+    found = {s.data_ptr() for s in optimizer_storages(wrapped, [model])}
+    want = {t.untyped_storage().data_ptr() for t in main}
+    want |= {v.untyped_storage().data_ptr() for p in main for v in inner.state[p].values() if v.dim()}
+    assert want <= found
+    assert model.weight.untyped_storage().data_ptr() not in found
+
+
+LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1, "expert_parallel": 1}
+
+
+def test_checkpoint_round_trip_resumes_exactly(tmp_path):
+    results = run_ranks(fns.checkpoint_round_trip, 2, str(tmp_path))
+    for result in results:
+        assert result["differs_before"] and result["loaded_equal"] and result["next_equal"]
+        assert (result["step"], result["consumed"]) == (2, 64)
+        assert result["rng_restored"]
+        assert result["extra"] == {"layout": LAYOUT, "note": "kept"}
+        # async save: until Megatron's write has finished and the finalize step ran, the
+        # checkpoint is only a staging folder (no shard written yet) and `latest` is the old one
+        staged = result["async"]
+        assert staged["pending"] == 1 and staged["after_wait"] == 0
+        assert staged["closed_with_pending"] == 0  # close publishes first, then stops the writer
+        assert staged["latest"] == "step_000001"
+        assert staged["listing"] == [".incomplete-step_000002", "latest", "step_000001"]
+        assert not any(f.endswith(".distcp") for f in staged["staged_files"])
+        # A second Ctrl-C while Megatron's writer writes step 3: KeyboardInterrupt, not
+        # published (the first one was only a request: megatron_dgpo.runtime.interrupt)
+        ctrl_c = result["ctrl_c"]
+        assert ctrl_c["requested"] and ctrl_c["delivered"] and ctrl_c["interrupted"]
+        assert ctrl_c["latest"] == "step_000002"
+        assert ctrl_c["listing"] == [".incomplete-step_000003", "latest", "step_000002"]
+    # the layout recorded is the one saved at (TP=2), not the stale one in the state passed in
+    import json
+
+    record = json.loads((tmp_path / "step_000002" / "trainer_state.json").read_text())
+    assert record["extra"] == {"layout": LAYOUT, "note": "kept"}
+    assert (tmp_path / "latest").read_text().strip() == "step_000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".incomplete-step_000003", "latest",
+                                                          "step_000002"]
+    # A training checkpoint is also a converter checkpoint: it exports to HF.
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dgpo.convert import megatron_to_hf
+
+    megatron_to_hf(str(tmp_path / "step_000002"), str(tmp_path / "hf"))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 300
+
+
+def test_resume_modes(tmp_path):
+    """checkpoint.resume: auto continues when there is a checkpoint and starts fresh otherwise;
+    require needs one; never refuses to start over a run that has one."""
+    from megatron_dgpo.training.checkpoint import checkpoint_to_resume
+
+    root = tmp_path / "checkpoints"
+    assert checkpoint_to_resume(root, "auto") is None and checkpoint_to_resume(root, "never") is None
+    with pytest.raises(FileNotFoundError, match="checkpoint.resume=require: no complete checkpoint"):
+        checkpoint_to_resume(root, "require")
+    (root / "step_000004").mkdir(parents=True)
+    (root / "step_000004" / "trainer_state.json").write_text("{}")
+    (root / "latest").write_text("step_000004\n")
+    assert checkpoint_to_resume(root, "auto").name == checkpoint_to_resume(root, "require").name == "step_000004"
+    with pytest.raises(FileExistsError, match="checkpoint.resume=never: .* already holds step_000004"):
+        checkpoint_to_resume(root, "never")
+    with pytest.raises(ValueError, match="checkpoint.resume must be one of"):
+        checkpoint_to_resume(root, "sometimes")
