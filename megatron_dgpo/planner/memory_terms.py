@@ -109,10 +109,6 @@ def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight
     return checkpoints + one_layer(tokens)
 
 
-MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
-"""``model.moe_token_dispatcher`` values (``megatron_dgpo.recipe.ModelConfig``)."""
-
-
 def dispatcher_bytes(desc: ModelDescription, tokens: int, tp: int, ep: int, etp: int,
                      dispatcher: str = "alltoall", dtype_bytes: int = 2) -> int:
     """The token dispatcher's buffers of one MoE layer on one GPU (0 for a dense model), with
