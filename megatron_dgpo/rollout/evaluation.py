@@ -32,16 +32,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
+from megatron_dgpo.rollout.base import RolloutEngine
 from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.tasks.prompts import PromptRecord, render_prompts, resolve_benchmarks
+from megatron_dgpo.tasks.rewards import RewardPool
 
 PROBLEMS_PER_CALL = 32
 """Problems per engine call: bounds the completions held at once (n per problem)."""
+
+
+class EvaluationEngines(Protocol):
+    """What evaluation during training needs from the run's rollout: this rank's engine and
+    grader workers, and the problems its engine samples. Colocated engines
+    (``ReplicaRollout``) have them; dedicated engines refuse an ``eval`` section at start."""
+
+    engine: RolloutEngine | None
+    """This rank's engine; None on the ranks that feed an engine without holding it."""
+    pool: RewardPool | None
+    """The grader workers; None on the ranks that do not grade."""
+
+    def share(self, num_items: int) -> range:
+        """The items of ``num_items`` this rank's engine samples, split as a batch's prompts are."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -284,8 +300,8 @@ class HeldOutEvaluation:
         return [key for b in self.benchmarks for key in
                 [f"eval/{b.name}/avg@{n}"] + [f"eval/{b.name}/pass@{k}" for k in ks_up_to(n)]]
 
-    def run(self, rollout) -> dict[str, float]:
-        """Evaluate the policy the engines of ``rollout`` (a ``ReplicaRollout``) hold: each engine
+    def run(self, rollout: EvaluationEngines) -> dict[str, float]:
+        """Evaluate the policy the engines of ``rollout`` hold: each engine
         samples its share of every benchmark's problems (``rollout.share``), its grading rank
         grades them, and the counts are combined over the world. Returns the same metrics on
         every rank (``metric_names``). Collective (world): every rank calls it."""
