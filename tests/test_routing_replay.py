@@ -104,7 +104,7 @@ def tiny_moe(tmp_path_factory):
 def test_replayed_routing_is_the_engines_and_differs_after_updates(tiny_moe):
     from tests._rank_fns_r3 import replay_checks
 
-    results = run_ranks(replay_checks, 2, tiny_moe, timeout=900)
+    results = run_ranks(replay_checks, 2, tiny_moe, timeout=900, start_method="spawn")  # vLLM
     for r in results:
         print({k: v for k, v in r.items() if k != "batched_routed_experts"})
         assert r["dp"] == 2 and r["local_experts"] == 4  # EP=2: half of the 8 experts each
