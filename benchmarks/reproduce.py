@@ -133,15 +133,27 @@ def warm_start(out: Path, sft_steps: int, args, seed: int = 0) -> Path:
 
     task = make_task(out / "task")
     sft_dir = out / warm_start_name(seed)
-    if not (sft_dir / "hf" / "config.json").is_file():
-        _run([sys.executable, "-m", "megatron_dgpo.sft", str(SFT_RECIPE), f"run_dir={sft_dir}",
-              f"model.path={task / 'initial_model'}", f"sft.data={task / 'sft.jsonl'}",
-              f"sft.steps={sft_steps}", f"sft.seed={seed}", "logging.progress_bar=false"],
-             sft_dir / "sft.log")
     warm = "warm_start" if seed == 0 else f"warm_start_w{seed}"
-    for name, model_dir in (("initial", task / "initial_model"), (warm, sft_dir / "hf")):
-        evaluate(model_dir, task / "heldout.jsonl", out / "eval" / f"{name}.json", args.eval_n,
-                 args.max_tokens, args.eval_limit)
+
+    def evaluation(name: str, model_dir: Path):
+        return lambda: evaluate(model_dir, task / "heldout.jsonl", out / "eval" / f"{name}.json",
+                                args.eval_n, args.max_tokens, args.eval_limit)
+
+    initial = evaluation("initial", task / "initial_model")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # the random policy's evaluation needs only the task: with --jobs > 1 it runs beside
+        # the supervised run (a process each)
+        beside = pool.submit(initial) if args.jobs > 1 else None
+        if not (sft_dir / "hf" / "config.json").is_file():
+            _run([sys.executable, "-m", "megatron_dgpo.sft", str(SFT_RECIPE), f"run_dir={sft_dir}",
+                  f"model.path={task / 'initial_model'}", f"sft.data={task / 'sft.jsonl'}",
+                  f"sft.steps={sft_steps}", f"sft.seed={seed}", "logging.progress_bar=false"],
+                 sft_dir / "sft.log")
+        if beside is None:
+            initial()
+        else:
+            beside.result()
+    evaluation(warm, sft_dir / "hf")()
     return sft_dir / "hf"
 
 
@@ -496,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-n", type=int, default=8, help="samples per held-out problem (k)")
     parser.add_argument("--eval-limit", type=int, default=None, help="first N held-out problems")
     parser.add_argument("--max-tokens", type=int, default=48, help="response limit in evaluation")
-    parser.add_argument("--jobs", type=int, default=1, help="cells run at once (one core each)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes run at once (one core each): cells, and the random "
+                             "policy's evaluation beside the warm start")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ from megatron_dgpo.telemetry import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["--methods", "gppo", "--seeds", "3", "--settings", "paper", "--steps", "2",
-         "--sft-steps", "300", "--eval-n", "4", "--eval-limit", "40"]
+         "--sft-steps", "300", "--eval-n", "4", "--eval-limit", "40",
+         "--jobs", "2"]  # the random policy's evaluation beside the warm start (CI has 2 cores)
 
 
 def _reproduce(out: Path) -> str:

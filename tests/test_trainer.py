@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from megatron_dgpo.telemetry import read_metrics
+from tests.conftest import keep_tiny_run
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,21 +72,13 @@ def _assert_same_metrics(got: dict, want: dict, rel: float = 0.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
+def full_run(tmp_path_factory, request):
+    """The recipe as written (50 steps). Its metrics are kept for the later sessions of this
+    checkout (``make test-slow``, ``make test-cluster``), whose references are its first steps
+    (``tiny_first_steps`` in tests/conftest.py)."""
     run_dir = tmp_path_factory.mktemp("tiny_full")
     _check(_train(run_dir))
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def first_steps(tmp_path_factory):
-    """The recipe's first 6 steps, uninterrupted: the reference of the stop-signal and refill
-    tests (``make test-slow``, a pytest session of its own, which would otherwise run the
-    50-step ``full_run`` again for them). A run of fewer steps is the longer run's beginning
-    (no schedule depends on ``train.steps``; these tests compared against ``full_run``'s first
-    steps before, and equalled them)."""
-    run_dir = tmp_path_factory.mktemp("tiny_first_steps")
-    _check(_train(run_dir, "train.steps=6", "checkpoint.save_every=0", "checkpoint.export_hf=false"))
+    keep_tiny_run(request.config, run_dir)
     return run_dir
 
 
@@ -351,7 +344,7 @@ def _assert_stopped_with_checkpoint(run_dir: Path, steps: int) -> int:
 
 
 @pytest.mark.slow  # ~35 s each: `make test-slow`
-def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(first_steps, tmp_path):
+def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(tiny_first_steps, tmp_path):
     """Ctrl-C (SIGINT) once, after step 2's line: the step in flight finishes, a checkpoint of it
     is written (off the save schedule), engines and workers shut down, exit 75. Running the same
     command again continues from it (resume is the default) and the run equals the
@@ -371,12 +364,12 @@ def test_ctrl_c_stops_after_the_step_in_flight_and_the_same_command_continues(fi
     _check(again)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    for got, want in zip(records, read_metrics(first_steps)):
+    for got, want in zip(records, tiny_first_steps):
         _assert_same_metrics(got, want)
 
 
 @pytest.mark.slow  # ~35 s each: `make test-slow`
-def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_a_rerun_continues(first_steps, tmp_path):
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_a_rerun_continues(tiny_first_steps, tmp_path):
     """DP=2 under torchrun; SIGTERM to rank 1 only (as a node's slurmstepd may deliver it first):
     both ranks agree at the step boundary (without it rank 1 could not save, a collective,
     and rank 0 would wait in the next step), save that step and exit 75. The same command
@@ -402,7 +395,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_a_rerun_continues(f
     _check(_run(args, launcher=launcher[:-1] + [str(free_port())]))
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    for got, want in zip(records, read_metrics(first_steps)[:4]):
+    for got, want in zip(records, tiny_first_steps[:4]):
         assert _rollout(got) == _rollout(want)
         _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
                              {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
@@ -436,7 +429,7 @@ def test_tied_embeddings_refit_keeps_the_engine_on_the_trained_policy(tmp_path):
 
 
 @pytest.mark.slow  # two 2-step runs with up to 3 sampling rounds each: `make test-slow`
-def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(first_steps, tmp_path):
+def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(tiny_first_steps, tmp_path):
     """algorithm.refill_rounds (DAPO's dynamic sampling): a batch position whose group came out
     degenerate is sampled again from the next batch of the stream. The first round is the
     plain run's batch, so its degenerate groups are the ones discarded first; what is still
@@ -446,7 +439,7 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(first_ste
     one, two = tmp_path / "one", tmp_path / "two"
     _check(_train(one, "train.steps=2", "checkpoint.save_every=2", *refill))
     _torchrun(two, *refill)
-    plain, records = read_metrics(first_steps)[0], read_metrics(one)
+    plain, records = tiny_first_steps[0], read_metrics(one)
     first = records[0]
     degenerate = plain["adv/num_degenerate"]  # of the plain run's step 1 = this run's round 1
     assert degenerate > 0

@@ -28,13 +28,14 @@ def _train(run_dir, ranks: int, *overrides: str) -> str:
     return proc.stderr
 
 
-def test_tp2_dp2_equals_one_rank(tmp_path):
-    _train(tmp_path / "one", 1)
+def test_tp2_dp2_equals_one_rank(tiny_first_steps, tmp_path):
+    """The 1-rank run is ``tiny_first_steps`` (tests/conftest.py: a run of fewer steps is the
+    longer run's beginning)."""
     err = _train(tmp_path / "tp2dp2", 4, "parallel.tensor_parallel=2")
     shares = sorted((int(a), int(b)) for a, b in re.findall(r"samples batch positions (\d+)\.\.(\d+) of 32", err))
     assert shares == [(0, 15), (16, 31)]  # one TP=2 engine per replica, whole groups each
-    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2dp2")
-    assert [r["step"] for r in four] == [1, 2]
+    one, four = tiny_first_steps[:2], read_metrics(tmp_path / "tp2dp2")
+    assert [r["step"] for r in four] == [r["step"] for r in one] == [1, 2]
     rollout = lambda r: {k: v for k, v in r.items() if k.startswith("rollout/") and k != "rollout/engines"}  # noqa: E731
     assert rollout(four[0]) == rollout(one[0])  # step 1: the same tokens sampled
     assert four[0]["rollout/engines"] == 2 and one[0]["rollout/engines"] == 1

@@ -305,7 +305,7 @@ def test_colocated_engines_on_two_ranks(prompts, tiny_model_dir, tiny_model_dir_
     from tests._rank_fns_colocated import colocated_engines
 
     r0, r1 = run_ranks(colocated_engines, 2, str(tiny_model_dir), str(tiny_model_dir_b),
-                       [list(p) for p in prompts], timeout=900)
+                       [list(p) for p in prompts], timeout=900, start_method="spawn")  # vLLM
     half = len(prompts) // 2
     # two engines, same per-prompt seeds -> the samples one engine gives in one call
     assert r0["whole"] == r1["whole"]

@@ -131,7 +131,8 @@ def test_colocated_moe_and_qwen3_refit_exactly(moe_pair, tmp_path):
     dense_pair = model_pair(tmp_path, "qwen3")
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(5, 12))] for _ in range(4)]
-    (r,) = run_ranks(_refit_checks, 1, *moe_pair, *dense_pair, prompts, timeout=900)
+    (r,) = run_ranks(_refit_checks, 1, *moe_pair, *dense_pair, prompts, timeout=900,
+                     start_method="spawn")  # vLLM engines
     print({k: v for k, v in r.items() if not k.startswith("tokens")})
     assert r["diff_a"] < LOGPROB_ATOL
     # per layer q/k/v, o_proj, the experts (alone, over the bucket), router + norms; embedding,

@@ -104,7 +104,7 @@ def tiny_moe(tmp_path_factory):
 def test_replayed_routing_is_the_engines_and_differs_after_updates(tiny_moe):
     from tests._rank_fns_r3 import replay_checks
 
-    results = run_ranks(replay_checks, 2, tiny_moe, timeout=900)
+    results = run_ranks(replay_checks, 2, tiny_moe, timeout=900, start_method="spawn")  # vLLM
     for r in results:
         print({k: v for k, v in r.items() if k != "batched_routed_experts"})
         assert r["dp"] == 2 and r["local_experts"] == 4  # EP=2: half of the 8 experts each
@@ -135,16 +135,30 @@ def test_replayed_routing_is_the_engines_and_differs_after_updates(tiny_moe):
     assert results[0]["c_diff_frac"] == results[1]["c_diff_frac"]  # reduced over DP
 
 
-@pytest.mark.slow  # two end-to-end runs (~70 s): make test stays well inside CI's 30 minutes
-def test_tiny_moe_recipe_runs_with_r3_at_ep2_and_ep1(tmp_path):
+R3_SHORT = ["train.steps=2", "algorithm.routing_replay=r3"]
+
+
+@pytest.fixture(scope="module")
+def r3_one_rank(tmp_path_factory) -> list[dict]:
+    """The tiny MoE recipe with R3 on 1 rank (EP=1, 2 steps): the reference of both slow
+    multi-rank runs below (EP=2, and PP=2 with a TP-2 engine), run once for both."""
     from megatron_dgpo.telemetry import read_metrics
     from tests.test_tiny_moe import _train
     from tests.test_trainer import _check
 
-    short = ["train.steps=2", "algorithm.routing_replay=r3"]
-    _check(_train(tmp_path / "ep2", *short, ranks=2))
-    _check(_train(tmp_path / "ep1", *short, "parallel.expert_parallel=1", ranks=1))
-    two, one = read_metrics(tmp_path / "ep2"), read_metrics(tmp_path / "ep1")
+    run_dir = tmp_path_factory.mktemp("r3_one_rank")
+    _check(_train(run_dir, *R3_SHORT, "parallel.expert_parallel=1", ranks=1))
+    return read_metrics(run_dir)
+
+
+@pytest.mark.slow  # two end-to-end runs (~70 s): make test stays well inside CI's 30 minutes
+def test_tiny_moe_recipe_runs_with_r3_at_ep2_and_ep1(r3_one_rank, tmp_path):
+    from megatron_dgpo.telemetry import read_metrics
+    from tests.test_tiny_moe import _train
+    from tests.test_trainer import _check
+
+    _check(_train(tmp_path / "ep2", *R3_SHORT, ranks=2))
+    two, one = read_metrics(tmp_path / "ep2"), r3_one_rank
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
     for got, want in zip(two, one):
         # the old-log-prob forward runs on the engine's weights: its routing is the engine's
@@ -158,18 +172,20 @@ def test_tiny_moe_recipe_runs_with_r3_at_ep2_and_ep1(tmp_path):
 
 
 @pytest.mark.slow
-def test_r3_at_pp2_with_a_tp2_engine_equals_one_rank(tmp_path):
+def test_r3_at_pp2_with_a_tp2_engine_equals_one_rank(r3_one_rank, tmp_path):
     """PP=2 (each stage replays its own layer) with one colocated engine of TP 2 over both
     ranks (each captures its routers; the samples cross the model-parallel group with their
-    routing): the same numbers as one rank. Measured: identical to the last digit, ~110 s."""
+    routing): the same numbers as one rank (``r3_one_rank``). Measured: identical to the last
+    digit."""
     from megatron_dgpo.telemetry import read_metrics
     from tests.test_tiny_moe import _train
     from tests.test_trainer import _check
 
-    short = ["train.steps=2", "algorithm.routing_replay=r3", "parallel.expert_parallel=1"]
-    _check(_train(tmp_path / "pp2", *short, "parallel.pipeline_parallel=2", ranks=2))
-    _check(_train(tmp_path / "one", *short, ranks=1))
-    for got, want in zip(read_metrics(tmp_path / "pp2"), read_metrics(tmp_path / "one")):
+    _check(_train(tmp_path / "pp2", *R3_SHORT, "parallel.expert_parallel=1",
+                  "parallel.pipeline_parallel=2", ranks=2))
+    pp2 = read_metrics(tmp_path / "pp2")
+    assert [r["step"] for r in pp2] == [r["step"] for r in r3_one_rank] == [1, 2]
+    for got, want in zip(pp2, r3_one_rank):
         for key in ("rollout/reward_mean", "mismatch/routing_replay_diff_frac",
                     "train/routing_replay_diff_frac"):
             assert got[key] == want[key], key
