@@ -173,3 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                       + explain_step_time(plan.step_times))
     return 0 if plan.fits else 1
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,12 +5,13 @@ fit, the recompute switch it proposes, bad flags and recipe input, and dedicated
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from megatron_dgpo.plan import main
 from megatron_dgpo.recipe import load_recipe
-from tests.planner._inputs import RECIPE_14B, RECIPE_14B_ASYNC, run_main
+from tests.planner._inputs import RECIPE_14B, RECIPE_14B_ASYNC, ROOT, run_main
 
 
 def test_14b_on_one_24gb_gpu_does_not_fit(capsys):
@@ -117,3 +118,18 @@ def test_cli_refuses_a_rollout_that_leaves_no_trainer_and_engines_that_do_not_fi
         main([RECIPE_14B_ASYNC, "--mean-response-fraction", "0", *args])
     assert exc.value.code == 2
     assert "--mean-response-fraction must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe, code, verdict", [
+    ("recipes/tiny_gpu.yaml", 0, "<- pick"), (RECIPE_14B, 1, "DOES NOT FIT")])
+def test_the_module_path_users_type_runs_the_command_line(recipe, code, verdict):
+    """``python -m megatron_dgpo.plan`` (README, docs/planner.md) is dgpo-plan itself: its table
+    and its exit status, not a module that imports and exits 0 silently."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_dgpo.plan", os.path.join(ROOT, recipe),
+                           "rollout.tensor_parallel_size=1", "--gpus-per-node", "1",
+                           "--gpu-memory-gb", "80"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert verdict in proc.stdout and "TP1 PP1 CP1 DP1" in proc.stdout
