@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from megatron_dgpo.telemetry import read_metrics
+from tests.conftest import TINY_QUIET as QUIET
+from tests.conftest import TINY_RECIPE as RECIPE
 from tests.conftest import keep_tiny_run
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
-QUIET = ["logging.progress_bar=false", "logging.tensorboard=false"]
 # Wall-clock measurements; everything else in a metrics line is a function of the config.
 VARYING = ("time", "time/", "throughput/", "refit/seconds")
 
