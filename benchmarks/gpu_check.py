@@ -17,15 +17,28 @@ CUDA, a CPU torch): then it fails with torch's reason (``gpu_flags.require_usabl
 
 Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun runs at the end):
 
-* ``fp32_thd_refused`` (needs TE): the trainer refuses model.dtype float32 with TE at start
-  (``gpu_flags.require_gpu_stack``) instead of failing at the first forward.
-* ``te_thd_bf16`` (needs TE): the Transformer-Engine layer spec with a packed row as THD
-  ``PackedSeqParams`` (fused RoPE where TE has it) against Megatron's local spec with a
+* ``attention_choice`` (needs nothing: the decision is a function of the GPU's generation,
+  cuDNN and flash-attn, evaluated as if TE were installed where it is not): the trainer's
+  attention backend for packed rows (``gpu_flags.attention_backend``) is cuDNN fused on sm90 and
+  newer, FlashAttention on sm80/86/89 and under ``--profile a100``; the same GPU without
+  flash-attn (a stand-in ``Platform``) is refused naming flash-attn 2.8.3 when cuDNN attention
+  is off, and float32 is refused (TE's only float32 backend is the dense unfused one).
+* ``te_attention_selected`` (needs TE): the trainer's TE model (its ``attention_overrides``) on a
+  packed row, forward and backward: the backend TE itself selected (its
+  ``_attention_backends`` record) is the trainer's choice, never the unfused one.
+* ``packed_attention_memory`` (needs TE): peak extra memory of forward + backward of packed rows
+  of 8 sequences of 1024 and of 2048 tokens: the ratio must be linear in tokens (<= 2.5; dense
+  [s, s] scores would make it about 3 on this model, the estimate is reported beside it).
+* ``trainer_refuses_unfused`` (needs TE): ``python -m megatron_dgpo.train recipes/tiny_gpu.yaml``
+  with ``NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0`` (no backend but the unfused one): it exits
+  non-zero at start-up with the refusal, before any metrics line (no generation ran).
+* ``te_thd_bf16`` (needs TE): the Transformer-Engine layer spec (the trainer's attention
+  backend) with a packed row as THD ``PackedSeqParams`` (fused RoPE where TE has it) against Megatron's local spec with a
   block-diagonal causal mask, same weights, same packed row: log-probs and parameter gradients
   of sum_t w_t log p_t, each compared with the fp32 local model; TE's error must be within 2x
   (+ 1e-3) the local bf16 path's own error (bf16 rounding, not the attention kernel, sets the
-  tolerance). TE's THD attention has no fp32 backend (flash and cuDNN take fp16/bf16, the
-  unfused one no THD), so there is no fp32 TE run (hence ``fp32_thd_refused``).
+  tolerance). TE's flash and cuDNN attention take fp16/bf16 only (its float32 backend is the
+  dense unfused one, which the trainer refuses), so there is no fp32 TE run.
 * ``logprobs_v152064`` (needs nothing): ``vocab_parallel.logprobs_and_entropy`` forward +
   backward (the gradient of sum_t w_t log p_t, and with ``entropy_grad=True`` of
   + sum_t w_t H_t) on bf16 logits [8192, 152064], its compiled kernels (``kernel="compiled"``,
@@ -77,6 +90,12 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
 The tiny runs take the recipe as it is on the full stack; without vLLM they sample with
 transformers' generate (``rollout.engine=hf``), without TE they build the local spec
 (``model.without_transformer_engine=true``): ``tiny_gpu_overrides``, named in their rows.
+
+``--profile a100`` runs any GPU as an A100 chooses attention: TE's cuDNN attention off
+(``NVTE_FUSED_ATTN=0``, for this process and the trainers it starts), so the trainer must take
+FlashAttention, and refuse without flash-attn. On a GPU, results agree with the float32 or CPU
+references within the tolerances each row states; bitwise equality is claimed only where a row
+says so (a checkpoint's reload on the same GPU).
 """
 
 from __future__ import annotations
@@ -92,6 +111,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -210,6 +230,38 @@ def _gpu_platform():
     return Platform.detect()
 
 
+PROFILES = {"a100": {"NVTE_FUSED_ATTN": "0"}}
+"""``--profile``: the environment under which this GPU chooses attention as another generation
+must: ``a100`` turns TE's cuDNN attention off, which is what an A100 lacks for packed rows."""
+NVTE_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextmanager
+def _attention_switches_restored():
+    """TE's attention switches as they were (the profile's) after the block: building a model
+    sets them for its backend (Megatron's ``LanguageModule._set_attention_backend``) and asserts
+    they agree with what is already set, so one check's model must not leave them to the next
+    check's model of another backend."""
+    saved = {key: os.environ.get(key) for key in NVTE_SWITCHES}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _trainer_attention(dtype=torch.bfloat16) -> dict:
+    """The ``TransformerConfig`` attention override the trainer passes on this GPU
+    (``policy.attention_overrides`` of a default ``ModelConfig``; {} for the local spec)."""
+    from megatron_dgpo.recipe import ModelConfig
+    from megatron_dgpo.training.policy import attention_overrides
+
+    return attention_overrides(ModelConfig(), _gpu_platform(), dtype)
+
+
 def _policy(hf_config, *, seed: int, recompute: bool = False,
             use_distributed_optimizer: bool = True):
     """The trainer's bf16 policy of random weights: ``build_model`` (this machine's spec and
@@ -219,7 +271,8 @@ def _policy(hf_config, *, seed: int, recompute: bool = False,
     from megatron_dgpo.training.policy import model_overrides, wrap_policy
 
     overrides = model_overrides(ModelConfig(dtype="bfloat16", recompute_activations=recompute))
-    chunks = build_model(hf_config, dtype=torch.bfloat16, seed=seed, **overrides)
+    chunks = build_model(hf_config, dtype=torch.bfloat16, seed=seed, **overrides,
+                         **_trainer_attention())
     return wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer)
 
 
@@ -293,7 +346,8 @@ def _spec_run(spec: str, dtype: torch.dtype, weights: dict):
         raise RuntimeError("Transformer-Engine is not installed: nothing to compare")
     # no DDP here, so no main_grad for gradient-accumulation fusion to write into
     model = build_model(SMALL_QWEN2, dtype=dtype, seed=3, platform=platform,
-                        gradient_accumulation_fusion=False)[0]
+                        gradient_accumulation_fusion=False,
+                        **(_trainer_attention(dtype) if spec == "te" else {}))[0]
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(weights[_te_to_local(name)])
@@ -313,23 +367,136 @@ def _agreement(a, b) -> tuple[float, float, float]:
     return float(d.max()), float(d.mean()), grad
 
 
-def check_fp32_thd_refused() -> Row:
-    from megatron_dgpo.runtime.gpu_flags import require_gpu_stack
+def check_attention_choice() -> Row:
+    from dataclasses import replace
 
-    goal = "float32 + TE refused at start, naming model.dtype"
-    try:
-        require_gpu_stack(_gpu_platform(), dtype=torch.float32)
-    except (ValueError, RuntimeError) as error:
-        return Row("fp32_thd_refused", "model.dtype" in str(error), str(error)[:120], goal, {})
-    return Row("fp32_thd_refused", False, "accepted", goal, {})
+    from megatron_dgpo.runtime.gpu_flags import attention_backend
+
+    platform = _gpu_platform()
+    with_te = replace(platform, transformer_engine=True)  # the decision TE's presence makes
+    fused_off = os.environ.get("NVTE_FUSED_ATTN") == "0"
+    capability = platform.compute_capability
+    expected = "fused" if capability >= (9, 0) and not fused_off else (
+        "flash" if platform.flash_attention else "refused")
+
+    def choose(p, dtype=torch.bfloat16, environ=None):
+        try:
+            return attention_backend(p, "auto", dtype=dtype, environ=environ)
+        except ValueError as error:
+            return f"refused: {error}"
+
+    chosen = choose(with_te)
+    no_flash = replace(with_te, flash_attention="",
+                       flash_attention_error="flash-attn is not installed (a stand-in)")
+    refusal = choose(no_flash, environ={**os.environ, "NVTE_FUSED_ATTN": "0"})
+    fp32 = choose(with_te, torch.float32)
+    ok = (chosen.split(":")[0] == expected and refusal.startswith("refused")
+          and "flash-attn==2.8.3" in refusal and fp32.startswith("refused"))
+    return Row("attention_choice", ok,
+               f"{platform.gpu}, cuDNN {platform.cudnn}, {platform.flash_attention or 'no flash-attn'}"
+               f"{', NVTE_FUSED_ATTN=0' if fused_off else ''}: {chosen[:160]}; without flash-attn "
+               f"and cuDNN attention: {refusal[:80]}...; float32: {fp32[:60]}...",
+               f"auto = {expected}; no flash-attn without cuDNN attention and float32 refused",
+               dict(chosen=chosen, expected=expected, refusal=refusal, float32=fp32,
+                    transformer_engine_installed=platform.transformer_engine))
+
+
+def _te_selected_backend() -> dict:
+    """What Transformer-Engine selected for the last attention call (its module-level record
+    ``_attention_backends`` in ``dot_product_attention.py``, TE 2.17)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention
+
+    record = dot_product_attention._attention_backends
+    name = ("flash" if record["use_flash_attention"] else "fused" if record["use_fused_attention"]
+            else "unfused" if record["use_unfused_attention"] else "none")
+    return dict(selected=name, flash=str(record["flash_attention_backend"]),
+                fused_sub_backend=str(record["fused_attention_backend"]))
+
+
+def _te_model(config: dict):
+    """The trainer's bf16 TE model of ``config`` (its attention backend), unwrapped."""
+    from megatron_dgpo.models.builder import build_model
+
+    return build_model(config, dtype=torch.bfloat16, seed=3, gradient_accumulation_fusion=False,
+                       **_trainer_attention())[0]
+
+
+def _packed_forward_backward(model, lengths, vocab: int):
+    tokens, cu, targets, w = _packed_row(lengths, vocab, seed=0)
+    loss, _ = _weighted_logprob_loss(_logits(model, tokens, cu, thd=True), targets, w, vocab)
+    loss.backward()
+
+
+def check_te_attention_selected() -> Row:
+    choice = _trainer_attention()["attention_backend"].name
+    _packed_forward_backward(_te_model(SMALL_QWEN2), PACKED_LENGTHS, SMALL_QWEN2["vocab_size"])
+    selected = _te_selected_backend()
+    return Row("te_attention_selected", selected["selected"] == choice,
+               f"trainer chose {choice}; TE selected {selected['selected']} (flash "
+               f"{selected['flash']}, fused sub-backend {selected['fused_sub_backend']})",
+               "TE selects the trainer's backend, never unfused", dict(selected, chosen=choice))
+
+
+MEMORY_SEQUENCES = 8
+MEMORY_LENGTHS = (1024, 2048)
+
+
+def check_packed_attention_memory() -> Row:
+    """Peak extra memory of forward + backward of a packed row of ``MEMORY_SEQUENCES``
+    sequences per length in ``MEMORY_LENGTHS``; the same model and weights."""
+    model = _te_model(SMALL_QWEN2)
+    vocab, heads = SMALL_QWEN2["vocab_size"], SMALL_QWEN2["num_attention_heads"]
+    peaks = {}
+    for n in MEMORY_LENGTHS:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        peaks[n], _ = _peak_extra(lambda: _packed_forward_backward(
+            model, [n] * MEMORY_SEQUENCES, vocab))
+    short, long = MEMORY_LENGTHS
+    ratio = peaks[long] / peaks[short]
+    # what TE's unfused attention would add at the longer rows: bf16 scores and probabilities
+    # [b h, s, s] and a bool mask [b, 1, s, s] per layer
+    dense = (SMALL_QWEN2["num_hidden_layers"] * MEMORY_SEQUENCES * long * long
+             * (2 * 2 * heads + 1))
+    selected = _te_selected_backend()["selected"]
+    return Row("packed_attention_memory", ratio <= 2.5 and selected != "unfused",
+               f"{selected}: {peaks[short] / 2**20:.0f} MiB at {MEMORY_SEQUENCES}x{short} tokens, "
+               f"{peaks[long] / 2**20:.0f} MiB at {MEMORY_SEQUENCES}x{long}: x{ratio:.2f} "
+               f"(dense scores would add {dense / 2**20:.0f} MiB)",
+               "peak(2s) / peak(s) <= 2.5 (linear in tokens)",
+               dict(peak_bytes={str(k): v for k, v in peaks.items()}, ratio=ratio,
+                    dense_scores_bytes_at_long=dense, selected=selected))
+
+
+def check_trainer_refuses_unfused() -> Row:
+    goal = "exit != 0 at start-up with the refusal, no metrics line (no generation)"
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(_trainer_env(), NVTE_FUSED_ATTN="0", NVTE_FLASH_ATTN="0")
+        env.pop("NVTE_UNFUSED_ATTN", None)
+        begin = time.perf_counter()
+        proc = subprocess.run(tiny_gpu_command(1, tiny_gpu_overrides(available_components()),
+                                               f"{tmp}/run"),
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        seconds = time.perf_counter() - begin
+        logged = (Path(tmp) / "run" / "metrics.jsonl").is_file()
+    said = "model.attention_backend=auto" in proc.stderr and "unfused" in proc.stderr
+    refusal = next((line for line in proc.stderr.splitlines() if "attention_backend" in line), "")
+    return Row("trainer_refuses_unfused", proc.returncode != 0 and said and not logged,
+               f"rc {proc.returncode} after {seconds:.0f} s, metrics written {logged}: "
+               f"{refusal[-200:] or _tail(proc.stderr)}", goal,
+               dict(returncode=proc.returncode, seconds=seconds, metrics_written=logged,
+                    stderr_tail=proc.stderr[-2000:]))
 
 
 def check_te_thd_bf16() -> Row:
     goal = "TE+THD bf16 error vs fp32 <= 2x local bf16 error + 1e-3"
     weights = _reference_weights()
-    reference = _spec_run("local", torch.float32, weights)
-    te = _agreement(_spec_run("te", torch.bfloat16, weights), reference)
-    local = _agreement(_spec_run("local", torch.bfloat16, weights), reference)
+    with _attention_switches_restored():  # local, TE and local again: each sets the switches
+        reference = _spec_run("local", torch.float32, weights)
+    with _attention_switches_restored():
+        te = _agreement(_spec_run("te", torch.bfloat16, weights), reference)
+    with _attention_switches_restored():
+        local = _agreement(_spec_run("local", torch.bfloat16, weights), reference)
     ok = te[0] <= 2 * local[0] + 1e-3 and te[2] <= 2 * local[2] + 1e-3
     return Row("te_thd_bf16", ok,
                f"vs fp32: TE max|d logp| {te[0]:.2e} grads {te[2]:.2e}; local bf16 "
@@ -787,19 +954,25 @@ def check_tiny_gpu_stop_resume() -> Row:
 
 
 CHECKS = (
-    ("fp32_thd_refused", check_fp32_thd_refused),
+    ("attention_choice", check_attention_choice),
+    ("te_attention_selected", check_te_attention_selected),
+    ("packed_attention_memory", check_packed_attention_memory),
     ("te_thd_bf16", check_te_thd_bf16),
     ("logprobs_v152064", check_logprobs_v152064),
     ("distopt_checkpoint", check_distopt_checkpoint),
     ("throughput_1p5b", check_throughput_1p5b),
     ("seeded_sampling_v152064", check_seeded_sampling_v152064),  # vLLM enters the process here
     ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
+    ("trainer_refuses_unfused", check_trainer_refuses_unfused),
     ("tiny_gpu_stop_resume", check_tiny_gpu_stop_resume),
     *((name, partial(check_tiny_gpu, name)) for name in TINY_GPU_LAYOUTS),
 )
 
 NEEDS = {  # what each check needs beyond torch, megatron-core and one CUDA GPU (docstring)
-    "fp32_thd_refused": ("TE",),
+    "attention_choice": (),
+    "te_attention_selected": ("TE",),
+    "packed_attention_memory": ("TE",),
+    "trainer_refuses_unfused": ("TE",),
     "te_thd_bf16": ("TE",),
     "logprobs_v152064": (),
     "distopt_checkpoint": (),
@@ -862,7 +1035,8 @@ def run_check(name: str, fn, available: dict) -> Row:
                   f"needs {', '.join(NEEDS[name])}", dict(missing=missing))
     else:
         try:
-            row = fn()
+            with _attention_switches_restored():
+                row = fn()
         except Exception as exc:  # reported in the table; the other checks still run
             row = Row(name, False, f"error: {type(exc).__name__}: {exc}"[:400], "runs",
                       dict(traceback=traceback.format_exc()))
@@ -926,7 +1100,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for gpu_check.md and gpu_check.json")
     parser.add_argument("--only", nargs="*", choices=[name for name, _ in CHECKS],
                         help="run only these checks")
+    parser.add_argument("--profile", choices=sorted(PROFILES),
+                        help="choose attention as this GPU generation must (a100: TE's cuDNN "
+                             "attention off, NVTE_FUSED_ATTN=0)")
     args = parser.parse_args(argv)
+    os.environ.update(PROFILES.get(args.profile, {}))  # the trainers started here inherit it
     from megatron_dgpo.runtime import gpu_flags
 
     try:  # a GPU node whose CUDA does not start is a failed check, not a CPU machine
@@ -937,7 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(SKIP_LINE)
         return 0
-    env = _environment()
+    env = dict(_environment(), profile=args.profile)
     begin = time.perf_counter()
     rows = run_checks(args.only, env["available"])
     env["total_seconds"] = time.perf_counter() - begin
@@ -945,7 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"# gpu_check.py on {env['device']}\n\n{env['date']}; torch {env['torch']} "
+    profile = f" as {args.profile} ({PROFILES[args.profile]})" if args.profile else ""
+    header = (f"# gpu_check.py on {env['device']}{profile}\n\n{env['date']}; torch {env['torch']} "
               f"(CUDA {env['cuda']}), megatron-core {env['megatron_core']}, TE "
               f"{env['transformer_engine']}, vLLM {env['vllm']}, apex extensions "
               f"{'yes' if env['available']['apex'] else 'no'}, {env['available']['GPUs']} "

@@ -41,7 +41,7 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
 
 def test_every_check_is_its_own_function_and_declares_its_needs(gpu_check):
     names = [name for name, _ in gpu_check.CHECKS]
-    assert len(set(names)) == len(names) == 11
+    assert len(set(names)) == len(names) == 14
     assert len({fn for _, fn in gpu_check.CHECKS}) == len(names)
     # a function per check, or the tiny-run function bound to its layout's name
     assert all(name in getattr(fn, "__name__", "") or fn.args == (name,) for name, fn in gpu_check.CHECKS)
@@ -68,8 +68,8 @@ def test_missing_requirements(gpu_check):
 def test_torch_and_megatron_alone_still_run_the_trainer_checkpoint_and_kernel_checks(gpu_check):
     runnable = {name for name, needs in gpu_check.NEEDS.items()
                 if not gpu_check.missing_requirements(needs, NOTHING)}
-    assert runnable == {"logprobs_v152064", "distopt_checkpoint", "tiny_gpu_run",
-                        "tiny_gpu_stop_resume"}
+    assert runnable == {"attention_choice", "logprobs_v152064", "distopt_checkpoint",
+                        "tiny_gpu_run", "tiny_gpu_stop_resume"}
     assert not any(gpu_check.missing_requirements(n, FULL) for n in gpu_check.NEEDS.values())
 
 
@@ -161,3 +161,45 @@ def test_stop_resume_row_against_the_cpu_trainer(gpu_check, monkeypatch):
     assert row.numbers["stop_returncode"] == 75 and not stopped["exported"]
     assert 1 <= len(stopped["steps"]) < gpu_check.TINY_GPU_STEPS
     assert final["steps"] == [1, 2, 3, 4, 5] and final["latest"] == "step_000005"
+
+
+def test_a_check_leaves_tes_attention_switches_as_the_profile_set_them(gpu_check, monkeypatch):
+    """Building a model sets TE's NVTE_*_ATTN switches for its backend, and Megatron asserts that
+    they agree with what is already set: each check (and each model of ``te_thd_bf16``) starts
+    from the profile's switches. ``--profile a100`` is cuDNN attention off, for the checks and
+    the trainers they start."""
+    for key in gpu_check.NVTE_SWITCHES:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NVTE_FUSED_ATTN", gpu_check.PROFILES["a100"]["NVTE_FUSED_ATTN"])
+
+    def builds_a_flash_model():
+        os.environ.update(NVTE_FLASH_ATTN="1", NVTE_UNFUSED_ATTN="0")
+        return gpu_check.Row("x", True, "", "")
+
+    gpu_check.run_check("attention_choice", builds_a_flash_model, NOTHING)
+    assert {k: os.environ.get(k) for k in gpu_check.NVTE_SWITCHES} == {
+        "NVTE_FLASH_ATTN": None, "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": None}
+    assert gpu_check.PROFILES == {"a100": {"NVTE_FUSED_ATTN": "0"}}
+
+
+def test_attention_choice_row_on_stand_in_gpus(gpu_check, monkeypatch):
+    """The ``attention_choice`` check's own logic, on stand-in ``Platform``s (the check needs
+    no TE, so this is what it does on a GPU without one): pass on an H100 (fused), on an H100
+    under the A100 profile (flash), on an A100 with flash-attn (flash) and without it (the
+    trainer refuses: the expected outcome there)."""
+    from dataclasses import replace
+
+    from megatron_dgpo.runtime.gpu_flags import GPU
+
+    h100 = replace(GPU, transformer_engine=False, compute_capability=(9, 0), device_name="H100")
+    a100 = replace(h100, compute_capability=(8, 0), device_name="A100")
+    bare_a100 = replace(a100, flash_attention="", flash_attention_error="flash-attn is not installed")
+    for platform, profile, chosen in ((h100, {}, "fused"), (h100, gpu_check.PROFILES["a100"], "flash"),
+                                      (a100, {}, "flash"), (bare_a100, {}, "refused")):
+        monkeypatch.setattr(gpu_check, "_gpu_platform", lambda p=platform: p)
+        monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
+        for key, value in profile.items():
+            monkeypatch.setenv(key, value)
+        row = gpu_check.check_attention_choice()
+        assert row.ok is True and row.numbers["chosen"].startswith(chosen), row
+        assert "flash-attn==2.8.3" in row.numbers["refusal"]

@@ -163,11 +163,25 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # 0.16 needs it for variable_seq_lengths
         attention_softmax_in_fp32=True,
+        attention_backend=_default_attention_backend(platform),
         **transformer_flags(platform, tp or 1),
     )
     kwargs.update(moe)
     kwargs.update(overrides)
     return kwargs
+
+
+def _default_attention_backend(platform: Platform):
+    """Megatron's ``local`` attention for its local spec (as Megatron-LM pairs
+    ``--attention-backend local`` with ``--spec local``), its ``auto`` for the TE spec; the
+    trainer passes the backend ``gpu_flags.attention_backend`` chose (``policy.attention_overrides``).
+    The backend also sets TE's ``NVTE_*_ATTN`` switches in the process environment
+    (``LanguageModule._set_attention_backend``), and Megatron asserts they agree with any value
+    already there: a local-spec build leaves what a TE choice made under ``NVTE_FUSED_ATTN=0``
+    consistent."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return AttnBackend.auto if platform.transformer_engine else AttnBackend.local
 
 
 MOE_DISPATCHERS = ("alltoall", "allgather", "flex")

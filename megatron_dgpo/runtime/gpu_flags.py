@@ -16,6 +16,7 @@ the live machine; tests pass ``Platform(cuda=True, ...)`` to check the GPU decis
 | ``overlap_grad_reduce`` (DDP config)              | CUDA                                      |
 | ``overlap_param_gather`` (DDP + optimizer config) | CUDA and the distributed optimizer        |
 | logits dtype into ``logprobs_and_entropy``        | the model's dtype (bf16: no fp32 copy)    |
+| ``attention_backend`` (TransformerConfig)         | per GPU generation: ``attention_backend`` |
 
 Why each condition (Megatron-Core 0.16 and 0.19):
 
@@ -42,6 +43,13 @@ Why each condition (Megatron-Core 0.16 and 0.19):
   layer is Megatron's own ``ColumnParallelLinear``, which raises unless apex's
   ``fused_weight_gradient_mlp_cuda`` extension imports (``docker/Dockerfile`` builds it).
   It needs ``main_grad``: models trained with it must be wrapped in Megatron's DDP (they are).
+* Attention of packed (THD) rows, Transformer-Engine 2.17.1 (``attention_backend``): cuDNN
+  fused attention takes THD only on sm90 and newer; on sm80 (A100) TE runs THD through
+  FlashAttention-2, and only when the ``flash-attn`` distribution is installed at a version it
+  accepts (vLLM's bundled ``vllm_flash_attn`` does not count). Otherwise TE silently takes
+  ``UnfusedDotProductAttention``, which does accept THD: it pads every sequence of the row to the
+  longest and allocates [b h, s, s] scores and a [b, 1, s, s] mask per layer. So the backend is
+  chosen here, explicitly, and a run that would reach the unfused one is refused at start-up.
 * Overlapped grad reduce launches each bucket's all-reduce / reduce-scatter during backward;
   the schedule must then be told to hold it until the last micro-batch
   (``schedule_sync_hooks``). Overlapped param gather (distributed optimizer only) defers the
@@ -70,19 +78,41 @@ class Platform:
     softmax_kernels: bool = False
     """Megatron's compiled ``scaled_masked_softmax_cuda`` kernel imports (the local spec's fused
     masked softmax)."""
+    compute_capability: tuple[int, int] | None = None
+    """The GPU generation: (8, 0) A100, (8, 6) A10/A40, (8, 9) L40/L4, (9, 0) H100/H200,
+    (10, 0) B200. None on CPU, and where a GPU platform is described without one (``GPU``)."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``), for messages."""
+    cudnn: tuple[int, int, int] | None = None
+    """The cuDNN torch loads (TE's fused attention runs on it), e.g. (9, 20, 0)."""
+    flash_attention: str = ""
+    """The FlashAttention Transformer-Engine would run on this GPU, e.g. ``"flash-attn 2.8.3"``:
+    flash-attn 2.x within the range TE accepts (``flash_attention_status``), or flash-attn-3 on
+    sm90. Empty when there is none."""
+    flash_attention_error: str = field(default="", compare=False)
+    """Why ``flash_attention`` is empty (not installed, a version TE refuses), for messages."""
     transformer_engine_error: str = field(default="", compare=False)
     """Why ``transformer_engine.pytorch`` did not import on a CUDA machine (``detect``), for
     the message of ``require_gpu_stack``."""
 
     def __post_init__(self):
         if not self.cuda and (self.transformer_engine or self.apex_gradient_fusion
-                              or self.softmax_kernels):
-            raise ValueError("Platform: transformer_engine, apex_gradient_fusion and "
-                             "softmax_kernels need cuda")
+                              or self.softmax_kernels or self.compute_capability):
+            raise ValueError("Platform: transformer_engine, apex_gradient_fusion, "
+                             "softmax_kernels and compute_capability need cuda")
+
+    @property
+    def gpu(self) -> str:
+        """The GPU for messages: "NVIDIA A100-SXM4-80GB, sm80"."""
+        arch = f"sm{self.compute_capability[0]}{self.compute_capability[1]}" \
+            if self.compute_capability else "compute capability unknown"
+        return f"{self.device_name or 'this GPU'}, {arch}"
 
     @classmethod
     def detect(cls) -> "Platform":
-        """This machine: CUDA from torch, TE and apex's extension by import."""
+        """This machine: CUDA, the GPU's generation and cuDNN from torch; TE, apex's extension
+        and Megatron's kernels by import; FlashAttention by its installed version, judged as
+        Transformer-Engine judges it."""
         import torch
 
         if not torch.cuda.is_available():
@@ -90,16 +120,26 @@ class Platform:
         # the PyTorch extension, not the top-level package: a TE built for another torch or
         # CUDA imports at the top level and fails here
         te_error = _import_error("transformer_engine.pytorch")
+        capability = tuple(torch.cuda.get_device_capability())
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        flash, flash_error = flash_attention_status(
+            _distribution_version("flash-attn"), capability,
+            flash_attn_3=_distribution_version("flash-attn-3"))
         return cls(cuda=True, transformer_engine=te_error is None, transformer_engine_error=te_error or "",
                    apex_gradient_fusion=_import_error("fused_weight_gradient_mlp_cuda") is None,
-                   softmax_kernels=_import_error("scaled_masked_softmax_cuda") is None)
+                   softmax_kernels=_import_error("scaled_masked_softmax_cuda") is None,
+                   compute_capability=capability, device_name=torch.cuda.get_device_name(),
+                   cudnn=None if cudnn is None else (cudnn // 10000, cudnn // 100 % 100, cudnn % 100),
+                   flash_attention=flash, flash_attention_error=flash_error)
 
 
 CPU = Platform(cuda=False)
 """The CPU path: every GPU choice off (what the CPU tests run)."""
-GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True, softmax_kernels=True)
-"""A GPU node as the recipes assume it (the pinned GPU stack of ``docker/Dockerfile``: TE and
-apex with its kernels); the planner's."""
+GPU = Platform(cuda=True, transformer_engine=True, apex_gradient_fusion=True, softmax_kernels=True,
+               cudnn=(9, 20, 0), flash_attention="flash-attn 2.8.3")
+"""A GPU node as the recipes assume it (the pinned GPU stack of ``docker/Dockerfile``: TE, apex
+with its kernels, flash-attn 2.8.3, torch's cuDNN 9.20), of no particular generation; the
+planner's (it sets ``compute_capability`` from ``--hardware``)."""
 
 
 def _import_error(module: str) -> str | None:
@@ -114,36 +154,203 @@ def _import_error(module: str) -> str | None:
     return None
 
 
+def _distribution_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, or None (what Transformer-Engine reads
+    to decide whether it may use a FlashAttention package)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+FLASH_ATTN_PIN = "2.8.3"
+"""The flash-attn of the image (``constraints-gpu.txt``): the newest 2.x Transformer-Engine
+2.17.1 accepts."""
+TE_FLASH_ATTN_RANGE = ("2.1.1", "2.8.3")
+"""Transformer-Engine 2.17.1's accepted flash-attn 2.x versions, both ends included
+(``FlashAttentionUtils.version_required`` and ``max_version``); on sm100 and newer from 2.7.3
+(``version_required_blackwell``). A post release (2.8.3.post1) is above 2.8.3: TE refuses it."""
+TE_FLASH_ATTN_BLACKWELL_MIN = "2.7.3"
+
+
+def flash_attention_status(flash_attn: str | None, capability: tuple[int, int] | None, *,
+                           flash_attn_3: str | None = None) -> tuple[str, str]:
+    """``(found, why_not)``: which FlashAttention Transformer-Engine 2.17.1 would run on a GPU
+    of ``capability`` with the distributions ``flash-attn`` (version ``flash_attn``) and
+    ``flash-attn-3`` installed, or ``("", reason)``. TE's own rule
+    (``dot_product_attention/backends.py``): flash-attn 2.x counts only inside
+    ``TE_FLASH_ATTN_RANGE`` (sm100+: from 2.7.3), on sm80 and newer; flash-attn-3 only on sm90.
+    Outside its range TE logs one warning and runs as if none were installed."""
+    from packaging.version import Version
+
+    if capability is not None and capability < (8, 0):
+        return "", f"FlashAttention needs sm80 or newer (this GPU is sm{capability[0]}{capability[1]})"
+    if flash_attn_3 is not None and capability == (9, 0):
+        return f"flash-attn-3 {flash_attn_3}", ""
+    if flash_attn is None:
+        return "", "flash-attn is not installed"
+    low, high = TE_FLASH_ATTN_RANGE
+    if capability is not None and capability >= (10, 0):
+        low = TE_FLASH_ATTN_BLACKWELL_MIN
+    version = Version(Version(flash_attn).public)
+    if not Version(low) <= version <= Version(high):
+        return "", (f"flash-attn {flash_attn} is installed, but Transformer-Engine 2.17.1 uses only "
+                    f"{low} to {high} (a .post release counts as newer) and ignores it")
+    return f"flash-attn {flash_attn}", ""
+
+
 INSTALL_HELP = "docs/install.md, 'GPU stack'"
 
 
-def require_gpu_stack(platform: Platform, *, dtype, without_transformer_engine: bool = False) -> None:
-    """Refuse a GPU run that would fail or degrade later, with the fix in the message.
-
-    * Transformer-Engine must import on CUDA: without it Megatron's local layer spec builds a
-      dense [S, S] attention mask per layer (about 10 GB of scores per layer at S = 16384 and
-      TP = 4: an out-of-memory error on the first long row) and RoPE takes the unfused path
-      with a host sync per layer. ``model.without_transformer_engine`` opts out (short rows).
-    * float32 with TE: TE's packed-sequence (THD) attention has no float32 backend (its flash
-      and cuDNN kernels take fp16/bf16, the unfused one no THD): "no dot product attention
-      backend" at the first forward. Train in bfloat16 (the fp32 main weights live in the
-      optimizer) or opt out of TE.
-    Nothing to check on CPU (the local spec and fp32 are the CPU path)."""
-    import torch
-
-    if not platform.cuda:
-        return
-    if not platform.transformer_engine and not without_transformer_engine:
+def require_gpu_stack(platform: Platform, *, without_transformer_engine: bool = False) -> None:
+    """Refuse a GPU run without Transformer-Engine, with the fix in the message: without it
+    Megatron's local layer spec builds a dense [S, S] attention mask per layer (about 10 GB of
+    scores per layer at S = 16384 and TP = 4: an out-of-memory error on the first long row) and
+    RoPE takes the unfused path with a host sync per layer. ``model.without_transformer_engine``
+    opts out (short rows). Nothing to check on CPU (the local spec is the CPU path). Which
+    attention backend TE then runs is ``attention_backend``'s."""
+    if platform.cuda and not platform.transformer_engine and not without_transformer_engine:
         raise RuntimeError(
             "Transformer-Engine is required on a GPU run and does not import "
             f"({platform.transformer_engine_error or 'not found'}): install the pinned GPU stack "
             f"({INSTALL_HELP}: TE built against this torch with --no-build-isolation), or set "
             "model.without_transformer_engine=true for short sequences only (dense attention masks)")
-    if platform.transformer_engine and not without_transformer_engine and dtype == torch.float32:
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
+"""``model.attention_backend``: ``auto`` (``attention_backend`` picks per GPU generation) or one
+of Transformer-Engine's backends, by Megatron-Core's names (``AttnBackend``)."""
+
+ATTENTION_HELP = "docs/install.md, 'Attention backends'"
+FUSED_THD_CUDNN = (9, 6, 0)
+"""cuDNN from which TE's fused attention takes packed rows with grouped-query attention
+(9.1 without it); every recipe's model is GQA."""
+
+
+def _half(dtype) -> bool:
+    import torch
+
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _fused_thd_refusal(platform: Platform, dtype, environ) -> str:
+    """Why cuDNN fused attention cannot take this run's packed (THD) rows, or "" if it can
+    (TE 2.17.1, ``nvte_get_fused_attn_backend``: THD only on sm90 and newer, cuDNN >= 9.6 with
+    GQA, >= 9.18.1 on sm120)."""
+    capability, cudnn = platform.compute_capability, platform.cudnn
+    if environ.get("NVTE_FUSED_ATTN") == "0":
+        return "NVTE_FUSED_ATTN=0 is set in the environment"
+    if not _half(dtype):
+        return f"it takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+    if capability is None or capability < (9, 0):
+        return "cuDNN fused attention takes packed (THD) rows only on sm90 and newer"
+    wanted = (9, 18, 1) if capability == (12, 0) else FUSED_THD_CUDNN
+    if cudnn is None or cudnn < wanted:
+        found = "no cuDNN" if cudnn is None else "cuDNN " + ".".join(map(str, cudnn))
+        return f"packed rows need cuDNN {'.'.join(map(str, wanted))} or newer ({found})"
+    return ""
+
+
+def _flash_refusal(platform: Platform, dtype, environ) -> str:
+    """Why FlashAttention cannot take this run's packed rows, or "" if it can."""
+    if environ.get("NVTE_FLASH_ATTN") == "0":
+        return "NVTE_FLASH_ATTN=0 is set in the environment"
+    if not _half(dtype):
+        return f"it takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+    if platform.compute_capability is not None and platform.compute_capability < (8, 0):
+        return "FlashAttention needs sm80 or newer"
+    return "" if platform.flash_attention else platform.flash_attention_error or "no FlashAttention"
+
+
+def flash_attention_fix(capability: tuple[int, int] | None) -> str:
+    """How to install the FlashAttention TE uses, and how to check it (for refusals)."""
+    arch = f"{capability[0]}{capability[1]}" if capability else "80"
+    return (f"install flash-attn=={FLASH_ATTN_PIN} built against this torch "
+            f"(`MAX_JOBS=4 FLASH_ATTN_CUDA_ARCHS={arch} FLASH_ATTENTION_FORCE_BUILD=TRUE pip install "
+            f"--no-build-isolation flash-attn=={FLASH_ATTN_PIN}`; Transformer-Engine 2.17.1 takes "
+            f"{TE_FLASH_ATTN_RANGE[0]} to {TE_FLASH_ATTN_RANGE[1]}, no .post release), check it with "
+            f"`python -c \"import flash_attn_2_cuda, flash_attn; print(flash_attn.__version__)\"` "
+            f"({ATTENTION_HELP})")
+
+
+def attention_backend(platform: Platform, requested: str = "auto", *, dtype,
+                      without_transformer_engine: bool = False, environ=None) -> str:
+    """The attention backend of a training run's packed (THD) rows: Megatron-Core's
+    ``AttnBackend`` name for ``TransformerConfig.attention_backend`` (``"flash"``, ``"fused"``,
+    ``"unfused"``), or ``"local"`` where Megatron's local spec runs (CPU,
+    ``model.without_transformer_engine``). Raises ``ValueError`` naming
+    ``model.attention_backend`` (or ``model.dtype``), the GPU and the fix where the run would
+    otherwise degrade or fail.
+
+    ``requested`` (``model.attention_backend``, one of ``ATTENTION_BACKENDS``): ``"auto"`` takes
+    cuDNN fused attention on sm90 and newer, FlashAttention where fused cannot take packed rows
+    (sm80/86/89, or sm90+ with ``NVTE_FUSED_ATTN=0`` or an old cuDNN), and refuses the rest: TE
+    would run them on ``UnfusedDotProductAttention``, which pads every packed sequence to the
+    longest and allocates [b h, s, s] scores per layer, after a whole generation phase. A named
+    backend is taken as asked when this GPU runs it, else refused. ``unfused`` is the only
+    float32 backend (dense scores: short rows). Megatron then forbids the other backends
+    (``NVTE_*_ATTN`` set by ``LanguageModule._set_attention_backend``), so TE fails loudly
+    rather than fall back. ``environ`` (default ``os.environ``): ``NVTE_FLASH_ATTN=0`` /
+    ``NVTE_FUSED_ATTN=0`` rule a backend out (``benchmarks/gpu_check.py --profile a100`` runs a
+    Hopper GPU as an A100 that way); ``NVTE_UNFUSED_ATTN=0`` rules out ``unfused``."""
+    import os
+
+    from megatron_dgpo.runtime.config import require_choice
+
+    require_choice("model.attention_backend", requested, ATTENTION_BACKENDS)
+    environ = os.environ if environ is None else environ
+    if not platform.cuda:
+        return "local"  # the CPU path: Megatron's local spec, the recipe's choice has no effect
+    if without_transformer_engine or not platform.transformer_engine:
+        if requested != "auto":
+            raise ValueError(
+                f"model.attention_backend={requested} is a Transformer-Engine backend; "
+                f"model.without_transformer_engine=true builds Megatron's local attention "
+                f"(dense masks): set model.attention_backend=auto")
+        return "local"
+    gpu = platform.gpu
+    if requested == "unfused":
+        if environ.get("NVTE_UNFUSED_ATTN") == "0":
+            raise ValueError("model.attention_backend=unfused, but NVTE_UNFUSED_ATTN=0 is set "
+                             "in the environment: unset it or choose another backend")
+        return "unfused"
+    fused_refusal = _fused_thd_refusal(platform, dtype, environ)
+    flash_refusal = _flash_refusal(platform, dtype, environ)
+    if requested == "fused":
+        if fused_refusal:
+            raise ValueError(f"model.attention_backend=fused on {gpu}: {fused_refusal}. Use "
+                             f"model.attention_backend=auto ({ATTENTION_HELP})")
+        return "fused"
+    if requested == "flash":
+        if flash_refusal:
+            raise ValueError(f"model.attention_backend=flash on {gpu}: {flash_refusal}; "
+                             + flash_attention_fix(platform.compute_capability))
+        return "flash"
+    if not fused_refusal:
+        return "fused"
+    if not flash_refusal:
+        return "flash"
+    if not _half(dtype):
         raise ValueError(
-            "model.dtype: float32 on a GPU with Transformer-Engine: TE's packed-sequence (THD) "
-            "attention has no float32 backend; use model.dtype=bfloat16 (fp32 main weights stay "
-            "in the optimizer)")
+            f"model.dtype: {str(dtype).removeprefix('torch.')} on a GPU with Transformer-Engine: "
+            f"its flash and fused attention take bfloat16 or float16, and the unfused one pads "
+            f"each packed sequence to the longest with [s, s] scores per layer; use "
+            f"model.dtype=bfloat16 (fp32 main weights stay in the optimizer), or "
+            f"model.attention_backend=unfused for short rows only")
+    if platform.compute_capability is not None and platform.compute_capability < (8, 0):
+        raise ValueError(
+            f"model.attention_backend=auto on {gpu}: packed rows have no fused or flash "
+            f"attention before sm80, and TE's unfused one allocates [s, s] scores per layer; "
+            f"set model.attention_backend=unfused for short rows only ({ATTENTION_HELP})")
+    raise ValueError(
+        f"model.attention_backend=auto on {gpu}: packed rows need FlashAttention here "
+        f"({fused_refusal}; FlashAttention: {flash_refusal}). Without it Transformer-Engine "
+        f"falls back to its unfused attention, which pads every packed sequence to the longest "
+        f"and allocates [s, s] scores per layer (out of memory at long rows, after a whole "
+        f"generation phase). Fix: " + flash_attention_fix(platform.compute_capability)
+        + "; or model.attention_backend=unfused for short rows only")
 
 
 def cuda_launch_env(tensor_parallel: int) -> dict[str, str]:

@@ -6,6 +6,7 @@ neither of those imports the other through it.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, replace
@@ -18,8 +19,11 @@ from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.models import describe
 from megatron_dgpo.models.builder import dtype_named, wrap_ddp
 from megatron_dgpo.runtime.config import require_choice
-from megatron_dgpo.runtime.gpu_flags import Platform, ddp_flags, require_gpu_stack
+from megatron_dgpo.runtime.gpu_flags import (ATTENTION_BACKENDS, Platform, attention_backend,
+                                             ddp_flags, require_gpu_stack)
 from megatron_dgpo.training.routing_replay import ROUTING_REPLAYS, clear_instances
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +51,16 @@ class ModelConfig:
     at start when TE does not import, because the local spec builds a dense [S, S] attention
     mask per layer (~10 GB of scores per layer at 16k tokens, TP 4); set this only for short
     sequences (and to train in float32 on a GPU). No effect on CPU."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused"] = "auto"
+    """On a GPU with Transformer-Engine, the attention of the packed (THD) training rows
+    (Megatron's ``attention_backend``). ``auto``: cuDNN fused attention on sm90 and newer
+    (H100, H200, B200), FlashAttention-2 on sm80/86/89 (A100, A10, L40; needs flash-attn
+    2.8.3, which the image has), and a refusal at start-up, with the fix, where neither can
+    run (rather than TE's silent fallback to its unfused attention, whose [s, s] scores per
+    layer run out of memory at long rows). ``flash``, ``fused``: that backend or a refusal
+    naming this GPU. ``unfused``: TE's dense attention (any dtype, float32 included; short
+    rows only). No effect on CPU or with ``without_transformer_engine``. docs/install.md,
+    "Attention backends"."""
     moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """MoE models (Qwen3-MoE): how tokens reach their experts across expert-parallel ranks
     (Megatron's ``moe_token_dispatcher_type``). ``alltoall``: routed tokens only, any layout;
@@ -61,6 +75,7 @@ class ModelConfig:
     pre-training value). Dense models ignore it."""
 
     def __post_init__(self):
+        require_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         coeff = self.moe_aux_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
                 math.isfinite(coeff) and coeff >= 0):
@@ -161,20 +176,39 @@ def wrap_policy(chunks: list, *, use_distributed_optimizer: bool,
                                         use_distributed_optimizer=use_distributed_optimizer))
 
 
+def attention_overrides(config, platform: Platform, dtype) -> dict:
+    """The ``TransformerConfig`` override of ``config``'s (a recipe's ``ModelConfig``)
+    attention on ``platform`` in ``dtype``: ``{"attention_backend": AttnBackend.<name>}`` for a
+    Transformer-Engine backend (``gpu_flags.attention_backend``, which refuses a run that would
+    degrade), nothing for Megatron's local spec (CPU, ``model.without_transformer_engine``)."""
+    backend = attention_backend(platform, config.attention_backend, dtype=dtype,
+                                without_transformer_engine=config.without_transformer_engine)
+    if backend == "local":
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    log.info("attention: %s on %s%s", backend, platform.gpu,
+             f" ({platform.flash_attention})" if backend == "flash" else "")
+    return {"attention_backend": AttnBackend[backend]}
+
+
 def build_policy(config, hf_dir, *, use_distributed_optimizer: bool,
                  routing_replay: str = "off"):
     """Collective: ``(models, hf_config, dtype)``: this rank's chunks of the policy loaded from
     ``hf_dir`` as ``config`` (a recipe's ``ModelConfig``) says, wrapped by ``wrap_policy``, the
-    HF config and the parameter dtype. ``routing_replay``: ``model_overrides``'; Megatron's
-    class-level list of ``RouterReplay`` instances is emptied first, so it holds this
-    policy's routers only."""
+    HF config and the parameter dtype. A GPU run without the stack it needs, or whose packed
+    rows would reach Transformer-Engine's unfused attention, is refused here, before a weight is
+    read (``gpu_flags.require_gpu_stack``, ``attention_overrides``). ``routing_replay``:
+    ``model_overrides``'; Megatron's class-level list of ``RouterReplay`` instances is emptied
+    first, so it holds this policy's routers only."""
     dtype = dtype_named(config.dtype)
     platform = Platform.detect()
-    require_gpu_stack(platform, dtype=dtype, without_transformer_engine=config.without_transformer_engine)
+    require_gpu_stack(platform, without_transformer_engine=config.without_transformer_engine)
+    attention = attention_overrides(config, platform, dtype)
     if config.without_transformer_engine:
         platform = replace(platform, transformer_engine=False)
     hf_config = read_hf_config(str(hf_dir))
-    overrides = model_overrides(config, hf_config, routing_replay=routing_replay)
+    overrides = {**model_overrides(config, hf_config, routing_replay=routing_replay), **attention}
     clear_instances()
     chunks = load_model(str(hf_dir), dtype=dtype, platform=platform, **overrides)
     models = wrap_policy(chunks, use_distributed_optimizer=use_distributed_optimizer,

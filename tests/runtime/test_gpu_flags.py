@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_dgpo.models.builder import transformer_config_from_hf, transformer_kwargs
-from megatron_dgpo.runtime.gpu_flags import (CPU, GPU, Platform, ddp_flags, pad_multiple,
+from megatron_dgpo.runtime.gpu_flags import (CPU, GPU, Platform, ddp_flags,
+                                             flash_attention_status, pad_multiple,
                                              sequence_parallel, transformer_flags)
 from tests._rank_fns_model import TINY_QWEN2
 
@@ -138,7 +139,7 @@ def test_packed_samples_are_padded_to_tp_multiples():
     assert pad_multiple(4, cp=2) == 16 and pad_multiple(1, cp=2) == 4
 
 
-def test_a_gpu_run_without_transformer_engine_or_in_fp32_with_it_stops_at_start(monkeypatch, tmp_path):
+def test_a_gpu_run_without_transformer_engine_stops_at_start(monkeypatch, tmp_path):
     from megatron_dgpo.recipe import ModelConfig
     from megatron_dgpo.runtime.gpu_flags import require_gpu_stack
     from megatron_dgpo.training import policy
@@ -147,25 +148,33 @@ def test_a_gpu_run_without_transformer_engine_or_in_fp32_with_it_stops_at_start(
                       "OSError: libcudnn.so.9 missing")
     with pytest.raises(RuntimeError, match="(?s)Transformer-Engine is required.*libcudnn.so.9.*"
                                            "docs/install.md.*model.without_transformer_engine"):
-        require_gpu_stack(broken, dtype=torch.bfloat16)
-    require_gpu_stack(broken, dtype=torch.float32, without_transformer_engine=True)  # opted out
-    with pytest.raises(ValueError, match="model.dtype: float32 .*THD"):
-        require_gpu_stack(GPU, dtype=torch.float32)
-    require_gpu_stack(GPU, dtype=torch.bfloat16)
-    require_gpu_stack(CPU, dtype=torch.float32)  # the CPU path: local spec, fp32
+        require_gpu_stack(broken)
+    require_gpu_stack(broken, without_transformer_engine=True)  # opted out
+    require_gpu_stack(GPU)
+    require_gpu_stack(CPU)  # the CPU path: the local spec
     # the trainer's policy asks before reading a single weight
     monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: broken))
     with pytest.raises(RuntimeError, match="Transformer-Engine is required"):
         policy.build_policy(ModelConfig(path=str(tmp_path / "absent"), dtype="bfloat16"), tmp_path / "absent",
                             use_distributed_optimizer=False)
 
-
 def test_detect_reads_the_pytorch_extension_and_keeps_why_it_failed(monkeypatch):
+    """A stand-in A100 (the device queries patched): TE, apex, flash-attn found absent by import
+    and by distribution, as on this machine; the generation and cuDNN read from torch."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    platform = Platform.detect()  # no TE and no apex on this machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    platform = Platform.detect()  # no TE, apex or flash-attn on this machine
     assert platform.cuda and not platform.transformer_engine and not platform.apex_gradient_fusion
     assert platform.transformer_engine_error == "transformer_engine is not installed"
-    assert platform == Platform(cuda=True)  # the reason does not change what the platform is
+    assert not platform.flash_attention and platform.flash_attention_error == "flash-attn is not installed"
+    cudnn = torch.backends.cudnn.version()
+    assert platform.cudnn == (cudnn // 10000, cudnn // 100 % 100, cudnn % 100)
+    assert platform.gpu == "NVIDIA A100-SXM4-80GB, sm80"
+    # the reasons do not change what the platform is
+    assert platform == Platform(cuda=True, compute_capability=(8, 0), cudnn=platform.cudnn,
+                                device_name="NVIDIA A100-SXM4-80GB")
 
 
 def test_cuda_device_max_connections_is_set_for_tensor_parallel_and_a_users_value_kept(monkeypatch):
@@ -182,3 +191,132 @@ def test_cuda_device_max_connections_is_set_for_tensor_parallel_and_a_users_valu
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # e.g. TE's TP-overlap userbuffers
     _set_cuda_launch_env(4)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+# ------------------------------------------------------------ the attention backend of packed rows
+# The trainer always packs its rows (THD with Transformer-Engine), so every case below is the
+# packed case; the GPUs are stood in by ``Platform``s (no GPU here), the rules are TE 2.17.1's.
+
+A100 = replace(GPU, compute_capability=(8, 0), device_name="NVIDIA A100-SXM4-80GB")
+H100 = replace(GPU, compute_capability=(9, 0), device_name="NVIDIA H100 80GB HBM3")
+NO_FLASH = dict(flash_attention="", flash_attention_error="flash-attn is not installed")
+
+
+def _backend(platform, requested="auto", dtype=torch.bfloat16, environ=None, **kwargs):
+    from megatron_dgpo.runtime.gpu_flags import attention_backend
+
+    return attention_backend(platform, requested, dtype=dtype, environ=environ or {}, **kwargs)
+
+
+def test_auto_takes_cudnn_fused_on_hopper_and_flash_on_ampere():
+    assert _backend(H100) == "fused"
+    assert _backend(A100) == "flash"  # cuDNN fused attention has no THD before sm90
+    assert _backend(replace(A100, compute_capability=(8, 6))) == "flash"
+    # Hopper without cuDNN attention (as an A100 runs): flash, its fallback
+    assert _backend(H100, environ={"NVTE_FUSED_ATTN": "0"}) == "flash"
+    assert _backend(replace(H100, cudnn=(9, 5, 1))) == "flash"  # GQA THD needs cuDNN 9.6
+    assert _backend(replace(H100, **NO_FLASH)) == "fused"  # flash-attn is not needed there
+    # the CPU path and the local spec take no TE backend, whatever the recipe's key says
+    assert _backend(CPU, dtype=torch.float32) == "local"
+    assert _backend(CPU, "flash", dtype=torch.float32) == "local"
+    assert _backend(A100, without_transformer_engine=True) == "local"
+
+
+def test_a_packed_run_that_would_reach_the_unfused_attention_is_refused_with_the_fix():
+    """Without flash-attn an A100's packed rows would run TE's unfused attention: refused with
+    the package, the version, how to check it and the GPU; the same for a Hopper GPU run as an
+    A100 (cuDNN attention off), and for an A100 whose flash-attn is a version TE ignores."""
+    for platform, environ in ((replace(A100, **NO_FLASH), {}),
+                              (replace(H100, **NO_FLASH), {"NVTE_FUSED_ATTN": "0"})):
+        with pytest.raises(ValueError) as refused:
+            _backend(platform, environ=environ)
+        message = str(refused.value)
+        for needed in ("model.attention_backend=auto", platform.device_name, "flash-attn==2.8.3",
+                       "--no-build-isolation", "import flash_attn_2_cuda", "unfused",
+                       "docs/install.md, 'Attention backends'", "flash-attn is not installed"):
+            assert needed in message, (needed, message)
+    assert "sm80" in str(pytest.raises(ValueError, _backend, replace(A100, **NO_FLASH)).value)
+    assert "NVTE_FUSED_ATTN=0" in str(pytest.raises(
+        ValueError, _backend, replace(H100, **NO_FLASH), environ={"NVTE_FUSED_ATTN": "0"}).value)
+    post = replace(A100, flash_attention="", flash_attention_error=flash_attention_status(
+        "2.8.3.post1", (8, 0))[1])
+    with pytest.raises(ValueError, match=r"(?s)2\.8\.3\.post1 is installed.*2\.1\.1 to 2\.8\.3"):
+        _backend(post)
+    with pytest.raises(ValueError, match="before sm80"):  # no flash, no fused: only dense
+        _backend(replace(GPU, compute_capability=(7, 0), **NO_FLASH))
+
+
+def test_float32_with_transformer_engine_has_only_the_unfused_attention():
+    for platform in (A100, H100):
+        with pytest.raises(ValueError, match="model.dtype: float32 .*unfused"):
+            _backend(platform, dtype=torch.float32)
+        assert _backend(platform, "unfused", dtype=torch.float32) == "unfused"  # asked for
+    assert _backend(A100, dtype=torch.float32, without_transformer_engine=True) == "local"
+
+
+def test_a_named_backend_this_gpu_cannot_run_is_refused_naming_the_key_and_the_gpu():
+    assert _backend(A100, "flash") == "flash" and _backend(H100, "flash") == "flash"
+    assert _backend(H100, "fused") == "fused" and _backend(A100, "unfused") == "unfused"
+    with pytest.raises(ValueError, match="model.attention_backend=fused on NVIDIA A100-SXM4-80GB, "
+                                         "sm80: cuDNN fused attention takes packed .THD. rows only on sm90"):
+        _backend(A100, "fused")
+    with pytest.raises(ValueError, match="(?s)model.attention_backend=flash on NVIDIA H100.*sm90: "
+                                         "flash-attn is not installed.*flash-attn==2.8.3"):
+        _backend(replace(H100, **NO_FLASH), "flash")
+    with pytest.raises(ValueError, match="model.attention_backend=flash .*NVTE_FLASH_ATTN=0"):
+        _backend(A100, "flash", environ={"NVTE_FLASH_ATTN": "0"})
+    with pytest.raises(ValueError, match="NVTE_UNFUSED_ATTN=0"):
+        _backend(A100, "unfused", environ={"NVTE_UNFUSED_ATTN": "0"})
+    with pytest.raises(ValueError, match="model.attention_backend=flash is a Transformer-Engine "
+                                         "backend; model.without_transformer_engine=true"):
+        _backend(A100, "flash", without_transformer_engine=True)
+    with pytest.raises(ValueError, match="model.attention_backend must be one of"):
+        _backend(A100, "flash3")
+
+
+def test_flash_attention_counts_as_transformer_engine_counts_it():
+    """TE 2.17.1 uses flash-attn 2.1.1 to 2.8.3 (2.7.3 on sm100+), flash-attn-3 on sm90 only;
+    outside its range it warns once and runs without it."""
+    assert flash_attention_status("2.8.3", (8, 0)) == ("flash-attn 2.8.3", "")
+    assert flash_attention_status("2.4.2", (9, 0)) == ("flash-attn 2.4.2", "")
+    assert flash_attention_status("2.8.3+cu13torch2.13", (8, 0))[0] == "flash-attn 2.8.3+cu13torch2.13"
+    for version, capability in (("2.8.3.post2", (8, 0)), ("2.9.0", (8, 0)), ("2.1.0", (8, 0)),
+                                ("2.6.3", (10, 0))):
+        found, why = flash_attention_status(version, capability)
+        assert not found and f"flash-attn {version} is installed" in why
+    assert flash_attention_status(None, (8, 0)) == ("", "flash-attn is not installed")
+    assert flash_attention_status(None, (9, 0), flash_attn_3="3.0.0") == ("flash-attn-3 3.0.0", "")
+    assert not flash_attention_status(None, (8, 0), flash_attn_3="3.0.0")[0]  # FA3 is sm90 only
+    assert "sm75" in flash_attention_status("2.8.3", (7, 5))[1]
+
+
+def test_the_trainer_refuses_before_reading_a_weight_and_megatron_pins_the_choice(monkeypatch, tmp_path):
+    """``build_policy`` on a stand-in A100 without flash-attn stops before the model is read
+    (its path does not even exist); with flash-attn the choice reaches ``TransformerConfig``,
+    and Megatron turns it into TE's switches: flash on, fused and unfused off, so TE cannot
+    fall back to the unfused attention (built on CPU: the local spec runs no TE attention, but
+    ``LanguageModule`` sets the same environment)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_dgpo.recipe import ModelConfig
+    from megatron_dgpo.training import policy
+
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: replace(A100, **NO_FLASH)))
+    for key in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="(?s)NVIDIA A100.*flash-attn==2.8.3"):
+        policy.build_policy(ModelConfig(path=str(tmp_path / "absent")), tmp_path / "absent",
+                            use_distributed_optimizer=False)
+    overrides = policy.attention_overrides(ModelConfig(), A100, torch.bfloat16)
+    assert overrides == {"attention_backend": AttnBackend.flash}
+    assert policy.attention_overrides(ModelConfig(), CPU, torch.float32) == {}
+    config, _ = transformer_config_from_hf(TINY_QWEN2, platform=CPU, **overrides)
+    assert config.attention_backend == AttnBackend.flash
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    for key in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.setenv(key, "")  # restored by monkeypatch after Megatron writes them
+        os.environ.pop(key)
+    LanguageModule._set_attention_backend(type("Stub", (), {"config": config})())
+    assert {k: os.environ[k] for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")} \
+        == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
