@@ -1,4 +1,5 @@
-"""Rank functions for tests/training/test_optimizer_checkpoint.py (TP=2 on two gloo ranks)."""
+"""Rank functions for tests/training/test_optimizer_checkpoint.py (TP=2 on two gloo ranks), and
+the hub stand-in of tests/training/test_policy.py."""
 
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def _reference_adamw(param, grad, state, step, coefficient, decay):
     return p - LR * m_hat / (v_hat.sqrt() + EPS)
 
 
-def optimizer_and_skipping(rank, world):
-    """Megatron's optimizer on CPU vs AdamW + global clip in float64; non-finite skipping."""
+def optimizer_and_skipping(rank, world, hub_root, hub_source):
+    """Megatron's optimizer on CPU vs AdamW + global clip in float64; non-finite skipping;
+    offloading; and, in the same launch, a hub id resolved on each "node"'s own HF cache
+    (``hub_model_per_node``)."""
     from megatron_dgpo.training.optimizer import step_if_finite
 
     models, optimizer = _setup()
@@ -116,6 +119,7 @@ def optimizer_and_skipping(rank, world):
     out["nan_unchanged"] = all(torch.equal(before[n], p) for n, p in _params(models).items())
     out["clean_step"] = step_if_finite(optimizer, models, _grads(models).loss)[0]
     out["offload"] = _offload_round_trip()
+    out["hub_model"] = hub_model_per_node(rank, hub_root, hub_source)
     return out
 
 
@@ -286,3 +290,111 @@ def _adam(optimizer):
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     assert len(inner) == 1
     return inner[0].optimizer
+
+
+HUB_REPO = "stand-in/tiny-qwen2"
+
+
+def stand_in_commit(repo_id: str, pushes: int) -> str:
+    """The commit ``StandInHub``'s ``main`` names after ``pushes`` moves."""
+    import hashlib
+
+    return hashlib.sha1(f"{repo_id}@{pushes}".encode()).hexdigest()
+
+
+class StandInHub:
+    """``huggingface_hub.snapshot_download`` with the hub stood in, since there is no hub here:
+    only the network fetch is replaced. A call that may fetch (``local_files_only`` false)
+    copies the files of ``source`` (a tiny model folder) that match ``allow_patterns`` into
+    the cache under huggingface_hub's layout (``models--org--name/blobs/<sha256>``,
+    ``snapshots/<commit>/<file>`` linking to its blob, ``refs/main`` for a branch), with the
+    commit written into config.json as ``stand_in_commit`` (the revision's own content).
+    ``hub`` (a folder every rank sees) holds the repo's ``main``: each fetch of ``main`` moves it
+    to a new commit afterwards, as a repo pushed to during start-up. ``unreachable``: a fetch
+    raises ``ConnectionError``. Every call then answers with huggingface_hub's own
+    ``snapshot_download(..., local_files_only=True)``: the look-up in the cache is the real one.
+    The cache is ``cache_dir`` or huggingface_hub's ``HF_HUB_CACHE`` of this process (its
+    node's ``HF_HOME``/hub)."""
+
+    def __init__(self, hub, source, *, unreachable: bool = False):
+        from pathlib import Path
+
+        self.hub, self.source, self.unreachable = Path(hub), Path(source), unreachable
+
+    def __call__(self, repo_id, *, revision=None, cache_dir=None, allow_patterns=None,
+                 local_files_only=False, **kwargs):
+        import hashlib
+        import json
+        import os
+        from fnmatch import fnmatch
+        from pathlib import Path
+
+        import huggingface_hub
+        from huggingface_hub import constants
+
+        if not local_files_only:
+            if self.unreachable:
+                raise ConnectionError("the hub cannot be reached from this node")
+            head = self.hub / "main"
+            self.hub.mkdir(parents=True, exist_ok=True)
+            count = int(head.read_text()) if head.exists() else 0
+            commit = revision if revision not in (None, "main") else stand_in_commit(repo_id, count)
+            repo = Path(cache_dir or constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+            snapshot = repo / "snapshots" / commit
+            snapshot.mkdir(parents=True, exist_ok=True)
+            (repo / "blobs").mkdir(exist_ok=True)
+            for file in sorted(self.source.iterdir()):
+                if allow_patterns and not any(fnmatch(file.name, p) for p in allow_patterns):
+                    continue
+                data = file.read_bytes()
+                if file.name == "config.json":
+                    data = json.dumps({**json.loads(data), "stand_in_commit": commit}).encode()
+                blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+                blob.write_bytes(data)
+                if not (snapshot / file.name).exists():
+                    os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+            if revision in (None, "main"):
+                (repo / "refs").mkdir(exist_ok=True)
+                (repo / "refs" / "main").write_text(commit)
+                head.write_text(str(count + 1))
+        return huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                                 allow_patterns=allow_patterns,
+                                                 local_files_only=True, **kwargs)
+
+
+def hub_model_per_node(rank, root, source) -> dict:
+    """``policy.initial_model`` with a hub id on ranks that each play a node of their own: each
+    its own ``LOCAL_RANK`` 0 and its own HF cache (``<root>/node<rank>``, what that node's
+    ``HF_HOME`` gives huggingface_hub at import), the hub stood in by ``StandInHub``. Then again
+    with fresh caches and a hub that rank 1's node cannot reach. Returns what each rank got."""
+    import json
+    import os
+    from pathlib import Path
+
+    from huggingface_hub import constants
+
+    from megatron_dgpo.training.policy import ModelConfig, initial_model
+
+    root, config = Path(root), ModelConfig(path=HUB_REPO)
+    saved = os.environ.get("LOCAL_RANK"), constants.HF_HUB_CACHE
+    out = {}
+    try:
+        os.environ["LOCAL_RANK"] = "0"
+        constants.HF_HUB_CACHE = out["cache"] = str(root / f"node{rank}" / "hub")
+        folder = initial_model(config, root / "run", seed=0,
+                               download=StandInHub(root / "hub", source))
+        out.update(folder=str(folder), files=sorted(os.listdir(folder)),
+                   commit=json.loads((folder / "config.json").read_text())["stand_in_commit"])
+        constants.HF_HUB_CACHE = str(root / f"cut_off_node{rank}" / "hub")
+        try:
+            initial_model(config, root / "run", seed=0,
+                          download=StandInHub(root / "hub", source, unreachable=rank == 1))
+        except RuntimeError as error:
+            out["unreachable_error"] = str(error)
+    finally:
+        constants.HF_HUB_CACHE = saved[1]
+        if saved[0] is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved[0]
+    return out

@@ -88,21 +88,67 @@ class ModelConfig:
             raise ValueError("model: set model.path (an HF folder) or model.tiny")
 
 
-def initial_model(config, run_dir, seed: int):
-    """Collective: the HF folder (``Path``) of the initial policy of ``config`` (a recipe's
-    ``ModelConfig``). ``model.tiny`` creates one once under ``<run_dir>/initial_model`` (kept for
-    resuming); a hub id is downloaded on rank 0; a folder is used as it is."""
+def initial_model(config, run_dir, seed: int, *, download=None):
+    """Collective over the default world: the HF folder (``Path``) of the initial policy of
+    ``config`` (a recipe's ``ModelConfig``) as this rank's node sees it, holding a config.json.
+    Every rank returns or every rank raises: a rank that has no such folder makes all of them
+    raise one error naming each failing rank, its node (host name) and, for a hub id, the repo
+    id and revision.
+
+    * ``model.tiny``: created once by global rank 0 under ``<run_dir>/initial_model`` (kept for
+      resuming); every rank reads it there, so ``run_dir`` must be storage every node sees
+      (docs/launching.md asks it of every run: all ranks write checkpoints into it).
+    * a folder: used as it is; every node must see it at that path.
+    * a hub id (``model.path`` is no folder): global rank 0 downloads it and fixes the commit
+      it got; then one rank per node (``LOCAL_RANK`` 0, as torchrun sets it) downloads that
+      commit into its node's HF cache (``HF_HOME``): a no-op on a shared cache, and
+      huggingface_hub locks concurrent downloads. Without ``LOCAL_RANK`` no node layout is
+      known, so each rank is its own node and downloads for itself. After a barrier every rank
+      takes that commit's snapshot folder from its own node's cache (``local_files_only``).
+      So every node starts from the same weights even if the hub repo moves during start-up,
+      and no rank is handed a path that exists only on rank 0's node. ``HF_HUB_OFFLINE=1``
+      is refused (no download is possible).
+
+    ``download``: ``huggingface_hub.snapshot_download`` (the default) or a function with its
+    signature; called with ``allow_patterns=HUB_FILES``, by rank 0 first without a revision,
+    then with ``revision=<commit>``, then with that revision and ``local_files_only=True``."""
     from pathlib import Path
 
     import torch.distributed as dist
 
     from megatron_dgpo.runtime import comm
 
-    target = _materialise_model(config, Path(run_dir), seed) if dist.get_rank() == 0 else None
-    return Path(comm.broadcast_object(str(target) if target else None, src=0))
+    if download is None:
+        from huggingface_hub import snapshot_download as download
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    made, error = None, None
+    if rank == 0:
+        try:
+            made = _materialise_model(config, Path(run_dir), seed, download)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            error = exc
+    made = comm.broadcast_object(made if error is None else _cause(error), src=0)
+    if error is not None:
+        raise error
+    if isinstance(made, str):
+        raise RuntimeError(f"initial model: rank 0 could not provide {_source_of(config)}: {made}")
+    folder, revision = made
+    failure = None
+    if revision is not None:
+        folder, failure, error = _hub_model_on_this_node(config.path, revision, download, rank)
+    if failure is None and not (folder / "config.json").is_file():
+        failure = (f"{_this_node(rank)} sees no {folder / 'config.json'} ({_source_of(config)}): "
+                   f"model folders and run_dir must be storage every node sees")
+    failures = [f for f in comm.gather_objects(failure) if f is not None]
+    if failures:
+        raise RuntimeError("initial model: " + "; ".join(failures)) from error
+    return folder
 
 
-def _materialise_model(config, run_dir, seed: int):
+def _materialise_model(config, run_dir, seed: int, download):
+    """Rank 0's part of ``initial_model``: ``(folder, revision)``, revision the commit of a hub
+    id (folder then being rank 0's snapshot of it), None for a tiny model or a folder."""
+    import re
     import shutil
     from pathlib import Path
 
@@ -115,17 +161,66 @@ def _materialise_model(config, run_dir, seed: int):
             shutil.rmtree(staging, ignore_errors=True)
             make_tiny_model(staging, **{"seed": seed, **config.tiny})
             os.replace(staging, target)
-        return target
+        return target, None
     if Path(config.path).is_dir():
         if not (Path(config.path) / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {config.path} has no config.json")
-        return Path(config.path)
+        return Path(config.path), None
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"model.path: {config.path} is not a folder and HF_HUB_OFFLINE=1")
-    from huggingface_hub import snapshot_download
+    snapshot = Path(download(config.path, allow_patterns=HUB_FILES))
+    # huggingface_hub's cache names a snapshot folder by its commit
+    if not re.fullmatch(r"[0-9a-f]{40}", snapshot.name):
+        raise ValueError(f"model.path: the download of {config.path} gave {snapshot}, not a "
+                         f"snapshot folder named by its commit (huggingface_hub's cache layout)")
+    return snapshot, snapshot.name
 
-    return Path(snapshot_download(config.path, allow_patterns=["*.json", "*.safetensors",
-                                                                "*.model", "*.txt", "*.jinja"]))
+
+def _hub_model_on_this_node(repo_id: str, revision: str, download, rank: int):
+    """``(folder, failure, error)``: commit ``revision`` of ``repo_id`` in this node's HF cache,
+    downloaded first when this rank is its node's downloader (``initial_model``); on failure
+    folder is None and ``failure`` says where and what (``error`` the exception). Collective:
+    the barrier holds every rank until its node's download has ended."""
+    from pathlib import Path
+
+    from megatron_dgpo.runtime import comm
+
+    local_rank = os.environ.get("LOCAL_RANK")
+    failure = error = folder = None
+    what = f"{repo_id} at revision {revision}"
+    if rank != 0 and local_rank in (None, "0"):  # rank 0 downloaded it already
+        try:
+            download(repo_id, revision=revision, allow_patterns=HUB_FILES)
+        except Exception as exc:  # noqa: BLE001 - reported by every rank (initial_model)
+            failure, error = f"{_this_node(rank)} could not download {what}: {_cause(exc)}", exc
+    comm.barrier()
+    if failure is None:
+        try:
+            folder = Path(download(repo_id, revision=revision, allow_patterns=HUB_FILES,
+                                   local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - reported by every rank (initial_model)
+            failure, error = (f"{_this_node(rank)} finds no {what} in its node's HF cache after "
+                              f"the node's download: {_cause(exc)}"), exc
+    return folder, failure, error
+
+
+def _this_node(rank: int) -> str:
+    import socket
+
+    return (f"node {socket.gethostname()} (rank {rank}, LOCAL_RANK "
+            f"{os.environ.get('LOCAL_RANK', 'unset')})")
+
+
+def _source_of(config) -> str:
+    return "model.tiny" if config.tiny is not None else f"model.path {config.path}"
+
+
+def _cause(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+"""The files of a hub repo that make the initial policy (config, weights, tokenizer, template)."""
 
 
 def model_overrides(config, hf_config=None, *, routing_replay: str = "off") -> dict:

@@ -1,5 +1,6 @@
 """Megatron's optimizer on CPU (TP=2) against AdamW in float64, non-finite step skipping, and
-the atomic distributed checkpoint of model + optimizer."""
+the atomic distributed checkpoint of model + optimizer. The optimizer's launch also resolves a
+hub id on two "nodes" with separate HF caches (``policy.initial_model``): one launch, not two."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from tests.distributed import run_ranks
 
 
 @pytest.fixture(scope="module")
-def optimizer_results():
-    return run_ranks(fns.optimizer_and_skipping, 2)
+def optimizer_results(tmp_path_factory, tiny_model_dir):
+    return run_ranks(fns.optimizer_and_skipping, 2, str(tmp_path_factory.mktemp("hub_nodes")),
+                     str(tiny_model_dir))
 
 
 def test_megatron_optimizer_on_cpu_is_adamw_with_global_clip(optimizer_results):
@@ -40,6 +42,33 @@ def test_offloaded_training_state_frees_its_memory_and_round_trips_bit_for_bit(o
         assert offload["resident_inside"] and offload["offloaded_after"]
         assert offload["state_equal"] and offload["grads_zero"] and offload["host_reused"]
         assert offload["next_equal"]
+
+
+def test_a_hub_id_resolves_on_each_nodes_own_cache_at_one_revision(optimizer_results):
+    """Two ranks, each its own node (``LOCAL_RANK`` 0, its own HF cache), a hub stood in by
+    ``StandInHub`` whose repo moves after rank 0's fetch: each rank's folder lies in its own
+    node's cache, holds the model, and both are rank 0's commit, not the moved one."""
+    from pathlib import Path
+
+    got = [result["hub_model"] for result in optimizer_results]
+    for node in got:
+        folder = Path(node["folder"])
+        assert folder.is_relative_to(node["cache"]), (folder, node["cache"])
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(node["files"])
+    first = fns.stand_in_commit(fns.HUB_REPO, 0)  # main before it moved
+    assert [node["commit"] for node in got] == [first, first]
+    assert [Path(node["folder"]).name for node in got] == [first, first]
+
+
+def test_a_node_that_cannot_download_stops_every_rank_naming_itself(optimizer_results):
+    """Rank 1's node cannot reach the hub: both ranks raise one error that names rank 1, the
+    repo id and the revision rank 0 fixed (the second fetch of main: its second commit)."""
+    commit = fns.stand_in_commit(fns.HUB_REPO, 1)
+    errors = [result["hub_model"].get("unreachable_error") for result in optimizer_results]
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "(rank 1, LOCAL_RANK 0) could not download" in errors[0]
+    assert f"{fns.HUB_REPO} at revision {commit}" in errors[0]
+    assert "ConnectionError" in errors[0] and "(rank 0," not in errors[0]
 
 
 def test_offload_keeps_storages_the_model_shares():
