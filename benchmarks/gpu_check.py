@@ -54,9 +54,11 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
   with ``gpu_flags.ddp_flags``: overlapped grad reduce and param gather) and the distributed
   optimizer; one ``train_step`` update, an async dist-checkpoint save in each sharding type
   (``checkpoint.optimizer_sharding``; ``checkpoint.AsyncSaver``, Megatron's real queue, its
-  writer started before the save), then the next update from the live model and from a fresh
-  model loaded from the checkpoint: bitwise equal parameters; the save is not published before
-  its writer finished.
+  writer started before the save); a fresh model loaded from the checkpoint holds the saved
+  parameters bitwise (a copy), and its next update agrees with the live model's within 10% of
+  the update's size (a tolerance, not equality: FlashAttention's backward accumulates with
+  atomics, so GPU updates are not bitwise reproducible); the save is not published before its
+  writer finished.
 * ``throughput_1p5b`` (needs TE and apex: its goal is for the stack the recipes assume, and
   without TE the local spec's dense [S, S] masks and scores of an 8192-token row ran out of
   memory on a 139 GiB GPU): a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (random bf16 weights,
@@ -605,7 +607,9 @@ def check_distopt_checkpoint() -> Row:
                                                    load_checkpoint, save_checkpoint)
     from megatron_dgpo.training.optimizer import build_optimizer
 
-    goal = "next update bitwise equal after save/load"
+    goal = ("the loaded parameters bitwise the saved ones (a copy); the next update from the "
+            "loaded state within 10% of the update's size of the live one's (GPU kernels, e.g. "
+            "attention's backward, are not bitwise reproducible)")
     config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
     vocab = SMALL_QWEN2["vocab_size"]
 
@@ -627,17 +631,26 @@ def check_distopt_checkpoint() -> Row:
             blocked = time.perf_counter() - begin
             published_early = latest_checkpoint(root) is not None
             saver.close()
+            saved = _params(live)
             _update(live, live_opt, second)
             expected = _params(live)
             fresh, fresh_opt = policy(seed=2)
             load_checkpoint(latest_checkpoint(root), fresh, fresh_opt)
+            loaded = _params(fresh)
             _update(fresh, fresh_opt, second)
             got = _params(fresh)
-        unequal = [n for n in expected if not torch.equal(expected[n], got[n])]
-        ok = ok and not unequal and not published_early
-        results.append(f"{sharding}: {len(expected) - len(unequal)}/{len(expected)} bitwise, "
-                       f"save blocked {blocked:.2f} s, published early {published_early}")
-        numbers[sharding] = dict(tensors=len(expected), unequal=unequal[:10],
+        not_copied = [n for n in saved if not torch.equal(saved[n], loaded[n])]
+        deviation = max(float((got[n].float() - expected[n].float()).abs().max())
+                        / max(float((expected[n].float() - saved[n].float()).abs().max()), 1e-30)
+                        for n in expected)
+        bitwise = sum(torch.equal(expected[n], got[n]) for n in expected)
+        ok = ok and not not_copied and deviation <= 0.1 and not published_early
+        results.append(f"{sharding}: loaded {len(saved) - len(not_copied)}/{len(saved)} bitwise; "
+                       f"next update max |d| {deviation:.1e} of the update ({bitwise}/"
+                       f"{len(expected)} tensors bitwise), save blocked {blocked:.2f} s, "
+                       f"published early {published_early}")
+        numbers[sharding] = dict(tensors=len(expected), not_copied=not_copied[:10],
+                                 next_update_deviation=deviation, next_update_bitwise=bitwise,
                                  save_blocking_s=blocked, published_before_wait=published_early)
     return Row("distopt_checkpoint", ok, "; ".join(results),
                goal + " (both sharding types); async save published only when written", numbers)
