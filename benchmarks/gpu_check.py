@@ -568,7 +568,7 @@ def check_logprobs_v152064() -> Row:
             "megatron_ce": (megatron, False)}
     read = _timed(lambda: logits.amax())
     numbers = dict(logits_bytes=size, read_ms=read * 1e3,
-                   auto_kernel="compiled" if compiled_by_default(logits.device) else "eager")
+                   auto_kernel="compiled" if compiled_by_default(logits.device, logits.dtype) else "eager")
     for name, (fn, entropy) in runs.items():
         start = time.perf_counter()
         logp, grad = fn(keep=True)  # the compiled kernels compile here

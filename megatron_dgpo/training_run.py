@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo import telemetry
+from megatron_dgpo.algorithm import vocab_parallel
 from megatron_dgpo.models.builder import padded_vocab_of
 from megatron_dgpo.recipe import save_recipe
 from megatron_dgpo.runtime import comm
@@ -62,6 +63,11 @@ class TrainingRun:
         self.models, self.hf_config, self.dtype = policy.build_policy(
             cfg.model, self.hf_dir, routing_replay=routing_replay,
             use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))
+        # the log-prob kernels, built in the logits' dtype (the model's) on the stage that has
+        # logits and before any engine imports vLLM: with inductor's compile threads, and a
+        # failure known now (vocab_parallel's module docstring; nothing is built on CPU)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            vocab_parallel.compiled_by_default(next(self.models[0].parameters()).device, self.dtype)
         self.lr = cfg.optimizer.learning_rate(cfg.model.nominal_params
                                               or policy.count_parameters(self.hf_dir))
         self.optimizer = build_optimizer(cfg.optimizer, self.models, lr=self.lr,

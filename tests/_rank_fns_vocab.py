@@ -76,16 +76,14 @@ def _case(full, targets, g, h, group, tp, temperature, entropy_grad, vocab, chun
 def compiled_cases(rank, world_size):
     """The compiled kernels (inductor's CPU backend) at TP = world_size: float32 log-probs only
     and with the entropy gradient, bf16 logits (bf16 gradient) with it; T != 1, TP padding
-    columns, 33 tokens in chunks of 5 (the last one 3 rows). Four graphs in all
-    (vocab_parallel._compile), the float32 ones shared with ``large_vocab_grad_errors``."""
+    columns, 33 tokens in chunks of 5 (the last one 3 rows), logits [1, 33, V] as the trainer
+    has them."""
     group = dist.group.WORLD if world_size > 1 else None
     gen = torch.Generator().manual_seed(5)
-    # [tokens, V] like large_vocab_grad_errors: dynamo guards on the rank of the tensor a chunk
-    # is a view of, so [3, 11, V] logits would compile their own graphs
-    full32 = torch.randn(33, VOCAB, generator=gen) * 4.0
-    targets = torch.randint(0, REAL_VOCAB, (33,), generator=gen)
-    g = torch.randn(33, generator=gen)
-    h = torch.randn(33, generator=gen)
+    full32 = torch.randn(1, 33, VOCAB, generator=gen) * 4.0
+    targets = torch.randint(0, REAL_VOCAB, (1, 33), generator=gen)
+    g = torch.randn(1, 33, generator=gen)
+    h = torch.randn(1, 33, generator=gen)
     return [_case(full32.to(dtype), targets, g, h, group, world_size, temperature, entropy_grad,
                   REAL_VOCAB, 5, kernel="compiled")
             for dtype, temperature, entropy_grad in ((torch.float32, 0.7, False),
@@ -133,6 +131,52 @@ def large_vocab_grad_errors(rank, world_size, kernels=("eager", "compiled")):
 
 
 def large_vocab_and_compiled_cases(rank, world_size):
-    """Both, at TP = world_size: one launch for two tests of tests/algorithm/test_vocab_parallel.py."""
-    return dict(large_vocab=large_vocab_grad_errors(rank, world_size),
-                compiled=compiled_cases(rank, world_size))
+    """At TP = world_size: the start-up build of the compiled kernels in float32 and bf16
+    (``compiled_kernels_work``), then ``large_vocab_grad_errors`` ([4, V] logits, chunks of 2
+    rows), ``compiled_cases`` ([1, 33, V], chunks of 5) and a forward without grad (the old
+    log-probs' call) on bf16 [1, 9, V] logits in chunks of 4 (the last one 1 row); one launch
+    for three tests of tests/algorithm/test_vocab_parallel.py. ``graphs``: whether each build
+    worked, and the graphs dynamo compiled in the builds and after them."""
+    from torch._dynamo.utils import counters
+
+    from megatron_dgpo.algorithm.vocab_parallel import compiled_kernels_work
+
+    built = [compiled_kernels_work(torch.device("cpu"), dtype)
+             for dtype in (torch.float32, torch.bfloat16)]
+    at_start = counters["stats"]["unique_graphs"]
+    out = dict(large_vocab=large_vocab_grad_errors(rank, world_size),
+               compiled=compiled_cases(rank, world_size))
+    width = VOCAB // world_size
+    logits = torch.randn(1, 9, VOCAB, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logprobs_and_entropy(logits[..., rank * width:(rank + 1) * width].bfloat16(),
+                             torch.zeros(1, 9, dtype=torch.long),
+                             group=dist.group.WORLD if world_size > 1 else None, chunk_size=4,
+                             vocab_size=REAL_VOCAB, kernel="compiled")
+    out["graphs"] = dict(built=built, start_up=at_start,
+                         later=counters["stats"]["unique_graphs"] - at_start)
+    return out
+
+
+def training_run_start_up(rank, world_size, recipe, run_dir):
+    """A ``TrainingRun`` of ``recipe`` built with ``vocab_parallel.compiled_by_default`` watched:
+    each call's (device, dtype, answer, whether vLLM was imported then); the run's (device,
+    dtype); whether any probe build ran (``compiled_kernels_work``)."""
+    import sys
+
+    from megatron_dgpo.algorithm import vocab_parallel
+    from megatron_dgpo.recipe import load_recipe
+    from megatron_dgpo.training_run import TrainingRun
+
+    calls, real = [], vocab_parallel.compiled_by_default
+
+    def watched(device, dtype):
+        answer = real(device, dtype)
+        calls.append((str(device), str(dtype), answer, "vllm" in sys.modules))
+        return answer
+
+    vocab_parallel.compiled_by_default = watched
+    run = TrainingRun(load_recipe(recipe, [f"run_dir={run_dir}"]), seed=1, steps=1,
+                      max_minutes=None)
+    return dict(calls=calls, run=(str(next(run.models[0].parameters()).device), str(run.dtype)),
+                probed=vocab_parallel._compiled_kernels_work_on.cache_info().currsize)

@@ -36,9 +36,14 @@ its all-reduces serves two implementations of the last two (``kernel=``):
   per-token vectors, with chunks as large as one likes.
 
 ``"auto"`` (the default) takes the compiled kernels where inductor generates Triton code for the
-logits' device (CUDA, Triton importable, both passes built and run once on a tiny chunk:
-``compiled_by_default``; a node where Triton cannot build kernels warns and runs eager) and the
-eager ones elsewhere.
+logits' device and dtype (CUDA, Triton importable, both passes built and run once on a tiny
+chunk of that dtype: ``compiled_by_default``, per device and dtype; a dtype whose kernels do not
+build warns once and runs eager) and the eager ones elsewhere. The trainer's last pipeline
+stage builds them in its logits' dtype at start-up, before any engine
+(``training_run.TrainingRun``): a failure shows before generation, and the build gets inductor's
+compile threads. Inductor reads TORCHINDUCTOR_COMPILE_THREADS once, when ``torch._inductor.config``
+is first imported, and ``import vllm`` sets it to 1 and then imports that config: in a process
+where vLLM comes first, every compile is single-threaded.
 On CPU the compiled kernels, once compiled, are ~1.5x faster on [1024, 152064] (benchmarks/
 README.md, "Compiled kernels"), but each process pays seconds of C++ compilation per graph and
 needs a C++ compiler, for CPU runs whose log-prob work is milliseconds per step; ask for them
@@ -105,47 +110,52 @@ def default_chunk_size(local_vocab: int, device: torch.device | str = "cpu", *,
     return max(1, budget // (4 * max(1, local_vocab)))
 
 
-def compiled_by_default(device: torch.device | str) -> bool:
-    """Whether ``kernel="auto"`` compiles for logits on ``device``: where inductor generates
-    Triton code for it (CUDA with Triton importable and a GPU Triton supports) and the fused
-    passes build and run there (``compiled_kernels_work``), not merely where CUDA is present.
-    CPU: eager (module docstring)."""
+def compiled_by_default(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``kernel="auto"`` compiles for ``dtype`` logits on ``device``: where inductor
+    generates Triton code for it (CUDA with Triton importable and a GPU Triton supports) and the
+    fused passes build and run there in that dtype (``compiled_kernels_work``, once per device
+    and dtype), not merely where CUDA is present. CPU: False, nothing built (module docstring)."""
     device = torch.device(device)
+    return _inductor_makes_triton(device) and _compiled_kernels_work_on(device, dtype)
+
+
+def _inductor_makes_triton(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:
         from torch.utils._triton import has_triton
     except ImportError:  # a torch without inductor's Triton probe
         return False
-    return has_triton() and _compiled_kernels_work_on(device)
+    return has_triton()
 
 
-def compiled_kernels_work(device: torch.device) -> bool:
-    """Build and run both fused passes once on a [2, 8] chunk of ``device``. A node can import
-    Triton and still fail to build kernels (no C compiler or Python headers for Triton's
-    launcher, a Triton too old for the GPU): then this warns with the reason and ``"auto"``
-    takes the eager kernels, so a run starts either way. The dynamic graphs compiled here are
-    the ones the real chunks use."""
+def compiled_kernels_work(device: torch.device, dtype: torch.dtype) -> bool:
+    """Build and run the fused passes for ``dtype`` logits on ``device`` once, as a training
+    step calls them: forward and backward of [1, 5, 8] logits in chunks of 2, 2 and 1 rows, the
+    gradient written in ``dtype``. Compiles the graphs every later call with logits of ``dtype``
+    reuses (``_compile``; a one-token first chunk excepted). A node can import Triton and still
+    fail to build kernels (no C compiler or Python headers for Triton's launcher, a Triton too
+    old for the GPU, a dtype its code generation fails on): then this warns with the reason and
+    returns False, and ``"auto"`` takes the eager kernels for that dtype, so a run starts either
+    way."""
     try:
-        kernels = _CompiledChunks(8, device, 1.0)
-        chunk = torch.zeros(2, 8, device=device)
-        m, zero = torch.zeros(2, device=device), torch.zeros(2, dtype=torch.long, device=device)
-        hit = torch.ones(2, dtype=torch.bool, device=device)
-        kernels.sums(chunk, m, zero, hit)
-        ones = torch.ones(2, device=device)
-        kernels.grad(torch.empty_like(chunk), chunk, m, -ones / 8, m, ones, None, zero, hit)
+        logits = torch.zeros(1, 5, 8, dtype=dtype, device=device, requires_grad=True)
+        targets = torch.zeros(1, 5, dtype=torch.long, device=device)
+        # group, rank, size, temperature, chunk, n_valid, entropy_grad, compiled
+        logp, entropy = _LogprobsEntropy.apply(logits, targets, None, 0, 1, 1.0, 2, 8, True, True)
+        (logp.sum() + entropy.sum()).backward()
         return True
     except Exception as error:  # noqa: BLE001 - any failure to build means: run eager
         log.warning(
-            "vocab_parallel: the compiled log-prob kernels do not build on %s (%s: %s); using "
-            "the eager kernels (same results, ~5x the time on a GPU)", device,
-            type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            "vocab_parallel: the compiled log-prob kernels do not build for %s logits on %s "
+            "(%s: %s); using the eager kernels for them (same results, ~5x the time on a GPU)",
+            dtype, device, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
         return False
 
 
 @functools.cache
-def _compiled_kernels_work_on(device: torch.device) -> bool:
-    return compiled_kernels_work(device)
+def _compiled_kernels_work_on(device: torch.device, dtype: torch.dtype) -> bool:
+    return compiled_kernels_work(device, dtype)
 
 
 class _EagerChunks:
@@ -237,13 +247,15 @@ def _fused_grad(out, chunk, n_valid, m, neg_inv_s, c, g, h, target, hit, tempera
 
 @functools.cache
 def _compile(fn):
-    # dynamic=True: the row count (a shorter last chunk, any number of tokens) and the vocab
-    # width are symbolic, and n_valid and the temperature come in as tensors (inputs, not
-    # constants of the graph), and the gradient's h is 0 without the entropy gradient, so one
-    # graph serves them all: a graph per function and logits dtype. Dynamo adds one for a 1-row
-    # chunk (sizes 0 and 1 are always specialised) and guards on the tensor a chunk is a view
-    # of: one more where a chunk is all the tokens, and per number of dimensions of the logits.
-    # Compiled lazily: importing this module must not import dynamo.
+    # dynamic=True: the row count, the vocab width and the offsets are symbolic, n_valid and
+    # the temperature come in as tensors (inputs, not constants of the graph), and the
+    # gradient's h is 0 without the entropy gradient, so one graph serves them all: a graph per
+    # function and logits dtype, one more for a 1-row chunk (dynamo specialises sizes 0 and 1)
+    # and one for a 1-row first chunk (one-token logits). The inputs go in detached: dynamo
+    # guards on an input's requires_grad and on the tensor a view views (duck-sizing its shape
+    # with the others'), which made graphs per logits layout and for the forward without grad.
+    # tests/algorithm/test_vocab_parallel.py counts them. Compiled lazily: importing this
+    # module must not import dynamo.
     return torch.compile(fn, dynamic=True)
 
 
@@ -256,12 +268,16 @@ class _CompiledChunks:
         self.temperature = torch.full((), temperature, dtype=torch.float32, device=device)
 
     def sums(self, chunk, m, target, hit) -> Tensor:
-        return _compile(_fused_sums)(chunk, self.n_valid, m, target, hit, self.temperature)
+        return _compile(_fused_sums)(*_detached(chunk, self.n_valid, m, target, hit,
+                                                self.temperature))
 
     def grad(self, out, chunk, m, neg_inv_s, c, g, h, target, hit) -> None:
-        h = torch.zeros_like(g) if h is None else h
-        _compile(_fused_grad)(out, chunk, self.n_valid, m, neg_inv_s, c, g, h, target, hit,
-                              self.temperature)
+        _compile(_fused_grad)(*_detached(out, chunk, self.n_valid, m, neg_inv_s, c, g, h, target,
+                                         hit, self.temperature))
+
+
+def _detached(*tensors: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t.detach() for t in tensors)
 
 
 def _chunk_kernels(compiled: bool, rows: int, n_valid: int, device, temperature: float):
@@ -331,6 +347,8 @@ class _LogprobsEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat) if n_valid > 0 else torch.zeros_like(flat)
         g = g / temperature  # fold the 1/T of dx/dlogits into the per-token weights
         h = h / temperature if h is not None else None
+        if h is None and compiled:  # h = 0 in the one graph (``_fused_grad``), a slice like
+            h = torch.zeros_like(g)  # g's: dynamo duck-sizes the inputs' offsets
         neg_inv_s = -1.0 / sum_exp  # p = exp(z) / S, the 1/S folded into a per-row multiply
         kernels = _chunk_kernels(compiled, min(chunk, n_tokens), n_valid, logits.device,
                                  temperature)
@@ -361,7 +379,8 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, group=None, tempera
         vocab_size: the model's real vocabulary (HF ``vocab_size``); global columns >= it are
             TP padding and are excluded from the distribution. Default: V_l * group size.
         kernel: the per-chunk passes: ``"eager"`` torch ops, ``"compiled"`` torch.compile'd
-            fused passes, ``"auto"`` compiled where ``compiled_by_default(logits.device)``.
+            fused passes, ``"auto"`` compiled where
+            ``compiled_by_default(logits.device, logits.dtype)``.
 
     Returns:
         ``(logprobs, entropy)``, both float32 with the shape of ``targets``; ``logprobs`` is
@@ -388,7 +407,8 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, group=None, tempera
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"targets must lie in [0, vocab_size={vocab_size}); got range "
                          f"[{int(targets.min())}, {int(targets.max())}]")
-    compiled = kernel == "compiled" or (kernel == "auto" and compiled_by_default(logits.device))
+    compiled = kernel == "compiled" or (kernel == "auto"
+                                        and compiled_by_default(logits.device, logits.dtype))
     chunk = int(chunk_size) if chunk_size else default_chunk_size(vocab_local, logits.device,
                                                                   compiled=compiled)
     if chunk < 1:
