@@ -13,8 +13,13 @@ saying why (``megatron_dgpo.planner.search``). With ``rollout.placement: dedicat
 trainer is planned on the GPUs left after ``rollout.num_gpus`` and the engines' own GPU is
 estimated beside it. For vLLM rollout it then estimates a step's time
 (``megatron_dgpo.planner.steptime``) colocated, on dedicated engines and one-step-off, and the
-engines' share of the GPUs that balances one-step-off. The formulas and their checks are in
-``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB" A100/H100 has ~80 GiB).
+engines' share of the GPUs that balances one-step-off. The attention backend of the training
+rows is the one the trainer would run (``model.attention_backend`` on ``--hardware``'s GPU
+generation with ``--flash-attn``'s FlashAttention, ``gpu_flags.attention_backend``): the
+unfused and local backends add their [s, s] tensors to the activations, and a backend that
+cannot run there is reported as the trainer's refusal instead of a layout. The formulas and
+their checks are in ``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB"
+A100/H100 has ~80 GiB).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from dataclasses import replace
 
 from megatron_dgpo.planner.catalogue import architecture_for
 from megatron_dgpo.planner.inputs import GIB, Cluster, Workload
+from megatron_dgpo.planner.memory_terms import FLASH_ATTN_SOURCES
 from megatron_dgpo.planner.peak import dedicated_engines, dedicated_split_problem
 from megatron_dgpo.planner.report import explain, explain_step_time, format_table
-from megatron_dgpo.planner.search import balanced_rollout_gpus, estimate_step_times, make_plan
+from megatron_dgpo.planner.search import (balanced_rollout_gpus, estimate_step_times, make_plan,
+                                          plan_attention, refused_plan)
 from megatron_dgpo.planner.steptime import HARDWARE, StepShape
 
 
@@ -91,7 +98,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="MoE: plan only this expert tensor-parallel size (default: search 1 "
                          "and the layout's TP)")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
-                    help="GPU type of the step-time estimate (default a100, the paper's)")
+                    help="GPU type (default a100, the paper's): the step-time estimate's peaks "
+                         "and the generation that decides the attention backend of the "
+                         "training rows (a100 sm80: FlashAttention; h100 sm90: cuDNN fused)")
+    ap.add_argument("--flash-attn", choices=list(FLASH_ATTN_SOURCES), default="image",
+                    help="the flash-attn of the training GPUs, for the attention backend "
+                         "(model.attention_backend): image (default) the pinned image's "
+                         "flash-attn 2.8.3; here the one installed where dgpo-plan runs, judged "
+                         "as Transformer-Engine 2.17.1 judges it; none a cluster without it. A "
+                         "backend that cannot run there is refused as the trainer refuses it; "
+                         "the unfused and local backends add [s, s] tensors per layer")
     ap.add_argument("--mean-prompt-tokens", default=200.0,
                     type=_float_in("--mean-prompt-tokens", 1.0, math.inf, ">= 1"),
                     help="step time: the mean prompt in tokens (default 200, at most "
@@ -109,8 +125,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not, 2 on
-    bad input."""
+    """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not or
+    when the recipe's attention backend cannot run on ``--hardware`` with ``--flash-attn``'s
+    FlashAttention (the trainer's refusal is the report), 2 on bad input."""
     from megatron_dgpo.recipe import load_recipe
     from megatron_dgpo.runtime.config import ConfigError
 
@@ -140,16 +157,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgpo-plan: error: --expert-parallel / --expert-tensor-parallel need an MoE "
               f"model; {model.name} is dense", file=sys.stderr)
         return 2
-    plan = make_plan(model, cluster, work, headroom=args.headroom,
-                     recipe_tp=run.parallel.tensor_parallel,
-                     recipe_pp=run.parallel.pipeline_parallel,
-                     recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
-                     expert_parallel=args.expert_parallel,
-                     expert_tensor_parallel=args.expert_tensor_parallel)
+    hw = HARDWARE[args.hardware]
+    work, basis, refusal = plan_attention(work, hw, args.flash_attn)
+    if refusal:
+        plan = refused_plan(model, cluster, work, refusal, basis=basis)
+    else:
+        plan = make_plan(model, cluster, work, headroom=args.headroom,
+                         recipe_tp=run.parallel.tensor_parallel,
+                         recipe_pp=run.parallel.pipeline_parallel,
+                         recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
+                         expert_parallel=args.expert_parallel,
+                         expert_tensor_parallel=args.expert_tensor_parallel)
+        plan.attention_basis = basis
     if run.rollout.engine == "vllm" and plan.pick is not None:
         shape = StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
                                       mean_response_fraction=args.mean_response_fraction)
-        hw = HARDWARE[args.hardware]
         plan.step_times = estimate_step_times(plan, shape, hw)
         plan.balanced = balanced_rollout_gpus(plan, shape, hw, headroom=args.headroom)
         plan.step_time_basis = (f"{hw.name}, mean prompt {shape.mean_prompt_tokens:.0f} + "
@@ -161,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(plan, args.headroom))
         own_mp = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
         own_dp = cluster.world // own_mp
-        if cluster.world % own_mp == 0 and dedicated_split_problem(cluster, work, own_dp):
+        if not refusal and cluster.world % own_mp == 0 \
+                and dedicated_split_problem(cluster, work, own_dp):
             print(f"the recipe's own layout TP{run.parallel.tensor_parallel} "
                   f"PP{run.parallel.pipeline_parallel} has {own_dp} DP replicas, which cannot "
                   f"share {dedicated_engines(cluster, work)} dedicated engines evenly: the "

@@ -1,11 +1,13 @@
 """megatron_dgpo/plan.py: ``dgpo-plan``'s exit status and messages: a recipe that does not
-fit, the recompute switch it proposes, bad flags and recipe input, and dedicated engines on the
-14B recipes."""
+fit, the recompute switch it proposes, bad flags and recipe input, dedicated engines on the
+14B recipes, and the attention backend (refused as the trainer refuses it, in the report and
+``--json``)."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -133,3 +135,78 @@ def test_the_module_path_users_type_runs_the_command_line(recipe, code, verdict)
                            "--gpu-memory-gb", "80"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert verdict in proc.stdout and "TP1 PP1 CP1 DP1" in proc.stdout
+
+
+def _trainer_refusal(capability, requested="auto", **stack):
+    """What ``gpu_flags.attention_backend`` raises for the 14B recipe (bf16) on the image's
+    stack with this GPU generation: the trainer's own start-up message."""
+    import torch
+
+    from megatron_dgpo.runtime.gpu_flags import GPU, attention_backend
+
+    platform = replace(GPU, compute_capability=capability, device_name="A100-80GB", **stack)
+    with pytest.raises(ValueError) as refused:
+        attention_backend(platform, requested, dtype=torch.bfloat16, environ={})
+    return str(refused.value)
+
+
+def test_an_attention_backend_the_gpus_cannot_run_is_refused_not_planned(capsys):
+    """``auto`` on an A100 without flash-attn (``--flash-attn none``) and ``fused`` on an A100:
+    the trainer would stop at start-up, so no layout is picked (nor estimated: none would run);
+    the report is the trainer's own message with its fix, and the exit status 1."""
+    args = [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80"]
+    code, out, _ = run_main(capsys, args + ["--flash-attn", "none"])
+    expected = _trainer_refusal((8, 0), flash_attention="",
+                                flash_attention_error="flash-attn is not installed")
+    assert code == 1 and "<- pick" not in out and "TP4 PP1" not in out
+    assert f"DOES NOT RUN: the trainer would stop at start-up with: {expected}" in out
+    for needed in ("flash-attn==2.8.3", "FLASH_ATTN_CUDA_ARCHS=80",
+                   "model.attention_backend=unfused"):
+        assert needed in expected
+    assert main(args + ["--flash-attn", "none", "--json"]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["pick"] is None and plan["layouts"] == [] and plan["step_times"] == []
+    assert plan["attention"]["backend"] is None and plan["attention"]["refusal"] == expected
+    assert plan["attention"]["requested"] == "auto"
+
+    code, out, _ = run_main(capsys, args + ["model.attention_backend=fused"])
+    assert code == 1 and _trainer_refusal((8, 0), "fused") in out
+    assert "cuDNN fused attention takes packed (THD) rows only on sm90" in out
+    # an H100 runs cuDNN's fused attention without flash-attn
+    assert main(args + ["--flash-attn", "none", "--hardware", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention"]["backend"] == "fused"
+
+
+def test_json_and_header_carry_the_attention_backend(capsys):
+    """``--json``'s "attention": the request, the backend the activations are counted for and
+    the GPU it was decided on; the table's header says it; ``--flash-attn here`` judges this
+    environment's flash-attn as Transformer-Engine would."""
+    from megatron_dgpo.runtime.gpu_flags import _distribution_version, flash_attention_status
+
+    args = [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80"]
+    for extra, backend in (([], "flash"), (["--hardware", "h100"], "fused"),
+                           (["model.attention_backend=unfused"], "unfused"),
+                           (["model.without_transformer_engine=true"], "local")):
+        assert main(args + extra + ["--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["attention"]["backend"] == backend and plan["attention"]["refusal"] == ""
+        assert plan["workload"]["attention"] == backend
+        gpu = "H100-80GB-SXM, sm90" if "h100" in extra else "A100-80GB, sm80"
+        assert plan["attention"]["basis"].startswith(f"{gpu}, flash-attn 2.8.3 (--flash-attn image")
+        scores = plan["pick"]["attention_scores_gib"]
+        assert (scores > 0) == (backend in ("unfused", "local"))
+    # the local spec's dense [S, S] per layer: the recipe's TP 4 no longer fits (docs/planner.md)
+    own, tp = plan["recipe_layout"]["gib"]["total"], plan["pick"]["layout"]["tp"]
+    doc = " ".join(open(os.path.join(ROOT, "docs", "planner.md")).read().split())
+    assert own > 80 and f"TP 4 ({own:.1f} GiB) no longer fits and the pick is TP {tp}." in doc
+    code, out, _ = run_main(capsys, args + ["model.attention_backend=unfused", "--explain"])
+    assert code == 0
+    assert "attention: unfused (model.attention_backend=unfused; [s, s] tensors per layer) on " \
+           "A100-80GB, sm80" in out
+    assert "2 sequence(s) padded to S = 10240, a / t = 10 heads" in out
+
+    found, _ = flash_attention_status(_distribution_version("flash-attn"), (8, 0),
+                                      flash_attn_3=_distribution_version("flash-attn-3"))
+    code, out, _ = run_main(capsys, args + ["--flash-attn", "here"])
+    assert code == (0 if found else 1)
+    assert ("attention: flash" in out) == bool(found) and ("DOES NOT RUN" in out) != bool(found)

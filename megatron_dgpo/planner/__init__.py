@@ -6,7 +6,8 @@ Its modules, bottom to top (each imports only those listed before it):
     inputs.py           what a plan is for: the model, the cluster, the recipe's workload, a layout
     catalogue.py        the published models' config.json fields, and the model a recipe names
     parameters.py       parameter counts per layer, stage and model
-    memory_terms.py     per-GPU memory, term by term (weights ... NCCL, vLLM's reserve)
+    memory_terms.py     per-GPU memory, term by term (weights ... NCCL, vLLM's reserve), and
+                        the attention backend a plan's GPUs run (the trainer's own rule)
     peak.py             a layout's most loaded GPU (``estimate``) and a dedicated engine's GPU
     steptime.py         a roofline model of one RL step's generation, training and refit
     published_steps.py  the published step times the step-time model is checked against

@@ -144,12 +144,23 @@ class Workload:
     """The CUDA context (~0.5 GiB with lazy module loading) and the cuBLAS / TE workspaces: a
     flat allowance per GPU (``--overhead-gb``); NCCL, CUDA graphs and the allocator's cache
     are their own terms."""
+    attention_backend: str = "auto"
+    """``model.attention_backend``: what the recipe asks for (``gpu_flags.ATTENTION_BACKENDS``)."""
+    without_transformer_engine: bool = False
+    """``model.without_transformer_engine``: Megatron's local layer spec (dense row masks)."""
+    attention: str = "flash"
+    """The attention backend the activations are counted for: "flash" or "fused" (linear in
+    tokens), "unfused" (Transformer-Engine's, [s, s] tensors per layer) or "local" (Megatron's
+    local spec, [S, S] over the whole row): ``memory_terms.resolve_attention``'s answer for the
+    two fields above on the plan's GPUs, which ``dgpo-plan`` sets. ``from_recipe`` leaves the
+    default, "flash" (what ``auto`` runs on an A100 of the pinned image)."""
 
     @classmethod
     def from_recipe(cls, run) -> "Workload":
         """The memory-relevant fields of a ``RunConfig``. ``None`` means what it means on a GPU:
         the distributed optimizer and sleep mode count as on, ``enforce_eager`` as off (CUDA
-        graphs); bf16 unless ``model.dtype: float32``."""
+        graphs); bf16 unless ``model.dtype: float32``. The attention backend is the recipe's
+        request; which one runs depends on the GPUs (``memory_terms.resolve_attention``)."""
         dist_opt = run.optimizer.use_distributed_optimizer
         return cls(
             micro_batch_tokens=run.train.micro_batch_tokens,
@@ -170,6 +181,8 @@ class Workload:
             offload_training_state=run.train.offload_training_state,
             sleep_mode=run.rollout.sleep_mode is not False,
             enforce_eager=bool(run.rollout.enforce_eager),
+            attention_backend=run.model.attention_backend,
+            without_transformer_engine=run.model.without_transformer_engine,
         )
 
 

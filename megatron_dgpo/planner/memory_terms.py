@@ -1,6 +1,8 @@
 """Per-GPU memory, term by term, as pure functions: weights, gradients, optimizer state,
-activations, the MoE dispatcher's buffers, logits and the log-prob kernel's workspace, NCCL's
-buffers, the allocator's cache, and vLLM's reserve on an engine's GPUs.
+activations (with the [s, s] tensors of the attention backends that have them), the MoE
+dispatcher's buffers, logits and the log-prob kernel's workspace, NCCL's buffers, the
+allocator's cache, and vLLM's reserve on an engine's GPUs; and which attention backend a plan's
+GPUs run (``planned_platform``, ``resolve_attention``: the trainer's own rule).
 
 Each function's docstring states its formula (notation: ``megatron_dgpo.planner``);
 ``docs/planner.md`` collects them with their assumptions and the published figures they were
@@ -14,8 +16,16 @@ from dataclasses import replace
 from megatron_dgpo.models import ModelDescription
 from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, Workload
 from megatron_dgpo.planner.parameters import param_count
-from megatron_dgpo.runtime.gpu_flags import GPU
+from megatron_dgpo.runtime.config import require_choice
+from megatron_dgpo.runtime.gpu_flags import (FLASH_ATTN_PIN, GPU, Platform, attention_backend,
+                                             flash_attention_status, pad_multiple)
+# the installed distribution's version, as Transformer-Engine reads it (private in gpu_flags)
+from megatron_dgpo.runtime.gpu_flags import _distribution_version
 from megatron_dgpo.runtime.gpu_flags import sequence_parallel as gpu_sequence_parallel
+
+SCORE_BACKENDS = ("unfused", "local")
+"""The attention backends with [s, s] tensors per layer (``attention_score_bytes``); "flash" and
+"fused" keep activations linear in tokens."""
 
 
 def weight_bytes(params: int, dtype_bytes: int = 2) -> int:
@@ -38,8 +48,8 @@ def optimizer_bytes(params: int, dp: int, distributed: bool) -> int:
 
 
 def activation_elements_per_token_layer(desc: ModelDescription, etp: int = 1) -> int:
-    """Elements one layer saves for backward per token, without recompute (flash attention,
-    no dropout, SwiGLU, RMSNorm; whole, before any TP sharding):
+    """Elements one layer saves for backward per token, without recompute (flash or cuDNN
+    fused attention, no dropout, SwiGLU, RMSNorm; whole, before any TP sharding):
 
         h [attn norm input] + h [QKV input] + a d [Q] + 2 g d [K, V] + a d [attention out = proj
         input] + h [MLP norm input] + h [fc1 input] + 2 f [fc1 out = SwiGLU input] + f [fc2 in]
@@ -53,8 +63,11 @@ def activation_elements_per_token_layer(desc: ModelDescription, etp: int = 1) ->
         MoE: 4 h + 2 a d + 2 g d + k (u h + 3 f_e)
 
     Routed counts are the balanced mean (T k tokens per EP rank); without the load-balancing
-    loss a hot expert's rank receives more. The attention's softmax statistics (a fp32 floats
-    per token), the router's fp32 scores (E per token) and RoPE tables are left out (< 1%).
+    loss a hot expert's rank receives more. Left out (< 1%): the attention's softmax statistics,
+    a fp32 floats per token (flash-attn 2's varlen ``softmax_lse`` [a, tokens], cuDNN's ragged
+    THD stats [tokens, a, 1] from cuDNN 9.6: 4 a bytes, 0.1% of the 14B model's E b), the
+    router's fp32 scores (E per token) and RoPE tables. The backends with [s, s] tensors
+    change the Q, K, V part (``activation_bytes``).
     """
     d = desc.dims
     attention = 2 * d.q_dim + 2 * d.kv_dim + (d.q_dim + d.kv_dim if desc.qk_norm else 0)
@@ -79,9 +92,158 @@ def activation_split(desc: ModelDescription, sequence_parallel: bool, etp: int =
     return 4 * desc.dims.hidden, total - 4 * desc.dims.hidden
 
 
+def score_row(attention: str, tokens: int, max_sequence: int | None, tp: int) -> tuple[int, int]:
+    """(b, S): the sequences of one packed row of ``tokens`` tokens and the length each is
+    padded to, as the attention backend's [s, s] tensors see them; (0, 0) for "flash" and
+    "fused", which have none.
+
+        unfused  S = min(tokens, max_sequence rounded up to pad_multiple(t)), b = ceil(tokens / S)
+        local    S = tokens, b = 1
+
+    Transformer-Engine's ``UnfusedDotProductAttention`` converts the packed (THD) row to
+    [b, S, ...] with every sequence padded to the row's longest (``ConvertTHDtoBSHD``); the
+    planner's row is full of sequences of the longest length a sample can have (the last one
+    padded). A row of one long and n short samples costs (n + 1) S^2 all the same, which can be
+    more: leave headroom, or keep such rows short. Megatron's local spec
+    takes no packed rows: the trainer gives it the whole row, one [S, S] problem with a
+    block-diagonal causal mask (``packing.block_causal_mask``), worst at a full row.
+    """
+    if attention == "local":
+        return 1, tokens
+    if attention != "unfused":
+        return 0, 0
+    pad = pad_multiple(tp)
+    longest = tokens if max_sequence is None else -(-max_sequence // pad) * pad
+    seq = min(tokens, longest)
+    return -(-tokens // seq), seq
+
+
+def _softmax_block(keys: int) -> int:
+    """Rows per CUDA block of the scaled (masked) softmax kernels, ``get_batch_per_block``
+    (the same in Transformer-Engine and Megatron's ``scaled_masked_softmax_cuda``)."""
+    pow2 = 1 << (keys - 1).bit_length()
+    warp = min(pow2, 32)
+    return (128 // warp) * (2 if pow2 <= 128 else 1)
+
+
+def te_softmax_kernel(seq: int, batches: int, dtype_bytes: int) -> bool:
+    """Whether Transformer-Engine 2.17.1's ``FusedScaleMaskSoftmax`` (unfused attention, a
+    padding_causal mask) runs its CUDA kernel on [b, a/t, S, S] scores, ``batches`` = b a / t
+    (``is_kernel_available``): 16-bit scores, 16 < S < 16384, S a multiple of 8, batches of 4,
+    S a multiple of the kernel's block. Otherwise it runs torch's softmax in float32."""
+    return (dtype_bytes == 2 and 16 < seq < 16384 and seq % 8 == 0 and batches % 4 == 0
+            and seq % _softmax_block(seq) == 0)
+
+
+def megatron_softmax_kernel(seq: int, batches: int, dtype_bytes: int, kernels: bool) -> bool:
+    """Whether Megatron-Core's ``FusedScaleMaskSoftmax`` (the local spec's attention, causal)
+    runs its CUDA kernel on [1, a/t, S, S] scores (``is_kernel_available``): the compiled
+    kernels import (``kernels``: ``masked_softmax_fusion``), 16-bit scores, 16 < S <= 4096,
+    S a multiple of 4, batches = a / t a multiple of 4 and of the kernel's block."""
+    return (kernels and dtype_bytes == 2 and 16 < seq <= 4096 and seq % 4 == 0
+            and batches % 4 == 0 and batches % _softmax_block(seq) == 0)
+
+
+def score_layer_bytes(attention: str, rows: int, seq: int, heads: int, dtype_bytes: int = 2, *,
+                      softmax_kernels: bool = GPU.softmax_kernels) -> tuple[int, int]:
+    """(saved, live): bytes of one layer's [S, S] attention tensors on one GPU, with n = b
+    (a / t) S^2 score elements (``rows`` = b sequences padded to ``seq`` = S, ``heads`` = a / t:
+    sequence parallelism gathers the whole row, each TP rank has its heads), b_e =
+    ``dtype_bytes``. ``saved``: kept for backward until the layer's backward ran; ``live``:
+    everything of the layer at once while it runs (``saved`` included).
+
+    unfused (Transformer-Engine 2.17.1 ``UnfusedDotProductAttention.forward``, THD):
+        scores [b a/t, S, S] b_e (``torch.baddbmm`` into a fresh tensor; kept by ``forward``
+        until it returns), the full padding-causal mask [b, 1, S, S] bool (``get_full_mask``;
+        saved by the mask fills), the softmax's probabilities, and the probabilities with the
+        padding rows zeroed (``masked_fill``, out of place), which ``torch.bmm`` saves:
+          CUDA softmax kernel (``te_softmax_kernel``), or float32 scores:
+              saved = 2 b_e n + b S^2          [probabilities, masked ones; mask]
+              live  = 3 b_e n + b S^2          [+ scores]
+          16-bit scores, torch's softmax (``softmax_in_fp32``; S >= 16384 always):
+              saved = (4 + b_e) n + b S^2      [fp32 probabilities, masked b_e ones; mask]
+              live  = (8 + 2 b_e) n + b S^2    [+ scores, their fp32 copy, the b_e cast]
+    local (Megatron-Core's ``DotProductAttention``, b = 1, causal softmax with the row's mask):
+          CUDA kernel (``megatron_softmax_kernel``), or float32 scores:
+              saved = b_e n                    [probabilities]
+              live  = 2 b_e n                  [+ scores]
+          16-bit scores, torch's softmax (``attention_softmax_in_fp32``; S > 4096 always):
+              saved = (4 + b_e) n              [fp32 probabilities, their b_e cast]
+              live  = (8 + 2 b_e) n            [+ scores, their fp32 copy]
+        (the row's mask and Megatron's global score buffer are per micro-batch and per GPU:
+        ``attention_score_bytes``)
+
+    Backward holds as much: the layer's saved tensors and their gradients (one [S, S]
+    gradient per saved tensor at a time, the fp32 ones in fp32), and the gradients' chain
+    frees each as it goes. Attention dropout is 0 (every catalogue model's
+    ``attention_dropout``; a dropout mask would add b a/t S^2 bytes)."""
+    if attention not in SCORE_BACKENDS:
+        return 0, 0
+    n = rows * heads * seq * seq
+    half = dtype_bytes < 4
+    if attention == "unfused":
+        mask = rows * seq * seq
+        if half and not te_softmax_kernel(seq, rows * heads, dtype_bytes):
+            return (4 + dtype_bytes) * n + mask, (8 + 2 * dtype_bytes) * n + mask
+        return 2 * dtype_bytes * n + mask, 3 * dtype_bytes * n + mask
+    if half and not megatron_softmax_kernel(seq, heads, dtype_bytes, softmax_kernels):
+        return (4 + dtype_bytes) * n, (8 + 2 * dtype_bytes) * n
+    return dtype_bytes * n, 2 * dtype_bytes * n
+
+
+def attention_score_bytes(desc: ModelDescription, attention: str, tokens: int, layers: int,
+                          in_flight: int, tp: int, recompute: bool, dtype_bytes: int = 2, *,
+                          max_sequence: int | None = None,
+                          softmax_kernels: bool = GPU.softmax_kernels) -> int:
+    """The [S, S] attention tensors on one GPU (0 for "flash" and "fused"), with (b, S) =
+    ``score_row``, (saved, live) = ``score_layer_bytes`` of one layer, m = ``in_flight``
+    micro-batches, L / p = ``layers``:
+
+        no recompute:    (m L / p - 1) saved + live    every earlier layer's saved tensors
+                                                       while the last one runs (its forward,
+                                                       or the first backward)
+        full recompute:  live                          one layer at a time: the checkpointed
+                                                       forward keeps nothing, the recomputed
+                                                       one its own until its backward ran
+        local, either:   + m S^2 + b_e (a / t) S^2     each micro-batch's [1, 1, S, S] bool
+                                                       row mask (every layer's mask fill saves
+                                                       it), and Megatron's global buffer
+                                                       (``torch.baddbmm``'s beta = 0 input),
+                                                       kept for good
+
+    Neither backend has context parallelism (TE's backend selection disables the unfused one
+    with it, the local spec asserts c = 1): ``tokens`` is taken as the whole row."""
+    if attention not in SCORE_BACKENDS:
+        return 0
+    rows, seq = score_row(attention, tokens, max_sequence, tp)
+    heads = desc.dims.heads // tp
+    saved, live = score_layer_bytes(attention, rows, seq, heads, dtype_bytes,
+                                    softmax_kernels=softmax_kernels)
+    held = live if recompute else (in_flight * layers - 1) * saved + live
+    if attention == "local":
+        held += in_flight * seq * seq + dtype_bytes * heads * seq * seq
+    return held
+
+
+def _attention_qkv_elements(desc: ModelDescription, attention: str, tokens: int,
+                            max_sequence: int | None, tp: int) -> int:
+    """What the backends with [s, s] tensors keep of Q, K, V per row and layer (whole over TP)
+    beyond E's a d + 2 g d per token: they compute on [b, S] padded copies with K and V
+    repeated to every query head (``repeat_interleave``; ``torch.baddbmm`` saves Q and K,
+    ``torch.bmm`` V), 3 a d per padded token: 3 a d b S - (a d + 2 g d) tokens. The
+    flash-attention path's THD Q, K, V are then saved by nobody (the fused RoPE keeps only
+    its tables)."""
+    if attention not in SCORE_BACKENDS:
+        return 0
+    rows, seq = score_row(attention, tokens, max_sequence, tp)
+    d = desc.dims
+    return 3 * d.q_dim * rows * seq - (d.q_dim + 2 * d.kv_dim) * tokens
+
+
 def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight: int, tp: int,
                      recompute: bool, dtype_bytes: int = 2, *,
-                     sequence_parallel: bool | None = None, etp: int = 1) -> int:
+                     sequence_parallel: bool | None = None, etp: int = 1,
+                     attention: str = "flash", max_sequence: int | None = None) -> int:
     """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch, with
     (W, S) = ``activation_split`` (W = 0, S = E with sequence parallelism; W = 4 h without):
 
@@ -91,22 +253,34 @@ def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight
 
     t' = t with sequence parallelism (the layer inputs are sharded along the sequence), 1
     without. ``sequence_parallel`` defaults to what the trainer runs on a GPU
-    (``gpu_flags.sequence_parallel``: on whenever t > 1). ``in_flight`` micro-batches are
-    alive at once (1F1B: up to p on stage 0, 1 on the last stage). ``etp``: expert TP u of an
-    MoE model.
+    (``gpu_flags.sequence_parallel``: on whenever t > 1 with Transformer-Engine; off with the
+    local spec, ``attention="local"``). ``in_flight`` micro-batches are alive at once (1F1B: up
+    to p on stage 0, 1 on the last stage). ``etp``: expert TP u of an MoE model.
+
+    ``attention`` (``Workload.attention``): "flash" and "fused" as above. "unfused" and
+    "local" add, per micro-batch and layer kept, their padded Q, K, V (``score_row``'s b S
+    tokens, 3 a d each, for E's a d + 2 g d per token, sharded over TP like them) and their
+    [S, S] tensors, ``attention_score_bytes`` (``max_sequence``: the longest sample).
     """
     if sequence_parallel is None:
-        sequence_parallel = gpu_sequence_parallel(tp, GPU)
+        platform = replace(GPU, transformer_engine=False) if attention == "local" else GPU
+        sequence_parallel = gpu_sequence_parallel(tp, platform)
     whole, sharded = activation_split(desc, sequence_parallel, etp)
+    padded = _attention_qkv_elements(desc, attention, tokens, max_sequence, tp)
 
     def one_layer(count: int) -> int:  # bytes of `count` token-layers' full activations
         return count * whole * dtype_bytes + count * sharded * dtype_bytes // tp
 
+    def padding(rows: int) -> int:  # bytes of `rows` row-layers' padded Q, K, V beyond E's
+        return rows * padded * dtype_bytes // tp
+
+    scores = attention_score_bytes(desc, attention, tokens, layers, in_flight, tp, recompute,
+                                   dtype_bytes, max_sequence=max_sequence)
     if not recompute:
-        return one_layer(in_flight * layers * tokens)
+        return one_layer(in_flight * layers * tokens) + padding(in_flight * layers) + scores
     shard = tp if sequence_parallel else 1
     checkpoints = in_flight * layers * tokens * desc.dims.hidden * dtype_bytes // shard
-    return checkpoints + one_layer(tokens)
+    return checkpoints + one_layer(tokens) + padding(1) + scores
 
 
 def dispatcher_bytes(desc: ModelDescription, tokens: int, tp: int, ep: int, etp: int,
@@ -288,3 +462,56 @@ def vllm_bytes(desc: ModelDescription, cluster: Cluster, work: Workload) -> tupl
                      f"sequences at once, not max_num_seqs={work.max_num_seqs} "
                      f"({needed / GIB:.1f} GiB)")
     return reserve, notes
+
+
+FLASH_ATTN_SOURCES = {
+    "image": "the pinned image's",
+    "here": "installed where dgpo-plan runs",
+    "none": "none on the cluster",
+}
+"""``dgpo-plan --flash-attn``: which flash-attn the plan's GPUs have (``planned_platform``)."""
+
+
+def planned_platform(device_name: str, capability: tuple[int, int] | None,
+                     flash_attn: str = "image") -> Platform:
+    """The GPU platform a plan assumes: the pinned image's stack (``gpu_flags.GPU``:
+    Transformer-Engine 2.17.1, cuDNN 9.20, apex and Megatron's kernels) on a GPU named
+    ``device_name`` of ``capability``, with the flash-attn ``flash_attn`` says
+    (``FLASH_ATTN_SOURCES``), judged as Transformer-Engine judges it
+    (``gpu_flags.flash_attention_status``):
+
+        image  flash-attn ``gpu_flags.FLASH_ATTN_PIN`` (2.8.3), the image's
+        here   the flash-attn and flash-attn-3 installed in this Python environment, by their
+               distributions' versions as TE reads them (run it in the cluster's environment)
+        none   no flash-attn (a cluster built without it)
+
+    Only FlashAttention varies: the rest of the stack is the image's whatever the choice."""
+    require_choice("--flash-attn", flash_attn, tuple(FLASH_ATTN_SOURCES))
+    versions = {"image": (FLASH_ATTN_PIN, None), "none": (None, None),
+                "here": (_distribution_version("flash-attn"),
+                         _distribution_version("flash-attn-3"))}[flash_attn]
+    found, why_not = flash_attention_status(versions[0], capability, flash_attn_3=versions[1])
+    return replace(GPU, compute_capability=capability, device_name=device_name,
+                   flash_attention=found, flash_attention_error=why_not)
+
+
+def attention_basis(platform: Platform, flash_attn: str) -> str:
+    """The GPU and FlashAttention a plan's backend was decided on, for the report."""
+    flash = platform.flash_attention or f"no FlashAttention: {platform.flash_attention_error}"
+    return f"{platform.gpu}, {flash} (--flash-attn {flash_attn}: {FLASH_ATTN_SOURCES[flash_attn]})"
+
+
+def resolve_attention(work: Workload, platform: Platform) -> Workload:
+    """``work`` with ``attention`` set to the backend the trainer would run on ``platform``
+    (``planned_platform``): ``gpu_flags.attention_backend`` itself, on the recipe's
+    ``model.attention_backend``, ``model.without_transformer_engine`` and ``model.dtype``.
+    Raises its ``ValueError``, the trainer's start-up refusal with the fix, where the recipe's
+    backend cannot run there. The cluster's ``NVTE_*`` variables are not known here: none
+    count as set."""
+    import torch  # the dtype attention_backend compares; the planner's modules stay torch-free
+
+    dtype = torch.float32 if work.dtype_bytes == 4 else torch.bfloat16
+    backend = attention_backend(platform, work.attention_backend, dtype=dtype,
+                                without_transformer_engine=work.without_transformer_engine,
+                                environ={})
+    return replace(work, attention=backend)

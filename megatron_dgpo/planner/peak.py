@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, PlannedModel, Workload
 from megatron_dgpo.planner.memory_terms import (activation_bytes, allocator_cache_bytes,
-                                                dispatcher_bytes, engine_reserve, grad_bytes,
+                                                attention_score_bytes, dispatcher_bytes,
+                                                engine_reserve, grad_bytes,
                                                 logits_bytes, logprob_workspace_bytes,
                                                 nccl_bytes, nccl_communicators, optimizer_bytes,
                                                 vllm_bytes, weight_bytes)
@@ -57,6 +58,9 @@ class Estimate:
     sleeps during training)."""
     communicators: list[str] = field(default_factory=list)
     """The NCCL communicators counted in ``nccl`` (``nccl_communicators``)."""
+    attention_scores: int = 0
+    """Of ``activations``, the attention's [s, s] tensors (``attention_score_bytes``): 0 with
+    flash or fused attention."""
 
     @property
     def total(self) -> int:
@@ -90,7 +94,8 @@ class Estimate:
                     gib={**terms, "total": self.total / GIB, "gpu": self.gpu_bytes / GIB},
                     fits=self.fits, notes=list(self.notes), vllm_sleeps=self.vllm_sleeps,
                     offloaded=self.offloaded, engines=self.engines,
-                    nccl_communicators=list(self.communicators))
+                    nccl_communicators=list(self.communicators),
+                    attention_scores_gib=self.attention_scores / GIB)
 
 
 def micro_batches_per_update(work: Workload, dp: int) -> int:
@@ -136,7 +141,9 @@ def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Worklo
     Megatron's outermost); dedicated, none (``dedicated_engine_estimate``), but stage 0 holds
     the refit link. An MoE model's layout carries EP e and expert TP u: the experts
     (``stage_expert_params``) have their optimizer state sharded over D_e, not D, and the
-    dispatcher's buffers (``dispatcher_bytes``) join training's terms."""
+    dispatcher's buffers (``dispatcher_bytes``) join training's terms. The activations follow
+    ``work.attention`` (``activation_bytes``: [s, s] tensors with the unfused and local
+    backends)."""
     desc = model.description
     if desc.dims.moe != layout.moe:
         raise ValueError(f"layout {layout} is {'an MoE' if layout.moe else 'a dense'} layout "
@@ -160,9 +167,11 @@ def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Worklo
         last = stage == p - 1
         has_vllm = work.colocated_rollout and (colocated or stage * gpus_per_stage < t_r)
         name = "only" if p == 1 else "first" if stage == 0 else "last" if last else f"{stage}"
-        activations = activation_bytes(desc, tokens, desc.dims.layers // p,
-                                       min(p - stage, micro_batches), t, work.recompute,
-                                       work.dtype_bytes, etp=u)
+        in_flight = min(p - stage, micro_batches)
+        activations = activation_bytes(desc, tokens, desc.dims.layers // p, in_flight, t,
+                                       work.recompute, work.dtype_bytes, etp=u,
+                                       attention=work.attention,
+                                       max_sequence=work.max_sequence)
         dispatch = dispatcher_bytes(desc, tokens, t, e, u, work.moe_dispatcher, work.dtype_bytes)
         logits = (logits_bytes(tokens, rows, t, work.logits_dtype_bytes or work.dtype_bytes)
                   + logprob_workspace_bytes(tokens, rows, t, work.log_prob_chunk_size)
@@ -186,7 +195,10 @@ def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Worklo
                     else 0),
             cache=allocator_cache_bytes(activations + dispatch + logits, work.allocator_slack),
             notes=list(vllm_notes) if has_vllm else [], vllm_sleeps=sleeps, engines=engines,
-            offloaded=sleeps and work.offload_training_state, communicators=communicators)
+            offloaded=sleeps and work.offload_training_state, communicators=communicators,
+            attention_scores=attention_score_bytes(
+                desc, work.attention, tokens, desc.dims.layers // p, in_flight, t,
+                work.recompute, work.dtype_bytes, max_sequence=work.max_sequence))
 
     # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
     peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)

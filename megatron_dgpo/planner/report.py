@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 from megatron_dgpo.planner.inputs import GIB, Cluster
-from megatron_dgpo.planner.memory_terms import activation_elements_per_token_layer
+from megatron_dgpo.planner.memory_terms import (SCORE_BACKENDS,
+                                                activation_elements_per_token_layer,
+                                                score_layer_bytes, score_row)
 from megatron_dgpo.planner.parameters import padded_vocab, param_count, stage_params
 from megatron_dgpo.planner.peak import TERMS, EngineEstimate, Estimate
 from megatron_dgpo.planner.search import Plan, preference
@@ -48,13 +50,18 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
                  "world / (PP EP ETP) by the distributed optimizer)" if lay.moe else
                  ", sharded over DP by the distributed optimizer)")
                 if work.distributed_optimizer else ", not sharded)"),
-             f"  activations  m (L / p) s E b / t = {gib(e.activations)}   (s = "
+             f"  activations  m (L / p) s E b / t"
+             + (" + [s, s] attention tensors" if work.attention in SCORE_BACKENDS else "")
+             + f" = {gib(e.activations)}   (s = "
              f"{work.micro_batch_tokens} tokens, E = "
              f"{activation_elements_per_token_layer(desc, lay.expert_tp):,} elements per "
              f"token and layer"
              + (f" incl. the routed copies' k (ETP h + 3 f_e) = {dims.topk} x ({lay.expert_tp} x "
                 f"{dims.hidden} + 3 x {dims.moe_ffn})" if lay.moe else "")
-             + f", sequence parallel over TP {t}; {recompute})",
+             + (f", sequence parallel over TP {t}" if work.attention != "local"
+                else ", no sequence parallelism (local spec)")
+             + f"; {recompute}; {work.attention} attention"
+             + (_scores_text(plan, e) if work.attention in SCORE_BACKENDS else "") + ")",
              (f"  dispatch     {_dispatch_formula(work.moe_dispatcher)} = {gib(e.dispatch)}   "
               f"({work.moe_dispatcher} token dispatcher, one MoE layer's transient buffers: "
               f"T = s / t = {-(-work.micro_batch_tokens // t)} tokens, k = {dims.topk}, EP "
@@ -104,6 +111,20 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     else:
         lines.append(f"  total        every term at once = {gib(e.total)}")
     return "\n".join(lines)
+
+
+def _scores_text(plan: Plan, e: Estimate) -> str:
+    """``--explain``'s words for the [s, s] attention tensors of ``e`` (``score_row``,
+    ``score_layer_bytes``, ``attention_score_bytes``)."""
+    work, lay = plan.workload, e.layout
+    rows, seq = score_row(work.attention, -(-work.micro_batch_tokens // lay.cp),
+                          work.max_sequence, lay.tp)
+    heads = plan.model.description.dims.heads // lay.tp
+    saved, live = score_layer_bytes(work.attention, rows, seq, heads, work.dtype_bytes)
+    gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    return (f": {rows} sequence(s) padded to S = {seq}, a / t = {heads} heads, per layer "
+            f"{gib(saved)} saved for backward and {gib(live)} while it runs; "
+            f"[s, s] tensors in all {gib(e.attention_scores)}")
 
 
 def explain_step_time(times: list[StepTime]) -> str:
@@ -160,7 +181,14 @@ def format_table(plan: Plan, headroom: float) -> str:
              + (f"dedicated ({cl.rollout_gpus} of the {cl.gpus} GPUs; the trainer's world is the "
                 f"other {cl.world})" if work.rollout_placement == "dedicated"
                 else work.rollout_placement if work.colocated_rollout else "none"),
+             "attention: " + (f"refused for model.attention_backend={work.attention_backend}"
+                              if plan.attention_refusal else _attention_text(work))
+             + (f" on {plan.attention_basis}" if plan.attention_basis else ""),
              ""]
+    if plan.attention_refusal:
+        lines.append("DOES NOT RUN: the trainer would stop at start-up with: "
+                     + plan.attention_refusal)
+        return "\n".join(lines)
     if plan.required_overrides:
         lines[-1:] = [f"as configured, {plan.as_configured[0].lower()}{plan.as_configured[1:]}",
                       f"planned with {' '.join(plan.required_overrides)}:", ""]
@@ -208,6 +236,15 @@ def format_table(plan: Plan, headroom: float) -> str:
     if plan.step_times:
         lines += ["", _step_time_table(plan)]
     return "\n".join(lines)
+
+
+def _attention_text(work) -> str:
+    """The backend the activations are counted for, and how it grows with the row."""
+    how = ("[s, s] tensors per layer" if work.attention in SCORE_BACKENDS
+           else "activations linear in tokens")
+    requested = ("model.without_transformer_engine=true" if work.without_transformer_engine
+                 else f"model.attention_backend={work.attention_backend}")
+    return f"{work.attention} ({requested}; {how})"
 
 
 def _aligned(head: list[str], rows: list[list[str]]) -> list[str]:

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megatron_dgpo.planner.catalogue import architecture_for
 from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, PlannedModel, Workload
-from megatron_dgpo.planner.memory_terms import engine_reserve
+from megatron_dgpo.planner.memory_terms import (SCORE_BACKENDS, attention_basis, engine_reserve,
+                                                planned_platform, resolve_attention)
 from megatron_dgpo.planner.parameters import param_count
 from megatron_dgpo.planner.peak import (EngineEstimate, Estimate, dedicated_engine_estimate,
                                         dedicated_engines, dedicated_split_problem, engine_tp,
@@ -174,6 +175,22 @@ class Plan:
     (``balanced_rollout_gpus``)."""
     step_time_basis: str = ""
     """The hardware and lengths behind ``step_times``."""
+    attention_basis: str = ""
+    """The GPU and FlashAttention the attention backend (``workload.attention``) was decided
+    on (``memory_terms.attention_basis``); empty when the workload's backend was set by hand."""
+    attention_refusal: str = ""
+    """Why the recipe's attention backend cannot run on the plan's GPUs (the trainer's start-up
+    refusal, ``refused_plan``): then no layout is estimated."""
+
+    @property
+    def attention(self) -> dict:
+        """``--json``'s "attention": the recipe's request, the backend the activations are
+        counted for (None when refused), what decided it, and the refusal."""
+        work = self.workload
+        return dict(requested=work.attention_backend,
+                    without_transformer_engine=work.without_transformer_engine,
+                    backend=None if self.attention_refusal else work.attention,
+                    basis=self.attention_basis, refusal=self.attention_refusal)
 
     @property
     def fits(self) -> bool:
@@ -192,7 +209,7 @@ class Plan:
             dedicated_engine=self.engine.as_dict() if self.engine else None,
             step_times=[t.as_dict() for t in self.step_times],
             balanced_one_step_off=self.balanced.as_dict() if self.balanced else None,
-            step_time_basis=self.step_time_basis)
+            step_time_basis=self.step_time_basis, attention=self.attention)
 
 
 def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
@@ -231,7 +248,37 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
             return retry
         plan.hint += " Full activation recompute does not make any layout fit either."
     plan.hint += " Use more GPUs, GPUs with more memory, or shorter micro-batches."
+    if work.attention in SCORE_BACKENDS and estimates:
+        least = min(estimates, key=lambda e: e.total)
+        plan.hint += (f" The {work.attention} attention's [s, s] tensors are "
+                      f"{least.attention_scores / GIB:.1f} GiB of {least.layout}'s peak: an "
+                      f"attention backend linear in tokens (model.attention_backend=auto with "
+                      f"Transformer-Engine and FlashAttention or cuDNN) has none.")
     return plan
+
+
+def plan_attention(work: Workload, hw: Hardware, flash_attn: str = "image"
+                   ) -> tuple[Workload, str, str]:
+    """``(work, basis, refusal)``: ``work`` with the attention backend the recipe runs on
+    ``hw``'s GPU generation with the FlashAttention ``flash_attn`` names
+    (``memory_terms.planned_platform``, ``resolve_attention``), the text saying what decided
+    it, and "" or, where the backend cannot run there, the trainer's refusal (``work`` then
+    unchanged)."""
+    platform = planned_platform(hw.name, hw.compute_capability, flash_attn)
+    basis = attention_basis(platform, flash_attn)
+    try:
+        return resolve_attention(work, platform), basis, ""
+    except ValueError as exc:
+        return work, basis, str(exc)
+
+
+def refused_plan(model: PlannedModel, cluster: Cluster, work: Workload, refusal: str, *,
+                 basis: str = "") -> Plan:
+    """The plan of a recipe whose attention backend cannot run on the plan's GPUs: no layout
+    (none would run: the trainer stops at start-up with ``refusal``, its own message and fix),
+    rather than layouts that fit only with a backend that is not there."""
+    return Plan(model, cluster, work, [], None, "", None, hint=refusal,
+                attention_basis=basis, attention_refusal=refusal)
 
 
 def rollout_tensor_parallel(plan: Plan) -> int:
@@ -290,17 +337,20 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
     """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
     ``{"colocated" | "synchronous" | "one_step_off": StepTime.as_dict()}``, the latter two on
     the recipe's ``rollout.num_gpus``, and ``"balanced"``, one-step-off on the dedicated GPUs
-    that make it fastest (``benchmarks/bench_async.py``)."""
+    that make it fastest (``benchmarks/bench_async.py``). The attention backend is the one the
+    recipe runs on ``hardware`` with the pinned image (``memory_terms.resolve_attention``; its
+    ``ValueError`` where it cannot run there)."""
     if run.rollout.placement != "dedicated":
         raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
                          f"{run.rollout.placement!r}")
-    work = Workload.from_recipe(run)
+    hw = HARDWARE[hardware]
+    work = resolve_attention(Workload.from_recipe(run),
+                             planned_platform(hw.name, hw.compute_capability))
     cluster = replace(cluster, rollout_gpus=run.rollout.num_gpus)
     plan = make_plan(architecture_for(run), cluster, work, headroom=headroom,
                      recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
     shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
                                   mean_response_fraction=mean_response_fraction)
-    hw = HARDWARE[hardware]
     colocated, synchronous, one_step_off = estimate_step_times(plan, shape, hw)
     balanced = balanced_rollout_gpus(plan, shape, hw, headroom=headroom)
     return {"colocated": colocated.as_dict(), "synchronous": synchronous.as_dict(),

@@ -142,15 +142,19 @@ class Hardware:
     refit_s_per_tensor: float = REFIT_S_PER_TENSOR
     sampling_s_per_row_vocab: float = SAMPLING_S_PER_ROW_VOCAB
     seeded_sampling_s_per_row_vocab: float = SEEDED_SAMPLING_S_PER_ROW_VOCAB
+    compute_capability: tuple[int, int] | None = None
+    """The GPU generation, (8, 0) A100, (9, 0) H100: it decides the attention backend of the
+    packed training rows (``memory_terms.resolve_attention``). None: not a real GPU type."""
 
 
 HARDWARE = {
     "a100": Hardware("A100-80GB", peak_tflops=312, hbm_gb_per_s=2039, nvlink_gb_per_s=300,
-                     network_gb_per_s=25, pcie_gb_per_s=25),
+                     network_gb_per_s=25, pcie_gb_per_s=25, compute_capability=(8, 0)),
     "h100": Hardware("H100-80GB-SXM", peak_tflops=989, hbm_gb_per_s=3350, nvlink_gb_per_s=450,
-                     network_gb_per_s=50, pcie_gb_per_s=50),
+                     network_gb_per_s=50, pcie_gb_per_s=50, compute_capability=(9, 0)),
 }
-"""``dgpo-plan --hardware``; the paper ran on A100 80GB (Appendix B). The published rows are H100."""
+"""``dgpo-plan --hardware``: the step time's peaks and the attention backend's GPU generation;
+the paper ran on A100 80GB (Appendix B). The published rows are H100."""
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,56 @@ def test_bench_async_prints_the_planner_rows(capsys):
     est = step_time_estimate(load_recipe(RECIPE_14B_ASYNC), Cluster(8, 30, 80))
     speedup = est["synchronous"]["step_s"] / est["one_step_off"]["step_s"]
     assert f"| {speedup:.2f}x |" in rows[1]
+
+
+def test_the_14b_recipe_fits_with_flash_attention_but_not_with_the_unfused_one():
+    """The 14B recipe on 4 nodes of A100 80GB at its 16384-token rows, without recompute: TP4
+    PP1 DP8 fits with FlashAttention, what ``auto`` runs on an A100 of the image; with
+    ``model.attention_backend=unfused`` the same layout keeps every layer's [S, S] tensors
+    (47 x 8.0 + 11.9 GiB) and nothing fits without recompute."""
+    from megatron_dgpo.planner.inputs import Layout
+    from megatron_dgpo.planner.search import plan_attention
+    from megatron_dgpo.planner.steptime import HARDWARE
+
+    cluster, layout = Cluster(8, 4, 80), Layout(4, 1, 1, 8)
+    a100 = HARDWARE["a100"]
+    plans = {}
+    for backend in ("auto", "unfused"):
+        run = load_recipe(RECIPE_14B, ["model.recompute_activations=false",
+                                       f"model.attention_backend={backend}"])
+        work, basis, refusal = plan_attention(Workload.from_recipe(run), a100)
+        assert not refusal and "A100-80GB, sm80, flash-attn 2.8.3" in basis
+        plans[work.attention] = (estimate(PUBLISHED[run.model.path], cluster, layout, work),
+                                 make_plan(PUBLISHED[run.model.path], cluster, work,
+                                           recipe_tp=4))
+    flash, flash_plan = plans["flash"]
+    unfused, unfused_plan = plans["unfused"]
+    assert flash.fits and flash.attention_scores == 0
+    assert flash_plan.pick.layout == layout and flash_plan.required_overrides == []
+    assert not unfused.fits
+    assert unfused.attention_scores == 416_913_817_600  # test_memory_terms' hand numbers
+    assert unfused.activations - flash.activations == 48 * 197_132_288 * 2 // 4 + 416_913_817_600
+    # the plan then needs recompute (one layer's [S, S] tensors at a time), and says why
+    assert unfused_plan.required_overrides == ["model.recompute_activations=true"]
+    assert "no layout fits" in unfused_plan.as_configured
+    assert unfused_plan.pick.attention_scores == 12_792_627_200
+
+
+@pytest.mark.parametrize("recipe", ["dgpo_1.5b", "dgpo_14b", "dgpo_32b", "qwen3_30b_a3b",
+                                    "tiny_gpu"])
+def test_shipped_recipes_plan_as_before_on_the_image(recipe):
+    """The GPU recipes run ``auto`` on the pinned image: FlashAttention on an A100, cuDNN fused
+    on an H100, both linear in tokens, so their plans are those of the linear model (the
+    workload's default backend) term for term, with no [s, s] tensors."""
+    from megatron_dgpo.planner.catalogue import architecture_for
+    from megatron_dgpo.planner.search import plan_attention
+    from megatron_dgpo.planner.steptime import HARDWARE
+
+    run = load_recipe(os.path.join(ROOT, "recipes", f"{recipe}.yaml"))
+    model, cluster, linear = architecture_for(run), Cluster(8, 4, 80), Workload.from_recipe(run)
+    before = make_plan(model, cluster, linear).as_dict()["layouts"]
+    for hardware, backend in (("a100", "flash"), ("h100", "fused")):
+        work, _, refusal = plan_attention(linear, HARDWARE[hardware])
+        assert (work.attention, refusal) == (backend, "")
+        after = make_plan(model, cluster, work).as_dict()["layouts"]
+        assert after == before and all(row["attention_scores_gib"] == 0 for row in after)
