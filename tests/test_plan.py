@@ -181,7 +181,7 @@ def test_json_and_header_carry_the_attention_backend(capsys):
     """``--json``'s "attention": the request, the backend the activations are counted for and
     the GPU it was decided on; the table's header says it; ``--flash-attn here`` judges this
     environment's flash-attn as Transformer-Engine would."""
-    from megatron_dgpo.runtime.gpu_flags import _distribution_version, flash_attention_status
+    from megatron_dgpo.runtime.gpu_flags import distribution_version, flash_attention_status
 
     args = [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4", "--gpu-memory-gb", "80"]
     for extra, backend in (([], "flash"), (["--hardware", "h100"], "fused"),
@@ -205,8 +205,8 @@ def test_json_and_header_carry_the_attention_backend(capsys):
            "A100-80GB, sm80" in out
     assert "2 sequence(s) padded to S = 10240, a / t = 10 heads" in out
 
-    found, _ = flash_attention_status(_distribution_version("flash-attn"), (8, 0),
-                                      flash_attn_3=_distribution_version("flash-attn-3"))
+    found, _ = flash_attention_status(distribution_version("flash-attn"), (8, 0),
+                                      flash_attn_3=distribution_version("flash-attn-3"))
     code, out, _ = run_main(capsys, args + ["--flash-attn", "here"])
     assert code == (0 if found else 1)
     assert ("attention: flash" in out) == bool(found) and ("DOES NOT RUN" in out) != bool(found)

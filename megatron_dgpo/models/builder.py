@@ -256,6 +256,14 @@ def layer_spec(config=None, *, platform: Platform | None = None):
     if platform.transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**shape)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **shape)
+    # Packed rows reach the local attention as a block-diagonal causal mask (train_step), which
+    # the spec's default "causal" type lets Megatron's fused softmax ignore: with
+    # masked_softmax_fusion it runs the upper-triangular kernel, and every sample would attend
+    # to the ones packed before it. "arbitrary" makes both softmax paths apply the mask.
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attention = spec.submodules.self_attention
+    attention.params = {**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
     if shape["num_experts"]:
         # The local spec stores the pre-MLP norm under TE's fused name even when it precedes
         # a router (mlp.linear_fc1.layer_norm_weight), the TE spec as pre_mlp_layernorm.weight:

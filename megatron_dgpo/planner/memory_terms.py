@@ -20,7 +20,7 @@ from megatron_dgpo.runtime.config import require_choice
 from megatron_dgpo.runtime.gpu_flags import (FLASH_ATTN_PIN, GPU, Platform, attention_backend,
                                              flash_attention_status, pad_multiple)
 # the installed distribution's version, as Transformer-Engine reads it (private in gpu_flags)
-from megatron_dgpo.runtime.gpu_flags import _distribution_version
+from megatron_dgpo.runtime.gpu_flags import distribution_version
 from megatron_dgpo.runtime.gpu_flags import sequence_parallel as gpu_sequence_parallel
 
 SCORE_BACKENDS = ("unfused", "local")
@@ -488,8 +488,8 @@ def planned_platform(device_name: str, capability: tuple[int, int] | None,
     Only FlashAttention varies: the rest of the stack is the image's whatever the choice."""
     require_choice("--flash-attn", flash_attn, tuple(FLASH_ATTN_SOURCES))
     versions = {"image": (FLASH_ATTN_PIN, None), "none": (None, None),
-                "here": (_distribution_version("flash-attn"),
-                         _distribution_version("flash-attn-3"))}[flash_attn]
+                "here": (distribution_version("flash-attn"),
+                         distribution_version("flash-attn-3"))}[flash_attn]
     found, why_not = flash_attention_status(versions[0], capability, flash_attn_3=versions[1])
     return replace(GPU, compute_capability=capability, device_name=device_name,
                    flash_attention=found, flash_attention_error=why_not)

@@ -31,6 +31,8 @@ Why each condition (Megatron-Core 0.16 and 0.19):
   imports Megatron's compiled ``scaled_masked_softmax_cuda`` kernel, which the megatron-core
   wheel does not ship (apex's build or Megatron-LM's ``fused_kernels`` does): on only when it
   imports ("No module named 'scaled_masked_softmax_cuda'" at the first forward otherwise).
+  The local spec's attention mask type is "arbitrary" (``builder.layer_spec``): with "causal"
+  the fused path runs the upper-triangular kernel and ignores the packed row's block mask.
 * ``persist_layer_norm`` selects apex's persistent LayerNorm kernel; every family here is
   RMSNorm, which both specs build without it (TE's norms; the local spec's torch norms, which
   assert it is off), so it stays off (on, the local spec does not build on a GPU).
@@ -123,8 +125,8 @@ class Platform:
         capability = tuple(torch.cuda.get_device_capability())
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         flash, flash_error = flash_attention_status(
-            _distribution_version("flash-attn"), capability,
-            flash_attn_3=_distribution_version("flash-attn-3"))
+            distribution_version("flash-attn"), capability,
+            flash_attn_3=distribution_version("flash-attn-3"))
         return cls(cuda=True, transformer_engine=te_error is None, transformer_engine_error=te_error or "",
                    apex_gradient_fusion=_import_error("fused_weight_gradient_mlp_cuda") is None,
                    softmax_kernels=_import_error("scaled_masked_softmax_cuda") is None,
@@ -154,7 +156,7 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def _distribution_version(name: str) -> str | None:
+def distribution_version(name: str) -> str | None:
     """The installed version of distribution ``name``, or None (what Transformer-Engine reads
     to decide whether it may use a FlashAttention package)."""
     import importlib.metadata

@@ -67,3 +67,40 @@ def test_logits_equal_transformers_tp1_tp2_tied_untied():
         assert rank_result["rope"] == (1e6, 2, 32)
     torch.testing.assert_close(torch.tensor(results[0][(2, False)]["max_err"]),
                                torch.tensor(results[1][(2, False)]["max_err"]), atol=1e-6, rtol=0)
+
+
+def test_packed_samples_stay_apart_under_megatrons_fused_softmax(monkeypatch):
+    """The local spec's attention takes packed rows as a block-diagonal causal mask. With
+    ``masked_softmax_fusion`` (a GPU with Megatron's softmax kernels) and the spec's default
+    "causal" mask type, Megatron runs its upper-triangular kernel, which ignores the mask: each
+    sample attended to those packed before it. The spec's attention now says "arbitrary". The
+    CUDA kernels are stood in by their torch equivalents (no GPU here); the reference is the
+    softmax of the masked scores."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    from megatron_dgpo.algorithm.packing import block_causal_mask
+    from megatron_dgpo.models.builder import layer_spec
+    from megatron_dgpo.runtime.gpu_flags import Platform
+
+    def masked(scores, mask):
+        return torch.softmax(scores.float().masked_fill(mask, -10000.0), -1).to(scores.dtype)
+
+    causal = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    monkeypatch.setattr(fused_softmax.ScaledUpperTriangMaskedSoftmax, "apply",
+                        lambda x, scale: masked(x * scale, causal))
+    monkeypatch.setattr(fused_softmax.ScaledMaskedSoftmax, "apply",
+                        lambda x, mask, scale: masked(x * scale, mask))
+    monkeypatch.setattr(FusedScaleMaskSoftmax, "is_kernel_available", lambda self, *a: True)
+
+    mask_type = layer_spec(platform=Platform(cuda=True)).submodules.self_attention.params["attn_mask_type"]
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=mask_type,
+                                    scaled_masked_softmax_fusion=True,
+                                    mask_func=lambda s, m: s.masked_fill(m, -10000.0),
+                                    softmax_in_fp32=True, scale=None)
+    mask = block_causal_mask(torch.tensor([0, 3, 8]))  # [1, 1, 8, 8]: samples of 3 and 5 tokens
+    assert mask.shape == (1, 1, 8, 8) and mask[0, 0, 4, 2]  # token 4 may not see sample 1
+    scores = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+    probs = softmax(scores, mask)
+    assert float(probs[..., 3:, :3].abs().max()) == 0.0  # no weight across the sample boundary
+    torch.testing.assert_close(probs, masked(scores, mask.expand_as(scores)))
