@@ -2,8 +2,8 @@
 with itself and with the CPU environment's pins; offline. The slow test asks pip's resolver, on
 PyPI, whether the pins install together for the image's Python (docs/install.md, "GPU clusters").
 
-What none of this proves: that TE and apex compile (the Dockerfile does that, with the CUDA
-toolkit) and that the CUDA kernels run (benchmarks/gpu_check.py on a GPU)."""
+What none of this proves: that TE, flash-attn and apex compile (the Dockerfile does that, with
+the CUDA toolkit) and that the CUDA kernels run (benchmarks/gpu_check.py on a GPU)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ PYPROJECT = ROOT / "pyproject.toml"
 TE_TORCH_REQUIRES = {
     "2.17.1": ["torch>=2.1", "einops", "onnxscript", "onnx", "packaging", "pydantic", "nvdlfw-inspect"],
 }
+# flash-attn is an sdist too (its setup.py imports torch and compiles with nvcc): its setup.py's
+# install_requires, per pinned version.
+FLASH_ATTN_REQUIRES = {
+    "2.8.3": ["torch", "einops"],
+}
+# The flash-attn 2.x versions each pinned Transformer-Engine uses, both ends included: its
+# dot_product_attention/utils.py, FlashAttentionUtils.version_required and max_version (the
+# trainer's own copy is gpu_flags.TE_FLASH_ATTN_RANGE; its refusals name gpu_flags.FLASH_ATTN_PIN).
+TE_ACCEPTS_FLASH_ATTN = {
+    "2.17.1": ("2.1.1", "2.8.3"),
+}
+# The architectures flash-attn's setup.py compiles for (FLASH_ATTN_CUDA_ARCHS; it ignores others).
+FLASH_ATTN_KNOWN_ARCHS = {"80", "90", "100", "120"}
 IMAGE_PYTHON = "3.12"  # Ubuntu 24.04's, the Dockerfile's venv
 RESOLVER_PIP = "pip==26.3"  # fast-deps, and a dry run that stops before downloading wheels
 
@@ -80,7 +93,7 @@ def _dockerfile() -> str:
 def test_gpu_constraints_pin_one_version_of_each_stack_package():
     pins = _pins(GPU_CONSTRAINTS)
     for name in ("torch", "vllm", "transformer-engine", "transformer-engine-torch", "megatron-core",
-                 "transformers"):
+                 "transformers", "flash-attn"):
         assert name in pins, f"constraints-gpu.txt does not pin {name}"
     cores = [n for n in pins if re.fullmatch(r"transformer-engine-cu\d+", n)]
     assert cores == [f"transformer-engine-cu{_torch_cuda().split('.')[0]}"], \
@@ -89,6 +102,46 @@ def test_gpu_constraints_pin_one_version_of_each_stack_package():
     assert len(set(te.values())) == 1, f"TE's packages at different versions: {te}"
     assert pins["transformer-engine-torch"] in TE_TORCH_REQUIRES, \
         "new TE pin: copy its transformer-engine-torch sdist's Requires-Dist into TE_TORCH_REQUIRES"
+    assert pins["flash-attn"] in FLASH_ATTN_REQUIRES, \
+        "new flash-attn pin: copy its setup.py's install_requires into FLASH_ATTN_REQUIRES"
+
+
+def test_flash_attn_pin_is_one_the_pinned_te_uses_and_the_trainers():
+    """TE ignores a flash-attn outside its range (a .post release is above 2.8.3), and the
+    trainer then refuses an A100 run: the pin must be inside it, a plain release, and the
+    version the trainer's refusals tell users to install."""
+    from megatron_dgpo.runtime import gpu_flags
+
+    pins = _pins(GPU_CONSTRAINTS)
+    te = pins["transformer-engine"]
+    assert te in TE_ACCEPTS_FLASH_ATTN, \
+        "new TE pin: read its FlashAttentionUtils range into TE_ACCEPTS_FLASH_ATTN"
+    low, high = TE_ACCEPTS_FLASH_ATTN[te]
+    flash = Version(pins["flash-attn"])
+    assert flash.post is None and flash.dev is None and flash.local is None and not flash.is_prerelease, \
+        f"flash-attn {flash}: TE compares the public version, and 2.8.3.post1 > 2.8.3"
+    assert Version(low) <= flash <= Version(high), f"TE {te} ignores flash-attn {flash} ({low} to {high})"
+    assert Version(gpu_flags.TE_FLASH_ATTN_BLACKWELL_MIN) <= flash, "TE ignores it on sm100"
+    assert gpu_flags.TE_FLASH_ATTN_RANGE == (low, high)
+    assert gpu_flags.FLASH_ATTN_PIN == pins["flash-attn"]
+
+
+def test_refusals_point_at_headings_of_the_install_page():
+    """The trainer's GPU refusals send users to a section of docs/install.md by its name
+    ("docs/install.md, 'Attention backends'"): that section must exist, the attention one under
+    exactly that heading."""
+    from megatron_dgpo.runtime import gpu_flags
+
+    install = ROOT / "docs" / "install.md"
+    prose = re.sub(r"^```.*?^```", "", install.read_text(), flags=re.M | re.S)  # not bash comments
+    headings = [h.strip() for h in re.findall(r"^#+ (.+)$", prose, re.M)]
+    pointers = {name: getattr(gpu_flags, name) for name in dir(gpu_flags) if name.endswith("_HELP")}
+    assert "ATTENTION_HELP" in pointers, sorted(pointers)
+    for name, pointer in pointers.items():
+        found = re.fullmatch(r"docs/install\.md, '(.+)'", pointer)
+        assert found, f"gpu_flags.{name} = {pointer!r}"
+        assert any(found[1] in h for h in headings), f"gpu_flags.{name}: no heading {found[1]!r}"
+    assert "Attention backends" in headings
 
 
 def test_megatron_core_and_transformers_as_on_cpu():
@@ -102,7 +155,7 @@ def test_megatron_core_and_transformers_as_on_cpu():
 def test_pyproject_admits_exactly_the_pinned_gpu_stack():
     pins = _pins(GPU_CONSTRAINTS)
     extra = {canonicalize_name(r.name): r for r in _gpu_extra()}
-    assert set(extra) == {"vllm", "transformer-engine"}, sorted(extra)
+    assert set(extra) == {"vllm", "transformer-engine", "flash-attn"}, sorted(extra)
     assert extra["transformer-engine"].extras == {"pytorch"}
     for name, req in extra.items():
         admitted = [v for v in _candidates(pins[name]) if req.specifier.contains(v, prereleases=True)]
@@ -154,6 +207,59 @@ def test_dockerfile_builds_te_and_apex_against_the_installed_torch():
     assert "megatron.core" in check and "fused_weight_gradient_mlp_cuda" in check
 
 
+def _import_check() -> str:
+    """The Python of the Dockerfile's final import check (its `python -c "..."`)."""
+    line = next(line for line in _dockerfile().splitlines()
+                if "import torch, vllm, transformer_engine.pytorch" in line)
+    return re.search(r'python -c "(.*?)"\s*&&', line)[1].strip()
+
+
+def test_dockerfile_builds_flash_attn_against_the_installed_torch_and_checks_te_counts_it():
+    """flash-attn is compiled in the image (no prebuilt wheel for torch 2.13 / CUDA 13, and a
+    .post wheel is one TE ignores): from the pins, without isolation, after torch and before
+    the project; the import check asserts TE's own verdict (FlashAttentionUtils.is_installed)."""
+    text = _dockerfile()
+    lines = text.splitlines()
+    installs = [line for line in lines if re.search(r"pip install .*\bflash[-_]attn\b", line)]
+    assert len(installs) == 1, installs
+    flash = installs[0]
+    assert "--no-build-isolation" in flash and "-c constraints-gpu.txt" in flash, flash
+    assert re.search(r"\bFLASH_ATTENTION_FORCE_BUILD=TRUE\b", flash), "must compile, never fetch a wheel"
+    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in flash and "MAX_JOBS=${MAX_JOBS}" in flash
+    assert not re.search(r"flash[-_]attn[^\s]*post|\.whl|releases/download", text, re.I), \
+        "flash-attn from the constraints' sdist only, never a (.post) prebuilt wheel"
+    order = [next(i for i, line in enumerate(lines) if re.search(pattern, line))
+             for pattern in (r"pip install .* torch vllm", r"transformer.engine\[pytorch\]",
+                             r"pip install .*\bflash-attn\b", r'pip install .* -e "\.\[gpu\]"')]
+    assert order == sorted(order), "torch, TE, flash-attn, then the project"
+    assert re.search(r"pip install .* torch vllm .*\bninja\b", text), \
+        "ninja before the builds without isolation (torch's builder is serial without it)"
+
+    check = _import_check()
+    compile(check, "Dockerfile import check", "exec")  # a syntax error would only show in the build
+    assert re.search(r"\bimport flash_attn, flash_attn_2_cuda\b", check)
+    assert "dot_product_attention.backends" in check and "FlashAttentionUtils" in check
+    assert re.search(r"assert fa\.is_installed and str\(fa\.version\) == flash_attn\.__version__ == "
+                     r"pins\['flash-attn'\]", check)
+
+
+def test_dockerfile_arch_lists_name_the_same_gpus():
+    """TE, apex and flash-attn are compiled for the same GPU generations (their build args
+    spell them differently), and flash-attn's only for architectures its setup.py knows."""
+    text = _dockerfile()
+
+    def arg(name: str) -> list[str]:
+        found = re.search(rf'^ARG {name}="([\d.;]+)"$', text, re.M)
+        assert found, f"ARG {name}=\"...\" missing"
+        return found[1].split(";")
+
+    torch_archs = [a.replace(".", "") for a in arg("TORCH_CUDA_ARCH_LIST")]
+    assert torch_archs == arg("NVTE_CUDA_ARCHS") == arg("FLASH_ATTN_CUDA_ARCHS"), \
+        (torch_archs, arg("NVTE_CUDA_ARCHS"), arg("FLASH_ATTN_CUDA_ARCHS"))
+    assert set(arg("FLASH_ATTN_CUDA_ARCHS")) <= FLASH_ATTN_KNOWN_ARCHS
+    assert "80" in arg("FLASH_ATTN_CUDA_ARCHS"), "A100: the GPU that needs flash-attn"
+
+
 def test_dockerfile_base_image_cuda_is_the_torch_wheels():
     text = _dockerfile()
     arg = re.search(r"^ARG CUDA_VERSION=(\d+)\.(\d+)\.\d+$", text, re.M)
@@ -170,7 +276,8 @@ def test_dockerfile_base_image_cuda_is_the_torch_wheels():
 def _resolver_requirements() -> list[str]:
     """What the image installs, as one resolver request: the project's dependencies, the gpu
     extra with transformer-engine[pytorch] replaced by its core library and transformer-engine-
-    torch's declared requirements (its sdist cannot be built here)."""
+    torch's declared requirements, and flash-attn by its declared requirements (sdists that
+    cannot be built here)."""
     pins = _pins(GPU_CONSTRAINTS)
     cuda_major = _torch_cuda().split(".")[0]
     reqs = [str(r) for r in _dependencies()]
@@ -178,6 +285,8 @@ def _resolver_requirements() -> list[str]:
         if canonicalize_name(r.name) == "transformer-engine":
             reqs.append(f"transformer-engine[core-cu{cuda_major}]{r.specifier}")
             reqs += TE_TORCH_REQUIRES[pins["transformer-engine-torch"]]
+        elif canonicalize_name(r.name) == "flash-attn":
+            reqs += FLASH_ATTN_REQUIRES[pins["flash-attn"]]
         else:
             reqs.append(str(r))
     return reqs
