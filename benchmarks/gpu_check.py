@@ -20,9 +20,11 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
 * ``attention_choice`` (needs nothing: the decision is a function of the GPU's generation,
   cuDNN and flash-attn, evaluated as if TE were installed where it is not): the trainer's
   attention backend for packed rows (``gpu_flags.attention_backend``) is cuDNN fused on sm90 and
-  newer, FlashAttention on sm80/86/89 and under ``--profile a100``; the same GPU without
-  flash-attn (a stand-in ``Platform``) is refused naming flash-attn 2.8.3 when cuDNN attention
-  is off, and float32 is refused (TE's only float32 backend is the dense unfused one).
+  newer, FlashAttention on sm80/86/89 and under ``--profile a100`` (whose flash-attn must be
+  built for this GPU: the image builds sm80, sm90 and sm100); where that needs flash-attn and it
+  is missing, the row fails with the trainer's refusal (this node cannot train). The same GPU
+  without flash-attn (a stand-in ``Platform``) is refused naming flash-attn 2.8.3 when cuDNN
+  attention is off, and float32 is refused (TE's only float32 backend is the dense unfused one).
 * ``te_attention_selected`` (needs TE): the trainer's TE model (its ``attention_overrides``) on a
   packed row, forward and backward: the backend TE itself selected (its
   ``_attention_backends`` record) is the trainer's choice, never the unfused one.
@@ -392,13 +394,14 @@ def check_attention_choice() -> Row:
                        flash_attention_error="flash-attn is not installed (a stand-in)")
     refusal = choose(no_flash, environ={**os.environ, "NVTE_FUSED_ATTN": "0"})
     fp32 = choose(with_te, torch.float32)
-    ok = (chosen.split(":")[0] == expected and refusal.startswith("refused")
+    ok = (chosen.split(":")[0] == expected != "refused" and refusal.startswith("refused")
           and "flash-attn==2.8.3" in refusal and fp32.startswith("refused"))
     return Row("attention_choice", ok,
                f"{platform.gpu}, cuDNN {platform.cudnn}, {platform.flash_attention or 'no flash-attn'}"
                f"{', NVTE_FUSED_ATTN=0' if fused_off else ''}: {chosen[:160]}; without flash-attn "
                f"and cuDNN attention: {refusal[:80]}...; float32: {fp32[:60]}...",
-               f"auto = {expected}; no flash-attn without cuDNN attention and float32 refused",
+               f"auto = {expected} (a backend, not a refusal); no flash-attn without cuDNN "
+               f"attention and float32 refused",
                dict(chosen=chosen, expected=expected, refusal=refusal, float32=fp32,
                     transformer_engine_installed=platform.transformer_engine))
 

@@ -185,8 +185,8 @@ def test_a_check_leaves_tes_attention_switches_as_the_profile_set_them(gpu_check
 def test_attention_choice_row_on_stand_in_gpus(gpu_check, monkeypatch):
     """The ``attention_choice`` check's own logic, on stand-in ``Platform``s (the check needs
     no TE, so this is what it does on a GPU without one): pass on an H100 (fused), on an H100
-    under the A100 profile (flash), on an A100 with flash-attn (flash) and without it (the
-    trainer refuses: the expected outcome there)."""
+    under the A100 profile (flash), on an A100 with flash-attn (flash); fail on an A100 without
+    it (the trainer's refusal is the right decision, but that node cannot train)."""
     from dataclasses import replace
 
     from megatron_dgpo.runtime.gpu_flags import GPU
@@ -194,12 +194,13 @@ def test_attention_choice_row_on_stand_in_gpus(gpu_check, monkeypatch):
     h100 = replace(GPU, transformer_engine=False, compute_capability=(9, 0), device_name="H100")
     a100 = replace(h100, compute_capability=(8, 0), device_name="A100")
     bare_a100 = replace(a100, flash_attention="", flash_attention_error="flash-attn is not installed")
-    for platform, profile, chosen in ((h100, {}, "fused"), (h100, gpu_check.PROFILES["a100"], "flash"),
-                                      (a100, {}, "flash"), (bare_a100, {}, "refused")):
+    for platform, profile, chosen, ok in ((h100, {}, "fused", True),
+                                          (h100, gpu_check.PROFILES["a100"], "flash", True),
+                                          (a100, {}, "flash", True), (bare_a100, {}, "refused", False)):
         monkeypatch.setattr(gpu_check, "_gpu_platform", lambda p=platform: p)
         monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
         for key, value in profile.items():
             monkeypatch.setenv(key, value)
         row = gpu_check.check_attention_choice()
-        assert row.ok is True and row.numbers["chosen"].startswith(chosen), row
+        assert row.ok is ok and row.numbers["chosen"].startswith(chosen), row
         assert "flash-attn==2.8.3" in row.numbers["refusal"]

@@ -203,7 +203,7 @@ def flash_attention_status(flash_attn: str | None, capability: tuple[int, int] |
     return f"flash-attn {flash_attn}", ""
 
 
-INSTALL_HELP = "docs/install.md, 'GPU stack'"
+INSTALL_HELP = "docs/install.md, 'GPU clusters: the pinned GPU stack'"
 
 
 def require_gpu_stack(platform: Platform, *, without_transformer_engine: bool = False) -> None:
