@@ -52,6 +52,9 @@ dedicated GPUs, ``VLLMConfig.dedicated``, owns them and keeps it), and
 instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
 weight before the first generation (``generate`` refuses to run before it).
 
+Generation asks vLLM for token ids and log-probs only (``SamplingParams.detokenize=False``:
+no stop strings are used, and the callers decode what they grade), on every placement.
+
 Routing replay (``VLLMConfig.record_routing``, the trainer's ``algorithm.routing_replay: r3``):
 every ``Completion`` carries ``routed_experts``, the global expert ids each MoE layer chose for
 each input position (prompt + response[:-1], the positions the trainer's forward reads). On GPU
@@ -381,6 +384,7 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=max_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=s,
+                detokenize=False,  # token ids only: callers decode what they grade themselves
             )
             for s in per_prompt
         ]
