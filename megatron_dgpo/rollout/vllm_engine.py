@@ -45,9 +45,28 @@ caches, across a level-2 sleep). ``generate`` after a level-2 sleep without a re
 vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and does nothing. CUDA graphs
 are on (``enforce_eager=False``) on GPU unless configured.
 
-Colocated engines as verl runs them: custom all-reduce off (its IPC buffers assume a process
-that owns its GPUs; with ``external_launcher`` the trainer's NCCL shares them; an engine on
-dedicated GPUs, ``VLLMConfig.dedicated``, owns them and keeps it), and
+All-reduces: a colocated engine on GPUs (not ``dedicated``) runs its TP all-reduces on NCCL
+(vLLM's pynccl) only, on every GPU: custom all-reduce off (``disable_custom_all_reduce``),
+the fused all-reduce + RMSNorm compile pass off (``compilation_config.pass_config.
+fuse_allreduce_rms``), and FlashInfer's, torch symmetric memory's and NCCL symmetric memory's
+all-reduces off through the variables vLLM reads when it creates its communicators
+(``engine_env``, set by ``VLLMEngine`` before ``LLM(...)``; vLLM caches its variables once
+an engine has started, which is why a process builds one engine; a value the user exported
+is kept, with a warning: the way to measure the others on purpose). Dedicated and separate
+engines keep vLLM's defaults (dedicated: its GPUs are its
+own; separate: not changed here). Why, from vLLM 0.32's source
+(``distributed/device_communicators``): each of the others is a second transport beside the
+trainer's NCCL that allocates its own device buffers when the engine starts or at its first
+forward (custom all-reduce: CUDA IPC buffers that assume a process owning its GPUs; torch
+symmetric memory: a 64 MiB buffer at H100 TP 2 from ``torch.distributed._symmetric_memory``;
+FlashInfer: an IPC or NVSwitch-multicast workspace, which the compile pass fusing all-reduce
+and RMSNorm uses too), outside the two pools sleep mode frees (weights, KV cache), so they
+stay resident while training runs; and they run on some GPUs only (FlashInfer and torch
+symmetric memory on Hopper and Blackwell at TP 2-8, none on an A100), so an A100 run would not
+check the path an H100 takes. pynccl is what vLLM falls back to on every GPU and what RL
+frameworks colocate with (custom all-reduce off as verl does; ``VLLM_ALLREDUCE_USE_SYMM_MEM=0``
+is common in RL job scripts, e.g. NeMo-RL's). The price: the others are faster on small and
+medium messages (vLLM's benchmarks: up to ~1.3-1.7x per all-reduce), not measured here.
 ``dummy_weights`` (default for colocated GPU engines) starts the engine from random weights
 instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
 weight before the first generation (``generate`` refuses to run before it).
@@ -137,7 +156,8 @@ class VLLMConfig:
         on GPU, the router capture hook on CPU (colocated only; prefix caching off).
     dedicated: the engine runs on GPUs of its own (``rollout.placement: dedicated``: in
         process, external_launcher over the rollout ranks, but no trainer beside it), so it
-        keeps vLLM's custom all-reduce, which a colocated engine turns off.
+        keeps vLLM's all-reduce choice (custom, FlashInfer, symmetric memory), which a
+        colocated engine narrows to NCCL (``engine_env``, ``llm_kwargs``).
     """
 
     model: str
@@ -194,7 +214,9 @@ def dummy_weights_enabled(config: VLLMConfig, *, cpu: bool) -> bool:
 
 
 def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
-    """The ``vllm.LLM`` keyword arguments for ``config`` on a CPU or GPU platform (pure)."""
+    """The ``vllm.LLM`` keyword arguments for ``config`` on a CPU or GPU platform (pure);
+    ``config.engine_kwargs`` override them (a ``compilation_config`` given there replaces the
+    one a colocated GPU engine sets)."""
     kwargs = dict(
         model=str(config.model),
         tokenizer=str(config.tokenizer or config.model),
@@ -225,14 +247,47 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
     if config.placement == "colocated":
         kwargs["distributed_executor_backend"] = "external_launcher"
-        if not cpu and not config.dedicated:
+        if not cpu and not config.dedicated:  # pynccl all-reduces only (module docstring)
             kwargs["disable_custom_all_reduce"] = True
+            kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     if dummy_weights_enabled(config, cpu=cpu):
         kwargs["load_format"] = "dummy"
     if sleep_mode_enabled(config, cpu=cpu):
         kwargs["enable_sleep_mode"] = True
     kwargs.update(config.engine_kwargs)
     return kwargs
+
+
+NCCL_ONLY_ALL_REDUCE_ENV = {
+    "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+    "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_USE_NCCL_SYMM_MEM": "0",
+}
+"""The variables vLLM 0.32's CUDA communicator reads to choose its other all-reduces (FlashInfer,
+FlashInfer over PCIe IPC, torch symmetric memory, NCCL symmetric memory), each off: with custom
+all-reduce and the fused all-reduce + RMSNorm pass off too (``llm_kwargs``), a TP all-reduce is
+pynccl's (module docstring, "All-reduces")."""
+
+
+def engine_env(config: VLLMConfig, *, cpu: bool) -> dict[str, str]:
+    """The environment variables the engine of ``config`` needs set before vLLM creates its
+    communicators (pure): ``NCCL_ONLY_ALL_REDUCE_ENV`` for a colocated engine on GPUs (not
+    ``dedicated``), else none (CPU: vLLM's CPU communicator reads none of them; separate and
+    dedicated engines keep vLLM's defaults). ``VLLMEngine`` sets each one the process has not
+    set already: a value the user exported wins, with a warning."""
+    if cpu or config.placement != "colocated" or config.dedicated:
+        return {}
+    return dict(NCCL_ONLY_ALL_REDUCE_ENV)
+
+
+def _apply_engine_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        have = os.environ.setdefault(key, value)
+        if have != value:
+            log.warning("colocated vLLM engine: %s=%s from the environment kept (this engine would "
+                        "set %s: NCCL-only all-reduces beside the trainer; rollout.vllm_engine)",
+                        key, have, value)
 
 
 def seeded_draw(*, cpu: bool, v2_model_runner: bool) -> str:
@@ -297,6 +352,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("VLLMConfig.record_routing on CPU needs placement='colocated': the "
                              "routers' capture hook runs in this process (vLLM's own export, "
                              "enable_return_routed_experts, needs a GPU)")
+        _apply_engine_env(engine_env(config, cpu=self._cpu))  # before vLLM reads it
         self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
         self.seeded_draw = seeded_draw(
             cpu=self._cpu, v2_model_runner=self._llm.llm_engine.vllm_config.use_v2_model_runner)

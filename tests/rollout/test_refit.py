@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from megatron_dgpo.rollout.refit import (RefitStats, bucket_named_tensors, fused_group,
                                          run_bucketed_refit)
-from megatron_dgpo.rollout.vllm_engine import VLLMConfig, llm_kwargs, sleep_mode_enabled
+from megatron_dgpo.rollout.vllm_engine import VLLMConfig, engine_env, llm_kwargs, sleep_mode_enabled
 from tests.distributed import free_port, run_ranks
 from tests.rollout import _worker_logs
 
@@ -143,6 +143,14 @@ def test_engine_kwargs_per_platform(cpu, placement):
     # colocated on GPU as verl runs it: no custom all-reduce, dummy weights for the first refit
     gpu_colocated = not cpu and placement == "colocated"
     assert kw.get("disable_custom_all_reduce", False) is gpu_colocated
+    # and no other all-reduce than NCCL beside the trainer's: the fused all-reduce + RMSNorm
+    # compile pass (FlashInfer's workspace) off, FlashInfer and symmetric memory off
+    assert kw.get("compilation_config") == ({"pass_config": {"fuse_allreduce_rms": False}}
+                                            if gpu_colocated else None)
+    assert engine_env(cfg, cpu=cpu) == ({"VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+                                         "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0",
+                                         "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+                                         "VLLM_USE_NCCL_SYMM_MEM": "0"} if gpu_colocated else {})
     assert (kw.get("load_format") == "dummy") is gpu_colocated
     assert "load_format" not in llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=False), cpu=cpu)
     assert llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=True), cpu=cpu)["load_format"] == "dummy"
@@ -163,6 +171,9 @@ def test_dedicated_engine_keeps_custom_all_reduce(monkeypatch):
     colocated, dedicated = (llm_kwargs(config, cpu=False) for config in configs)
     assert colocated["disable_custom_all_reduce"] is True
     assert "disable_custom_all_reduce" not in dedicated
+    # nor does it narrow the other all-reduces to NCCL
+    assert "compilation_config" not in dedicated and engine_env(configs[1], cpu=False) == {}
+    assert engine_env(configs[0], cpu=False)["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
     assert (dedicated["distributed_executor_backend"], dedicated["tensor_parallel_size"],
             dedicated["load_format"]) == ("external_launcher", 2, "dummy")
     assert "enable_sleep_mode" not in dedicated and colocated["enable_sleep_mode"] is True
@@ -214,7 +225,9 @@ class _RecordingLLM:
         self.calls.append(("reset_prefix_cache",))
 
 
-def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
+def test_gpu_sleep_wake_order_around_refit(monkeypatch, caplog, tiny_model_dir):
+    import os
+
     import torch.distributed as dist
     import vllm
 
@@ -223,8 +236,17 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(vllm, "LLM", _RecordingLLM)
     monkeypatch.setattr(vllm_engine, "is_cpu_platform", lambda: False)
     monkeypatch.setattr(vllm_engine, "_check_colocation", lambda config: None)
-    engine = vllm_engine.VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated",
-                                               refit_bucket_bytes=1))
+    # the all-reduce variables the engine sets (restored after the test), one exported by the user
+    for key in vllm_engine.NCCL_ONLY_ALL_REDUCE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "1")
+    with caplog.at_level("WARNING", logger="megatron_dgpo.rollout.vllm_engine"):
+        engine = vllm_engine.VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated",
+                                                   refit_bucket_bytes=1))
+    assert {k: os.environ[k] for k in vllm_engine.NCCL_ONLY_ALL_REDUCE_ENV} == {
+        "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM": "1", "VLLM_USE_NCCL_SYMM_MEM": "0"}
+    assert "VLLM_ALLREDUCE_USE_SYMM_MEM=1 from the environment kept" in caplog.text
     llm = engine.llm
     assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["enforce_eager"] is False
     assert llm.kwargs["load_format"] == "dummy" and not engine.holds_weights
