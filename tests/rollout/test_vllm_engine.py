@@ -76,6 +76,37 @@ def test_generate_contract_and_seeds(vllm_engine, prompts, tiny_tokenizer):
     assert [s.token_ids for s in twice[0]] != [s.token_ids for s in twice[1]]
 
 
+def test_engine_does_not_detokenize(vllm_engine, prompts, monkeypatch):
+    """The engine asks vLLM for token ids and log-probs only (``detokenize=False``: the trainer
+    decodes what it grades itself); the samples are those of the same requests detokenized,
+    vLLM's default."""
+    calls = []
+    real_generate = vllm_engine.llm.generate
+
+    def spy(requests, params, **kwargs):
+        outputs = real_generate(requests, params, **kwargs)
+        calls.append((requests, params, outputs))
+        return outputs
+
+    monkeypatch.setattr(vllm_engine.llm, "generate", spy)
+    groups = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=31)
+    ((requests, params, outputs),) = calls
+    assert [p.detokenize for p in params] == [False] * len(prompts)
+    assert {c.text for out in outputs for c in out.outputs} == {""}
+    detokenized = []
+    for p in params:
+        p = p.clone()
+        p.detokenize = True
+        detokenized.append(p)
+    reference = real_generate(requests, detokenized, use_tqdm=False)
+    assert any(c.text for out in reference for c in out.outputs)  # the text vLLM no longer makes
+    for group, out in zip(groups, reference):
+        ref = sorted(out.outputs, key=lambda c: c.index)
+        assert [s.token_ids for s in group] == [list(c.token_ids) for c in ref]
+        assert [s.logprobs for s in group] == [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+                                               for c in ref]
+
+
 def test_vllm_child_j_draws_with_seed_plus_j(vllm_engine, prompts):
     """vLLM samples child j of a request seeded s with seed s + j, the rule ``prompt_seeds``
     spaces its seeds for: seeds one apart make the same prompt's samples coincide, seeds spaced
