@@ -21,6 +21,7 @@ from megatron_dgpo.models.builder import dtype_named, wrap_ddp
 from megatron_dgpo.runtime.config import require_choice
 from megatron_dgpo.runtime.gpu_flags import (ATTENTION_BACKENDS, Platform, attention_backend,
                                              ddp_flags, require_gpu_stack)
+from megatron_dgpo.runtime.hub import HUB_FILES, snapshot_of
 from megatron_dgpo.training.routing_replay import ROUTING_REPLAYS, clear_instances
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,6 @@ def initial_model(config, run_dir, seed: int, *, download=None):
 def _materialise_model(config, run_dir, seed: int, download):
     """Rank 0's part of ``initial_model``: ``(folder, revision)``, revision the commit of a hub
     id (folder then being rank 0's snapshot of it), None for a tiny model or a folder."""
-    import re
     import shutil
     from pathlib import Path
 
@@ -169,11 +169,11 @@ def _materialise_model(config, run_dir, seed: int, download):
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"model.path: {config.path} is not a folder and HF_HUB_OFFLINE=1")
     snapshot = Path(download(config.path, allow_patterns=HUB_FILES))
-    # huggingface_hub's cache names a snapshot folder by its commit
-    if not re.fullmatch(r"[0-9a-f]{40}", snapshot.name):
+    hub_snapshot = snapshot_of(snapshot)  # huggingface_hub names a snapshot by its commit
+    if hub_snapshot is None:
         raise ValueError(f"model.path: the download of {config.path} gave {snapshot}, not a "
                          f"snapshot folder named by its commit (huggingface_hub's cache layout)")
-    return snapshot, snapshot.name
+    return snapshot, hub_snapshot.revision
 
 
 def _hub_model_on_this_node(repo_id: str, revision: str, download, rank: int):
@@ -217,10 +217,6 @@ def _source_of(config) -> str:
 
 def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-"""The files of a hub repo that make the initial policy (config, weights, tokenizer, template)."""
 
 
 def model_overrides(config, hf_config=None, *, routing_replay: str = "off") -> dict:

@@ -15,6 +15,7 @@ from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, se
 from megatron_dgpo.rollout.placement import shard_prompts
 from megatron_dgpo.rollout.refit import RefitStats, refit_engines, run_bucketed_refit
 from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.hub import snapshot_of
 
 
 class DedicatedRollout:
@@ -38,7 +39,10 @@ class DedicatedRollout:
         self.link, self._submitted, self._in_protocol = None, False, False
         if self.leader:
             self.link = open_link(self.layout, dp_rank, 0, parallel.timeout_minutes)
-            self.link.broadcast_object({"kind": "start", "hf_dir": str(hf_dir)})
+            # the trainer's folder, and the hub commit it is (if it is one), which an engine on
+            # a node whose HF cache lacks the folder fetches into its own (runtime.hub)
+            self.link.broadcast_object({"kind": "start", "hf_dir": str(hf_dir),
+                                        "snapshot": snapshot_of(hf_dir)})
             print(f"dgpo-train: rank {dist.get_rank()} (DP replica {dp_rank}) drives "
                   f"{self.layout.engines_per_replica} dedicated engine(s) of TP "
                   f"{self.layout.engine_tp}, one of {self.layout.num_engines}; samples batch "

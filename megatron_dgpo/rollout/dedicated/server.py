@@ -16,6 +16,7 @@ from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, gen
                                             refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
 from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.hub import on_this_node
 from megatron_dgpo.tasks import prompts
 
 
@@ -61,7 +62,7 @@ class _EngineServer:
             command = self.link.broadcast_object(None)
             kind, begin = command["kind"], time.perf_counter()
             if kind == "start":
-                self._start(Path(command["hf_dir"]))
+                self._start(on_this_node(command["hf_dir"], command["snapshot"]))
                 last_report = time.perf_counter()
             elif kind == "generate":
                 piece, stats = self._generate(command)
