@@ -17,8 +17,9 @@ trainer's sequences are ``packing.Sample``, built from them by ``batch.Experienc
 
 Seeds: ``generate(..., seed=s, n=n)`` gives prompt i the sampling seed ``s + i n`` (sample j
 then draws from stream ``s + i n + j``: no two samples of a call share one), so the same call
-on the same weights returns the same samples, and two identical prompts in one call still get
-different samples. ``seeds=[...]`` gives each prompt its own (the trainer's
+on the same weights returns the same samples (on CPU; on a GPU the bf16 logits also depend on
+the batch around a request, so the samples agree in distribution), and two identical prompts in
+one call still get different samples. ``seeds=[...]`` gives each prompt its own (the trainer's
 ``placement.prompt_seeds``). ``seed=None`` draws fresh randomness.
 
 Weight refit: ``update_weights(named_tensors)`` takes an iterable of ``(hf_name, tensor)`` pairs

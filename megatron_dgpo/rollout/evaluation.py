@@ -20,7 +20,9 @@ Two users share this code:
   batch's prompts are, ``ReplicaRollout.share``), and the per-problem correct counts are summed
   over the world into every rank (``combine_counts``: each problem is graded on exactly one
   rank). The same seeds and the whole benchmark's counts: the numbers do not depend on the
-  number of engines or replicas, and equal ``dgpo-eval --seed eval.seed`` of that step's policy.
+  number of engines or replicas, and equal ``dgpo-eval --seed eval.seed`` of that step's policy
+  (exactly on CPU; on a GPU within sampling noise, since bf16 logits depend on the batch:
+  docs/launching.md, "Reproducibility: CPU and GPU").
   Evaluation runs between the refit and the next rollout, when the refit has woken the engine
   (weights and KV cache); ``generate`` wakes whatever would still sleep. It leaves the engine
   awake, as the refit left it (a level-2 sleep would drop the weights the next rollout samples

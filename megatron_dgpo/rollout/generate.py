@@ -6,8 +6,9 @@ responses for each prompt of one engine's share and grades them in a ``RewardPoo
 ``Experience`` (on the engine's leader rank; the samples stay on the DP replica that trains
 on them, see ``rollout.placement``). Each prompt's seed comes from the run's seed and its
 global index in the prompt stream (``placement.prompt_seeds``), whatever engine it lands on, so
-a step's samples do not depend on the number of engines and no two samples of a run share a
-random stream.
+a step's samples do not depend on the number of engines (token for token on CPU; in
+distribution on a GPU, whose bf16 logits depend on the batch) and no two samples of a run share
+a random stream.
 """
 
 from __future__ import annotations

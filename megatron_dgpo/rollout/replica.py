@@ -11,7 +11,8 @@ separate engine on the replica's leader), as the trainer drives it (``base.Rollo
 Every rank constructs it and calls every method (they are collective). Where the engines sit
 and which batch positions each samples is ``placement.rollout_role``; a prompt is sampled with
 a seed from ``train.seed`` and its global index in the prompt stream (``placement.prompt_seeds``),
-so a step's samples do not depend on the number of engines and no two samples share a stream.
+so a step's samples do not depend on the number of engines (token for token on CPU; in
+distribution on a GPU, whose bf16 logits depend on the batch) and no two samples share a stream.
 Only the replica's own samples cross ranks, and only inside its model-parallel group; the
 metrics that must be job-wide travel as reduced tensors.
 """
