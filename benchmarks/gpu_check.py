@@ -75,7 +75,8 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
   log-prob mismatch (``rollout.mismatch``: mean |d|, exp(mean |d|) - 1), before and after the
   update. The refit worked if the mismatch after it is not larger than before (x3): a stale
   engine would be off by a 2e-3 learning-rate update. The engine must draw seeded requests'
-  noise counter-based (Model Runner V2: ``rollout.vllm_engine.seeded_draw``).
+  noise counter-based (Model Runner V2: ``rollout.vllm_engine.seeded_draw``) and run its
+  all-reduces on NCCL only (``rollout.vllm_engine.engine_env`` applied before it started).
 * ``seeded_sampling_v152064`` (needs vLLM): one decode step's sampling draw for 1024 requests
   over vocabulary 152064 (benchmarks/bench_sampling.py): Model Runner V2's draw with every
   request seeded, goal within 1.5x of V1's batched unseeded draw; V1's per-request seeded draw
@@ -689,6 +690,7 @@ def _rollout_row(groups, prompts):
 def check_vllm_colocated() -> Row:
     from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
     from megatron_dgpo.rollout.mismatch import mismatch_metrics
+    from megatron_dgpo.rollout.vllm_engine import NCCL_ONLY_ALL_REDUCE_ENV
     from megatron_dgpo.tasks.tiny import make_tiny_model
     from megatron_dgpo.training.optimizer import build_optimizer
     from megatron_dgpo.training.policy import build_policy
@@ -735,12 +737,17 @@ def check_vllm_colocated() -> Row:
             engine.shutdown()
     key, mult = "mismatch/mean_abs_diff", "mismatch/token_mult_error"
     before, after = stats["before"][key], stats["after"][key]
-    ok = after <= 3 * max(before, 1e-3) and draw == "counter-based"
+    # the colocated engine's all-reduces are pynccl's on every GPU (vllm_engine.engine_env)
+    all_reduce_env = {k: os.environ.get(k) for k in NCCL_ONLY_ALL_REDUCE_ENV}
+    nccl_only = all_reduce_env == NCCL_ONLY_ALL_REDUCE_ENV
+    ok = after <= 3 * max(before, 1e-3) and draw == "counter-based" and nccl_only
     return Row("vllm_colocated", ok,
                f"mean |d| {before:.2e} -> {after:.2e} (token mult. error "
                f"{stats['after'][mult]:.2e}); {free_asleep:.0f} GiB free asleep; refit "
-               f"{seconds['refit']:.2f} s; seeded draw {draw}", goal + "; seeded draw counter-based",
-               dict(stats, seconds=seconds, free_gib_while_asleep=free_asleep, seeded_draw=draw))
+               f"{seconds['refit']:.2f} s; seeded draw {draw}; NCCL-only all-reduce env "
+               f"{nccl_only}", goal + "; seeded draw counter-based; NCCL-only all-reduces",
+               dict(stats, seconds=seconds, free_gib_while_asleep=free_asleep, seeded_draw=draw,
+                    all_reduce_env=all_reduce_env))
 
 
 def check_seeded_sampling_v152064() -> Row:
