@@ -376,10 +376,12 @@ def hub_model_per_node(rank, root, source) -> dict:
     from megatron_dgpo.training.policy import ModelConfig, initial_model
 
     root, config = Path(root), ModelConfig(path=HUB_REPO)
-    saved = os.environ.get("LOCAL_RANK"), constants.HF_HUB_CACHE
+    saved = os.environ.get("LOCAL_RANK"), constants.HF_HUB_CACHE, os.environ.get("HF_HUB_OFFLINE")
     out = {}
     try:
         os.environ["LOCAL_RANK"] = "0"
+        # a node that reaches the hub (the test session's vLLM engines set HF_HUB_OFFLINE=1)
+        os.environ.pop("HF_HUB_OFFLINE", None)
         constants.HF_HUB_CACHE = out["cache"] = str(root / f"node{rank}" / "hub")
         folder = initial_model(config, root / "run", seed=0,
                                download=StandInHub(root / "hub", source))
@@ -393,8 +395,9 @@ def hub_model_per_node(rank, root, source) -> dict:
             out["unreachable_error"] = str(error)
     finally:
         constants.HF_HUB_CACHE = saved[1]
-        if saved[0] is None:
-            os.environ.pop("LOCAL_RANK", None)
-        else:
-            os.environ["LOCAL_RANK"] = saved[0]
+        for key, value in (("LOCAL_RANK", saved[0]), ("HF_HUB_OFFLINE", saved[2])):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return out

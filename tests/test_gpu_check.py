@@ -198,7 +198,8 @@ def test_attention_choice_row_on_stand_in_gpus(gpu_check, monkeypatch):
                                           (h100, gpu_check.PROFILES["a100"], "flash", True),
                                           (a100, {}, "flash", True), (bare_a100, {}, "refused", False)):
         monkeypatch.setattr(gpu_check, "_gpu_platform", lambda p=platform: p)
-        monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
+        for key in gpu_check.NVTE_SWITCHES:  # a fresh process (a local-spec build sets them)
+            monkeypatch.delenv(key, raising=False)
         for key, value in profile.items():
             monkeypatch.setenv(key, value)
         row = gpu_check.check_attention_choice()
