@@ -55,7 +55,8 @@ def _peak_copies(models, mb, shard_bytes: int, fp32_output: bool | None) -> floa
     """Peak extra memory of one ``train_step`` in logits shards. ``fp32_output`` True replaces
     the kwargs ``train_step`` gives a Float16Module (``fp32_output=False``) with its default."""
     import megatron_dgpo.training.train_step as ts
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig
+    from megatron_dgpo.training.train_step import train_step
 
     original = ts._forward_kwargs
     if fp32_output:

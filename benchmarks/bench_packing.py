@@ -49,12 +49,12 @@ def main() -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
     from megatron_dgpo.algorithm.packing import Sample, pack, padded_micro_batch
     from megatron_dgpo.models.builder import build_model, wrap_ddp
     from megatron_dgpo.runtime.parallel import (ParallelConfig, destroy_parallel, init_distributed,
                                                 initialize_parallel)
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.training.train_step import train_step
 
     init_distributed()
     initialize_parallel(ParallelConfig(), seed=0)
@@ -82,7 +82,7 @@ def main() -> None:
               for group in (samples[i:i + args.rows]
                             for i in range(0, len(samples), args.rows))]
     packed = pack(samples, budget=args.max_len)
-    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams(n=1, m=2))
+    loss = LossConfig(method="dgpo", loss=LossHyperparams(n=1, m=2))
 
     results = {}
     for name, micro_batches in (("padded", padded), ("packed", packed)):

@@ -310,7 +310,8 @@ def _update(models, optimizer, row) -> float:
     """One optimizer update on ``row`` through the trainer's ``train_step`` (THD with TE, bf16
     logits, overlapped reduction) and ``step_if_finite``. Returns the loss."""
     from megatron_dgpo.training.optimizer import step_if_finite
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig
+    from megatron_dgpo.training.train_step import train_step
 
     result = train_step(models, [row], LossConfig())
     stepped, _ = step_if_finite(optimizer, models, result.loss)
@@ -794,7 +795,8 @@ def _model_flops(cfg: dict, lengths) -> float:
 def _train_step_seconds(hf_config, lengths, recompute: bool) -> tuple[float, float]:
     """(best seconds of one ``train_step`` forward + backward of a fresh random bf16 policy on
     one packed row of ``lengths``, peak GiB allocated)."""
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig
+    from megatron_dgpo.training.train_step import train_step
 
     models = _policy(hf_config, seed=0, recompute=recompute, use_distributed_optimizer=False)
     row = _micro_batch(lengths, hf_config["vocab_size"], seed=0, models=models)

@@ -23,13 +23,11 @@ each prompt giving ``rollout.group_size`` responses; there are
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megatron_dgpo.algorithm.losses import (AGGREGATIONS, METHODS, ROLLOUT_CORRECTIONS,
-                                            LossHyperparams, check_method)
+from megatron_dgpo.algorithm.losses import LossConfig
 from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.evaluation import EvalConfig
 from megatron_dgpo.runtime.config import load_config, require_choice
@@ -42,40 +40,14 @@ from megatron_dgpo.training.policy import ModelConfig
 
 
 @dataclass
-class AlgorithmConfig:
-    """The policy-gradient method and its advantage estimator."""
+class AlgorithmConfig(LossConfig):
+    """The policy-gradient method (the loss's fields, ``losses.LossConfig``), its advantage
+    estimator, DAPO's filter and refill, routing replay."""
 
-    method: str = "dgpo"
-    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.algorithm.losses.METHODS``)."""
-    loss: LossHyperparams = field(default_factory=LossHyperparams)
-    """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO;
-    GRPO's optional ``dual_clip``, which the other methods refuse). How they and the log-ratio
-    clamp differ from the paper's official code: ``megatron_dgpo.algorithm.losses``' docstring, README."""
     advantage_eps: float = 1e-6
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
     advantage_unbiased_std: bool = True
     """Sample (n-1) std of the group's rewards, as GRPO's reference code; False: population std."""
-    loss_aggregation: Literal["token_mean", "group_token_mean",
-                              "seq_mean_token_mean"] = "token_mean"
-    """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
-    ``token_mean``: sum_t s_t / (valid tokens of the whole mini-batch, over every micro-batch
-    and DP rank), DAPO's token mean. Not exactly the paper's official code (verl's
-    ``token-mean``): there each micro-batch's loss is its own token mean, scaled by 1 / (the
-    gradient-accumulation steps) and the gradients averaged over DP ranks, so tokens of short
-    micro-batches weigh more; the two agree only when every micro-batch holds the same number
-    of valid tokens, which packed micro-batches seldom do. Kept: every token of the mini-batch
-    gets the same weight 1/N, so the gradient does not depend on how the mini-batch is split
-    over TP/PP/DP ranks and micro-batches (tested). ``group_token_mean``: the
-    paper's Eq. 1, each prompt group's token sum divided by that group's token count
-    sum_i |o_i|, then the mean over the mini-batch's groups. ``seq_mean_token_mean``: each
-    response's token mean, averaged over the responses."""
-    rollout_correction: Literal["none", "tis"] = "none"
-    """``tis``: multiply each token's loss term by the truncated importance weight
-    min(pi_old / pi_rollout, rollout_correction_cap) (no gradient through it; verl, NeMo-RL),
-    correcting for the rollout engine's sampler differing from the trainer (bf16, kernels).
-    Logged as ``train/tis/*``. ``none``: no correction (the mismatch is still measured)."""
-    rollout_correction_cap: float = 2.0
-    """TIS truncation C (>= 1): importance weights above it are cut to it."""
     drop_degenerate_groups: bool = False
     """DAPO's filter: prompt groups whose rewards are all equal are left out of the update (no
     tokens in the loss or in N; counted as ``adv/num_dropped_groups``)."""
@@ -100,15 +72,8 @@ class AlgorithmConfig:
     ``off``: the trainer routes freely and nothing is recorded."""
 
     def __post_init__(self):
-        require_choice("method", self.method, METHODS)
-        check_method(self.method, self.loss)  # loss.dual_clip with a method that refuses it
-        require_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
-        require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        super().__post_init__()
         require_choice("routing_replay", self.routing_replay, ("off", "r3"))
-        cap = self.rollout_correction_cap
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
-                math.isfinite(cap) and cap >= 1):
-            raise ValueError(f"rollout_correction_cap must be a finite number >= 1, got {cap!r}")
         if isinstance(self.refill_rounds, bool) or not isinstance(self.refill_rounds, int) \
                 or self.refill_rounds < 0:
             raise ValueError(f"refill_rounds must be an integer >= 0, got {self.refill_rounds!r}")

@@ -39,7 +39,7 @@ from megatron_dgpo.training.minibatches import (pack_update, plan_updates, reduc
 from megatron_dgpo.training.offload import TrainingStateOffload
 from megatron_dgpo.training.optimizer import step_if_finite, sync_params
 from megatron_dgpo.training.routing_replay import RoutingReplay
-from megatron_dgpo.training.train_step import LossConfig, forward_logprobs, train_step
+from megatron_dgpo.training.train_step import forward_logprobs, train_step
 from megatron_dgpo.training_run import TrainingRun
 
 
@@ -68,12 +68,6 @@ class RLStep:
                        if cfg.algorithm.routing_replay == "r3" else None)
         self.offload = TrainingStateOffload(run.models, run.optimizer,
                                             enabled=cfg.train.offload_training_state)
-        self.loss = LossConfig(method=cfg.algorithm.method, temperature=cfg.rollout.temperature,
-                               hyperparams=cfg.algorithm.loss,
-                               chunk_size=cfg.train.log_prob_chunk_size,
-                               aggregation=cfg.algorithm.loss_aggregation,
-                               rollout_correction=cfg.algorithm.rollout_correction,
-                               rollout_correction_cap=cfg.algorithm.rollout_correction_cap)
         self.offload.offload()  # vLLM starts only if its share of the GPU is free then
         # held-out problems read and rendered on every rank before any engine starts
         self.evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, run.hf_dir, cfg.rollout)
@@ -115,7 +109,10 @@ class RLStep:
             self.offload.restore()
             parts, grad_norms, skipped, trained_tokens = [], [], 0, 0
             for rows in updates:
-                result = train_step(run.models, rows, self.loss, routing_replay=self.replay)
+                result = train_step(run.models, rows, cfg.algorithm,
+                                    temperature=cfg.rollout.temperature,
+                                    chunk_size=cfg.train.log_prob_chunk_size,
+                                    routing_replay=self.replay)
                 parts.append(result.metrics)
                 if not result.num_tokens:  # every group of this mini-batch was dropped
                     continue

@@ -35,11 +35,11 @@ def _setup(tp: int, *, distributed: bool, seed: int = 5, bucket_size: int | None
 def _update(models, optimizer, step: int) -> float:
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
     from megatron_dgpo.training.optimizer import step_if_finite
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.training.train_step import train_step
 
-    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams())
+    loss = LossConfig(method="dgpo", loss=LossHyperparams())
     # each step a different share of the sequences: the Adam moments differ from step to step
     batches = micro_batches(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), 2)
     result = train_step(models, batches[step % len(batches):] + batches[:step % len(batches)], loss)

@@ -198,7 +198,7 @@ def train_fn(rank, world_size, dirs: dict, ckpt_root: str):
     Returns per-step (loss, grad norm) and the final weights of each model."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
     from megatron_dgpo.algorithm.packing import padded_micro_batch
     from megatron_dgpo.convert import export_hf_weights, load_model
     from megatron_dgpo.convert.safetensors_io import read_hf_config
@@ -207,7 +207,7 @@ def train_fn(rank, world_size, dirs: dict, ckpt_root: str):
     from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
     from megatron_dgpo.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint
     from megatron_dgpo.training.optimizer import build_optimizer
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.training.train_step import train_step
 
     eps = (2, 1, 2) if world_size == 2 else (1, 1, 1)
     layouts = [("qwen3_moe", dict(expert_parallel=ep, expert_tensor_parallel=1)) for ep in eps]
@@ -232,7 +232,7 @@ def train_fn(rank, world_size, dirs: dict, ckpt_root: str):
         mine = seqs[dp_rank * 4 // dp:(dp_rank + 1) * 4 // dp]
         mbs = [padded_micro_batch(*zip(*mine[k::2])) for k in range(2) if mine[k::2]]
         result = train_step(models, mbs, LossConfig(method="dgpo",
-                                                    hyperparams=LossHyperparams()))
+                                                    loss=LossHyperparams()))
         _, grad_norm, _ = optimizer.step()
         steps.append((result.loss, float(grad_norm)))
         if step < len(eps) - 1:

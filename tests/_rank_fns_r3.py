@@ -58,7 +58,8 @@ def replay_checks(rank, world, hf_dir):
     from megatron_dgpo.training import policy
     from megatron_dgpo.training.optimizer import build_optimizer
     from megatron_dgpo.training.routing_replay import RoutingReplay
-    from megatron_dgpo.training.train_step import LossConfig, forward_logprobs, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig
+    from megatron_dgpo.training.train_step import forward_logprobs, train_step
     from tests._rank_fns_colocated import _engine
 
     os.environ["OMP_NUM_THREADS"] = "1"  # before the engine: torch.set_num_threads is dead after

@@ -176,15 +176,15 @@ def _grads(models, vocab):
 
 
 def _step(models, mbs, case: str | None = None):
-    from megatron_dgpo.algorithm.losses import LossHyperparams
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
+    from megatron_dgpo.training.train_step import train_step
 
     extra = {}
     if case:
         aggregation, _, tis = CASES[case]
-        extra = dict(aggregation=aggregation, rollout_correction="tis" if tis else "none",
+        extra = dict(loss_aggregation=aggregation, rollout_correction="tis" if tis else "none",
                      rollout_correction_cap=TIS_CAP)
-    return train_step(models, mbs, LossConfig(method=METHOD, hyperparams=LossHyperparams(**HYPER),
+    return train_step(models, mbs, LossConfig(method=METHOD, loss=LossHyperparams(**HYPER),
                                               **extra))
 
 

@@ -30,10 +30,10 @@ def _setup(seed: int = 5):
 
 
 def _grads(models):
-    from megatron_dgpo.algorithm.losses import LossHyperparams
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
+    from megatron_dgpo.training.train_step import train_step
 
-    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams())
+    loss = LossConfig(method="dgpo", loss=LossHyperparams())
     return train_step(models, micro_batches(0, 1, 2), loss)
 
 
@@ -107,12 +107,12 @@ def optimizer_and_skipping(rank, world, hub_root, hub_source):
     out["moments_unchanged"] = all(torch.equal(a, s["exp_avg"]) for a, s in
                                    zip(moments, _adam(optimizer).state.values()))
     # A NaN advantage makes the loss NaN: skipped too; then a clean step goes through.
-    from megatron_dgpo.algorithm.losses import LossHyperparams
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
+    from megatron_dgpo.training.train_step import train_step
 
     bad = micro_batches(0, 1, 2)
     bad[0].advantages[:] = float("nan")  # the whole row: the loss is NaN
-    result = train_step(models, bad, LossConfig(hyperparams=LossHyperparams()))
+    result = train_step(models, bad, LossConfig(loss=LossHyperparams()))
     out["nan_loss"] = result.loss
     out["nan_step"] = step_if_finite(optimizer, models, result.loss)[0]
     # exact: a skipped step leaves the weights untouched: compared with their copies

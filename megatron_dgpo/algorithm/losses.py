@@ -70,9 +70,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+from megatron_dgpo.runtime.config import require_choice
 
 METHODS = ("grpo", "cispo", "gppo", "ce_gppo", "aspo", "dgpo")
 AGGREGATIONS = ("token_mean", "group_token_mean", "seq_mean_token_mean")
@@ -137,6 +140,52 @@ class LossHyperparams:
                 raise ValueError(f"dual_clip must be null (off) or a finite number > 1 (verl's "
                                  f"clip_ratio_c; 3.0 is the official GRPO baseline), got {c!r}")
             object.__setattr__(self, "dual_clip", float(c))
+
+
+@dataclass
+class LossConfig:
+    """The policy loss of one update: the method and its hyper-parameters, how token terms are
+    aggregated over a mini-batch, and the rollout correction. A recipe's ``algorithm`` section
+    is one (``recipe.AlgorithmConfig`` adds the advantages and DAPO's filter), and
+    ``train_step`` takes it as it is."""
+
+    method: str = "dgpo"
+    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.algorithm.losses.METHODS``)."""
+    loss: LossHyperparams = field(default_factory=LossHyperparams)
+    """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO;
+    GRPO's optional ``dual_clip``, which the other methods refuse). How they and the log-ratio
+    clamp differ from the paper's official code: ``megatron_dgpo.algorithm.losses``' docstring, README."""
+    loss_aggregation: Literal["token_mean", "group_token_mean",
+                              "seq_mean_token_mean"] = "token_mean"
+    """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
+    ``token_mean``: sum_t s_t / (valid tokens of the whole mini-batch, over every micro-batch
+    and DP rank), DAPO's token mean. Not exactly the paper's official code (verl's
+    ``token-mean``): there each micro-batch's loss is its own token mean, scaled by 1 / (the
+    gradient-accumulation steps) and the gradients averaged over DP ranks, so tokens of short
+    micro-batches weigh more; the two agree only when every micro-batch holds the same number
+    of valid tokens, which packed micro-batches seldom do. Kept: every token of the mini-batch
+    gets the same weight 1/N, so the gradient does not depend on how the mini-batch is split
+    over TP/PP/DP ranks and micro-batches (tested). ``group_token_mean``: the
+    paper's Eq. 1, each prompt group's token sum divided by that group's token count
+    sum_i |o_i|, then the mean over the mini-batch's groups. ``seq_mean_token_mean``: each
+    response's token mean, averaged over the responses."""
+    rollout_correction: Literal["none", "tis"] = "none"
+    """``tis``: multiply each token's loss term by the truncated importance weight
+    min(pi_old / pi_rollout, rollout_correction_cap) (no gradient through it; verl, NeMo-RL),
+    correcting for the rollout engine's sampler differing from the trainer (bf16, kernels).
+    Logged as ``train/tis/*``. ``none``: no correction (the mismatch is still measured)."""
+    rollout_correction_cap: float = 2.0
+    """TIS truncation C (>= 1): importance weights above it are cut to it."""
+
+    def __post_init__(self):
+        require_choice("method", self.method, METHODS)
+        check_method(self.method, self.loss)  # loss.dual_clip with a method that refuses it
+        require_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
+        require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        cap = self.rollout_correction_cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
+                math.isfinite(cap) and cap >= 1):
+            raise ValueError(f"rollout_correction_cap must be a finite number >= 1, got {cap!r}")
 
 
 @dataclass(frozen=True)

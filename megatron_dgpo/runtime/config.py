@@ -127,7 +127,16 @@ def to_dict(obj) -> Any:
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The documentation string written under each field of dataclass ``cls``."""
+    """The documentation string written under each field of dataclass ``cls``, its base
+    classes' fields included (a subclass's own documentation wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls) -> dict[str, str]:
     docs: dict[str, str] = {}
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))

@@ -34,7 +34,7 @@ Megatron used. ``finalize_model_grads`` (DP all-reduce, tied-embedding gradient 
 first and last pipeline stages, 1/N scaling) runs inside ``train_step``: afterwards the
 gradients are final and the optimizer may step.
 
-Other aggregations (``LossConfig.aggregation``, ``losses.sample_loss_weights``). Micro-batches
+Other aggregations (``LossConfig.loss_aggregation``, ``losses.sample_loss_weights``). Micro-batches
 that carry ``loss_weights`` c_t (computed per sample from whole groups before packing) give
 
     L = -(1/W) sum_t mask_t c_t s_t,      W = sum_{all DP ranks, micro-batches} mask_t c_t,
@@ -81,44 +81,20 @@ micro-batch's backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from megatron_dgpo.algorithm.losses import (AGGREGATIONS, ROLLOUT_CORRECTIONS, LossHyperparams,
-                                            LossMetrics, merge_metrics, policy_loss, reduce_metrics,
-                                            summarize_metrics, truncated_is_weights)
+from megatron_dgpo.algorithm.losses import (LossConfig, LossMetrics, merge_metrics, policy_loss,
+                                            reduce_metrics, summarize_metrics,
+                                            truncated_is_weights)
 from megatron_dgpo.algorithm.packing import MicroBatch
 from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
 from megatron_dgpo.models.builder import unwrap_model
 from megatron_dgpo.runtime import comm
-from megatron_dgpo.runtime.config import require_choice
 from megatron_dgpo.runtime.gpu_flags import schedule_sync_hooks
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Loss settings of a train step (``losses.policy_loss`` arguments plus temperature)."""
-
-    method: str = "dgpo"
-    temperature: float = 1.0
-    """Sampling temperature: logits are divided by it, as in the rollout sampler."""
-    hyperparams: LossHyperparams = field(default_factory=LossHyperparams)
-    """The loss's hyper-parameters (a recipe's ``algorithm.loss``)."""
-    chunk_size: int | None = None
-    """Tokens per chunk in ``logprobs_and_entropy`` (default: ``vocab_parallel.default_chunk_size``)."""
-    aggregation: str = "token_mean"
-    """``losses.AGGREGATIONS``; anything but ``token_mean`` needs ``MicroBatch.loss_weights``."""
-    rollout_correction: str = "none"
-    """``losses.ROLLOUT_CORRECTIONS``; ``tis`` needs ``MicroBatch.rollout_logprobs``."""
-    rollout_correction_cap: float = 2.0
-    """The TIS truncation C (``losses.truncated_is_weights``)."""
-
-    def __post_init__(self):
-        require_choice("aggregation", self.aggregation, AGGREGATIONS)
-        require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
 
 
 @dataclass
@@ -233,9 +209,9 @@ def _check_micro_batch(mb: MicroBatch, index: int, need_loss_inputs: bool,
         raise ValueError(f"micro_batches[{index}] lacks old_logprobs or advantages")
     if loss is None:
         return
-    if loss.aggregation != "token_mean" and mb.loss_weights is None:
+    if loss.loss_aggregation != "token_mean" and mb.loss_weights is None:
         raise ValueError(f"micro_batches[{index}] lacks loss_weights, which aggregation "
-                         f"{loss.aggregation!r} needs (losses.sample_loss_weights per sample)")
+                         f"{loss.loss_aggregation!r} needs (losses.sample_loss_weights per sample)")
     if loss.rollout_correction == "tis" and mb.rollout_logprobs is None:
         raise ValueError(f"micro_batches[{index}] lacks rollout_logprobs, which "
                          f"rollout_correction 'tis' needs")
@@ -251,6 +227,7 @@ def _valid_and_weights(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
 
 
 def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, *,
+               temperature: float = 1.0, chunk_size: int | None = None,
                vocab_size: int | None = None, zero_grad: bool = True,
                routing_replay=None) -> StepResult:
     """Forward + backward of the policy loss on one mini-batch; gradients final on return.
@@ -259,7 +236,10 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         models: this rank's model chunks wrapped by ``wrap_ddp`` (one per VPP stage).
         micro_batches: this DP rank's micro-batches (every TP/PP rank of the DP rank passes
             the same list); any count, any shapes; N is counted over all DP ranks.
-        loss: method, temperature, hyper-parameters.
+        loss: the policy loss (``losses.LossConfig``: a recipe's ``algorithm`` section).
+        temperature: the sampling temperature; logits are divided by it, as in the sampler.
+        chunk_size: tokens per chunk in ``logprobs_and_entropy`` (default:
+            ``vocab_parallel.default_chunk_size``).
         vocab_size: the HF vocabulary size (logit columns past it are TP padding); default
             ``models[0].hf_spec.vocab_size`` when built by ``builder.build_model``.
         zero_grad: zero the DDP gradient buffers first (set False to accumulate).
@@ -298,9 +278,8 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
     parts: list[dict] = []
 
     def loss_fn(mb: MicroBatch, logits: Tensor):
-        logp, entropy = logprobs_and_entropy(logits, mb.targets[None],
-                                             temperature=loss.temperature,
-                                             chunk_size=loss.chunk_size, vocab_size=vocab_size)
+        logp, entropy = logprobs_and_entropy(logits, mb.targets[None], temperature=temperature,
+                                             chunk_size=chunk_size, vocab_size=vocab_size)
         valid, weights = _valid_and_weights(mb)
         valid, tis = valid[None], None
         if loss.rollout_correction == "tis":
@@ -313,7 +292,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         else:
             token_weights = None
         loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs[None],
-                                        mb.advantages[None], valid, loss.hyperparams,
+                                        mb.advantages[None], valid, loss.loss,
                                         num_tokens=scale, weights=token_weights)
         metrics.sums["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
         metrics.sums["loss_sum"] = loss_sum.detach().double() * scale

@@ -126,11 +126,11 @@ def test_bad_input_names_the_sample(bad, message):
 
 def _packing_gradient_fn(rank, world_size):
     """Same samples through train_step padded (2 per micro-batch) and packed: same gradient."""
-    from megatron_dgpo.algorithm.losses import LossHyperparams
+    from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
     from megatron_dgpo.algorithm.packing import padded_micro_batch
     from megatron_dgpo.models.builder import build_model, wrap_ddp
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.training.train_step import LossConfig, train_step
+    from megatron_dgpo.training.train_step import train_step
     from tests._rank_fns_model import TINY_QWEN2
 
     initialize_parallel(ParallelConfig(), seed=3)
@@ -141,7 +141,7 @@ def _packing_gradient_fn(rank, world_size):
         s.per_token["advantages"] = torch.linspace(-1.5, 1.5, len(s.per_token["advantages"]),
                                                    dtype=torch.float64) ** 3
         s.per_token["old_logprobs"] = s.per_token["old_logprobs"] - 5.5
-    loss = LossConfig(method="dgpo", hyperparams=LossHyperparams(n=2, m=2))
+    loss = LossConfig(method="dgpo", loss=LossHyperparams(n=2, m=2))
 
     def grads():
         return {n: p.main_grad.clone() for n, p in models[0].module.named_parameters()}

@@ -149,17 +149,18 @@ def test_micro_batch_validation():
 
 
 def test_loss_config_and_micro_batch_checks_for_the_new_options():
-    from megatron_dgpo.training.train_step import LossConfig, _check_micro_batch
+    from megatron_dgpo.algorithm.losses import LossConfig
+    from megatron_dgpo.training.train_step import _check_micro_batch
 
-    with pytest.raises(ValueError, match="aggregation must be one of token_mean"):
-        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="loss_aggregation must be one of token_mean"):
+        LossConfig(loss_aggregation="sum")
     with pytest.raises(ValueError, match="rollout_correction must be one of none, tis"):
         LossConfig(rollout_correction="is")
     mb = padded_micro_batch([torch.tensor([5, 6, 7])], [torch.tensor([0, 1, 1])],
                             [torch.zeros(3)], [torch.ones(3)])
     _check_micro_batch(mb, 0, True, LossConfig())
     with pytest.raises(ValueError, match=r"micro_batches\[3\] lacks loss_weights"):
-        _check_micro_batch(mb, 3, True, LossConfig(aggregation="group_token_mean"))
+        _check_micro_batch(mb, 3, True, LossConfig(loss_aggregation="group_token_mean"))
     with pytest.raises(ValueError, match=r"micro_batches\[0\] lacks rollout_logprobs"):
         _check_micro_batch(mb, 0, True, LossConfig(rollout_correction="tis"))
 
