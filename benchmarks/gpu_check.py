@@ -72,7 +72,7 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
   vLLM (bf16, ``placement="colocated"``: inside this process, on the trainer's GPU, sleep mode)
   beside the trainer's policy: generate -> ``sleep()`` -> one ``train_step`` update -> refit
   (``update_weights`` wakes it; ``export_hf_weights``) -> generate -> the rollout vs trainer
-  log-prob mismatch (``rollout.mismatch``: mean |d|, exp(mean |d|) - 1), before and after the
+  log-prob mismatch (``algorithm.mismatch``: mean |d|, exp(mean |d|) - 1), before and after the
   update. The refit worked if the mismatch after it is not larger than before (x3): a stale
   engine would be off by a 2e-3 learning-rate update. The engine must draw seeded requests'
   noise counter-based (Model Runner V2: ``rollout.vllm_engine.seeded_draw``) and run its
@@ -690,7 +690,7 @@ def _rollout_row(groups, prompts):
 
 def check_vllm_colocated() -> Row:
     from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
-    from megatron_dgpo.rollout.mismatch import mismatch_metrics
+    from megatron_dgpo.algorithm.mismatch import mismatch_metrics
     from megatron_dgpo.rollout.vllm_engine import NCCL_ONLY_ALL_REDUCE_ENV
     from megatron_dgpo.tasks.tiny import make_tiny_model
     from megatron_dgpo.training.optimizer import build_optimizer

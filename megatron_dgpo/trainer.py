@@ -20,22 +20,19 @@ import contextlib
 import torch
 
 from megatron_dgpo import telemetry
-from megatron_dgpo.algorithm.advantages import drop_degenerate_groups, group_advantages
+from megatron_dgpo.algorithm.advantages import (drop_degenerate_groups, group_advantages,
+                                                reduce_group_stats)
 from megatron_dgpo.algorithm.losses import merge_metrics, sample_loss_weights
+from megatron_dgpo.algorithm.mismatch import mismatch_metrics
 from megatron_dgpo.convert import export_hf_weights
 from megatron_dgpo.recipe import RunConfig
+from megatron_dgpo.rollout.ahead import load_ahead, save_ahead
 from megatron_dgpo.rollout.base import Rollout
-from megatron_dgpo.rollout.dedicated.ahead import load_ahead, save_ahead
-from megatron_dgpo.rollout.dedicated.client import DedicatedRollout
-from megatron_dgpo.rollout.dedicated.server import serve as serve_engines
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
-from megatron_dgpo.rollout.mismatch import mismatch_metrics
-from megatron_dgpo.rollout.replica import ReplicaRollout
+from megatron_dgpo.rollout.start import engine_rank, serve_engines, start_rollout
 from megatron_dgpo.runtime.gpu_flags import pad_multiple
-from megatron_dgpo.runtime.parallel import split_world
 from megatron_dgpo.training.expert_load import ExpertLoad
-from megatron_dgpo.training.minibatches import (pack_update, plan_updates, reduce_group_stats,
-                                                rollout_metrics)
+from megatron_dgpo.training.minibatches import pack_update, plan_updates
 from megatron_dgpo.training.offload import TrainingStateOffload
 from megatron_dgpo.training.optimizer import step_if_finite, sync_params
 from megatron_dgpo.training.routing_replay import RoutingReplay
@@ -47,8 +44,8 @@ def train(cfg: RunConfig) -> int:
     """Run (or continue: ``cfg.checkpoint.resume``) the job ``cfg`` on the current torchrun
     world. Returns the exit status: 0 when every step ran, ``EXIT_STOPPED`` when a stop signal
     or ``train.max_minutes`` ended it early (with a checkpoint of the last completed step)."""
-    if cfg.rollout.placement == "dedicated" and split_world(cfg.rollout.num_gpus).role == "rollout":
-        return serve_engines(cfg)  # this rank is one of the engines' GPUs, not a trainer's
+    if engine_rank(cfg.rollout):  # this rank is one of the engines' GPUs, not a trainer's
+        return serve_engines(cfg.rollout, cfg.data, cfg.parallel, seed=cfg.train.seed)
     run = TrainingRun(cfg, seed=cfg.train.seed, steps=cfg.train.steps,
                       max_minutes=cfg.train.max_minutes, rollout_ranks=cfg.rollout.num_gpus,
                       routing_replay=cfg.algorithm.routing_replay)
@@ -72,7 +69,10 @@ class RLStep:
         # held-out problems read and rendered on every rank before any engine starts
         self.evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, run.hf_dir, cfg.rollout)
                            if cfg.eval.enabled else None)
-        self.rollout = run.closing(_start_rollout(cfg, run))
+        self.rollout = run.closing(start_rollout(
+            cfg.rollout, cfg.data, cfg.parallel, run.hf_dir, seed=cfg.train.seed,
+            batch_prompts=cfg.train.rollout_batch_prompts, version=run.state.step,
+            record_routing=cfg.algorithm.routing_replay == "r3"))
         if run.state.step or self.rollout.needs_first_refit:  # resumed, or engines without weights
             _refit(self.rollout, run.models, version=run.state.step)
         # the batch a stopped one-step-off run had generated ahead, sampled by the weights
@@ -134,7 +134,7 @@ class RLStep:
                 eval_metrics = self.evaluation.run(rollout)
         run.state.step, run.state.prompts_consumed = step, run.state.prompts_consumed + prompts_used
 
-        sampled = rollout_metrics(batch, group, run.dp_group)
+        sampled = batch.rollout_metrics(group, run.dp_group)
         generated = round(sampled["rollout/response_length_mean"] * sampled["rollout/num_samples"])
         return {**sampled, **reduce_group_stats(group_stats, run.dp_group), **mismatch,
                 **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, run.lr),
@@ -175,19 +175,6 @@ class RLStep:
             self.run.save(write_extra=lambda folder: save_ahead(
                 folder, self.ahead, dp_rank=self.run.dp_rank, dp_size=self.run.dp_size,
                 leader=self.rollout.leader))
-
-
-def _start_rollout(cfg: RunConfig, run: TrainingRun) -> Rollout:
-    """The replica's engines where ``rollout.placement`` puts them, holding the weights of the
-    state's step (the first refit gives them, if they need one)."""
-    if cfg.rollout.placement == "dedicated":  # GPUs of their own, fed by a weight broadcast
-        return DedicatedRollout(cfg.rollout, cfg.data, cfg.parallel, run.hf_dir,
-                                seed=cfg.train.seed, version=run.state.step,
-                                batch_prompts=cfg.train.rollout_batch_prompts)
-    return ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, run.hf_dir, seed=cfg.train.seed,
-                          batch_prompts=cfg.train.rollout_batch_prompts,
-                          record_routing=cfg.algorithm.routing_replay == "r3",
-                          version=run.state.step)
 
 
 def _refit(rollout: Rollout, models: list, version: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ in TRL and verl). ``unbiased=False`` gives the population std (divisor G). With 
 Degenerate groups, where every reward is equal (all right or all wrong) or G = 1, carry no
 learning signal: their advantages are exactly 0 (not 0 / eps noise), and they are counted in
 the returned stats (``num_degenerate``, ``frac_degenerate``), the number dynamic-sampling
-methods filter on.
+methods filter on. ``reduce_group_stats`` makes a replica's statistics batch-wide.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+
+from megatron_dgpo.runtime import comm
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,20 @@ def drop_degenerate_groups(rewards, group_size: int) -> KeptGroups:
     keep = (~degenerate).repeat_interleave(group_size)
     return KeptGroups(keep=keep, indices=keep.nonzero().flatten().tolist(),
                       num_dropped=int(degenerate.sum()))
+
+
+def reduce_group_stats(stats: dict[str, float], group=None) -> dict[str, float]:
+    """Per-replica group statistics (``AdvantageStats.as_dict()``, with ``KeptGroups.as_dict()``'s)
+    made batch-wide over ``group`` (the DP group): ``*num_*`` counts are summed; every other
+    value is a mean over the replica's groups (all of size G), so it is averaged weighted by
+    the replica's ``num_groups``."""
+    if group is None or comm.size(group) == 1:
+        return dict(stats)
+    keys = sorted(stats)
+    weight_key = next(k for k in keys if k.endswith("num_groups"))
+    groups = stats[weight_key]
+    values = torch.tensor([stats[k] if "num_" in k else stats[k] * groups for k in keys],
+                          dtype=torch.float64)
+    values = comm.reduce_values(values, "sum", group)
+    total = values[keys.index(weight_key)].item()
+    return {k: v if "num_" in k else v / max(total, 1.0) for k, v in zip(keys, values.tolist())}

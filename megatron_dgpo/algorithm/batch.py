@@ -3,8 +3,9 @@
 Each engine's leader grades its share of a step's prompts into a piece; a DAPO refill replaces
 degenerate groups by fresh ones (``replace_groups``); the pieces of a DP replica are joined
 in batch-position order on every rank of its model-parallel group (``gather``: samples never
-cross replicas); the trainer turns each sample into a ``packing.Sample`` (``sample``). Both the
-rollout and the trainer hold it, so it sits below both.
+cross replicas); the trainer turns each sample into a ``packing.Sample`` (``sample``) and
+reports the batch-wide rollout metrics (``rollout_metrics``). Both the rollout and the trainer
+hold it, so it sits below both.
 """
 
 from __future__ import annotations
@@ -81,6 +82,34 @@ class Experience:
         if group is None or comm.size(group) == 1:
             return self
         return Experience.join(comm.gather_objects(self, group))
+
+    def rollout_metrics(self, group_size: int, group=None) -> dict[str, float]:
+        """Reward, accuracy (+1 rewards), lengths, truncation and Pass@G of the step's whole
+        batch, from this replica's samples and sums all-reduced over ``group`` (the DP group:
+        one rank per replica), so they equal the numbers of one engine sampling the whole
+        batch."""
+        rewards = torch.tensor(self.rewards, dtype=torch.float64)
+        lengths = torch.tensor([len(r) for r in self.response_tokens], dtype=torch.float64)
+        correct = rewards > 0
+        sums = torch.stack([rewards.sum(), correct.double().sum(),
+                            correct.view(-1, group_size).any(dim=1).double().sum(),
+                            torch.tensor(rewards.numel() / group_size, dtype=torch.float64),
+                            lengths.sum(), torch.tensor(self.truncated, dtype=torch.float64).sum(),
+                            torch.tensor(float(len(self)), dtype=torch.float64)])
+        longest = lengths.max() if len(lengths) else torch.tensor(0.0, dtype=torch.float64)
+        if group is not None:
+            sums = comm.reduce_values(sums, "sum", group)
+            longest = comm.reduce_values(longest, "max", group)
+        reward, right, passed, groups, length, truncated, n = sums.tolist()
+        return {
+            "rollout/reward_mean": reward / n,
+            "rollout/accuracy": right / n,
+            "rollout/pass_at_group": passed / groups,
+            "rollout/response_length_mean": length / n,
+            "rollout/response_length_max": float(longest),
+            "rollout/truncated_frac": truncated / n,
+            "rollout/num_samples": n,
+        }
 
     def sample(self, i: int) -> Sample:
         """Sample i for ``packing.pack``: per response token the rollout log-prob and the

@@ -4,7 +4,6 @@ vLLM is imported lazily (only when a ``VLLMEngine`` is built), so importing this
 """
 
 from megatron_dgpo.rollout.base import Completion, RolloutEngine
-from megatron_dgpo.rollout.mismatch import MismatchStats, logprob_mismatch
 
 
 def __getattr__(name):
@@ -19,7 +18,7 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["RolloutEngine", "Completion", "VLLMEngine", "VLLMConfig", "HFEngine", "MismatchStats", "logprob_mismatch"]
+__all__ = ["RolloutEngine", "Completion", "VLLMEngine", "VLLMConfig", "HFEngine"]
 
 # Bucketed weight refit (issue 12, engine level): cheap to import (torch only).
 from megatron_dgpo.rollout.refit import RefitStats, bucket_named_tensors  # noqa: E402

@@ -360,7 +360,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
 
     ``write_extra(folder)``, called on every rank, adds files to the staged checkpoint before it
     is published (the batch a one-step-off run generated ahead,
-    ``rollout.dedicated.ahead.save_ahead``).
+    ``rollout.ahead.save_ahead``).
 
     ``optimizer_sharding`` (``checkpoint.optimizer_sharding``): the distributed optimizer's
     format, recorded in the checkpoint's content metadata, where ``load_checkpoint`` reads it.

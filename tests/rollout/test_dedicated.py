@@ -99,7 +99,7 @@ def _export(checkpoint: Path, out: Path) -> Path:
 
 
 def test_one_step_off_samples_with_the_weights_of_the_step_before(off_policy_run, tmp_path):
-    from megatron_dgpo.rollout.dedicated.ahead import AHEAD_DIR
+    from megatron_dgpo.rollout.ahead import AHEAD_DIR
 
     records = read_metrics(off_policy_run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -132,7 +132,7 @@ def test_one_step_off_samples_with_the_weights_of_the_step_before(off_policy_run
 
 def test_sigterm_keeps_the_batch_generated_ahead_and_the_rerun_equals_the_uninterrupted_run(
         off_policy_run, tmp_path):
-    from megatron_dgpo.rollout.dedicated.ahead import AHEAD_DIR
+    from megatron_dgpo.rollout.ahead import AHEAD_DIR
     from megatron_dgpo.runtime.interrupt import EXIT_STOPPED
 
     run_dir = tmp_path / "stopped"

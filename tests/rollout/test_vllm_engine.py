@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_dgpo.rollout import HFEngine, logprob_mismatch
+from megatron_dgpo.algorithm.mismatch import logprob_mismatch
+from megatron_dgpo.rollout import HFEngine
 from megatron_dgpo.rollout.placement import (MAX_TRAIN_SEED, SEED_STREAM_BITS, prompt_seeds,
                                              seed_root, shard_prompts)
 from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
@@ -217,25 +218,6 @@ def test_refit_from_a_live_megatron_model(vllm_engine, prompts, tiny_model_dir, 
         assert _max_diff(model_a, prompts, after) > 1e-2
     finally:
         vllm_engine.update_weights_from_dir(tiny_model_dir)
-
-
-def test_mismatch_metrics_float64_reference():
-    g = torch.Generator().manual_seed(0)
-    rollout = -torch.rand(3, 5, generator=g) * 4
-    trainer = rollout + torch.randn(3, 5, generator=g) * 0.01
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
-    trainer[0, 4] = float("nan")  # padding garbage must not leak through the mask
-    st = logprob_mismatch(rollout, trainer, mask)
-    d = [[(trainer[b, t] - rollout[b, t]).item() for t in range(5) if mask[b, t]] for b in range(3)]
-    flat = [abs(x) for row in d for x in row]
-    assert st.num_tokens == 8
-    assert st.mean_abs_diff == pytest.approx(sum(flat) / 8, rel=1e-9)
-    assert st.max_abs_diff == pytest.approx(max(flat), rel=1e-9)
-    assert st.token_mult_error == pytest.approx(math.expm1(sum(flat) / 8), rel=1e-9)
-    seq = [math.expm1(sum(abs(x) for x in row)) for row in d if row]
-    assert st.seq_mult_error == pytest.approx(sum(seq) / len(seq), rel=1e-9)
-    with pytest.raises(ValueError, match="shapes differ"):
-        logprob_mismatch(rollout, trainer[:, :4], mask)
 
 
 def test_vllm_vs_trainer_mismatch_is_tiny_in_fp32(vllm_engine, prompts, tiny_model_dir):

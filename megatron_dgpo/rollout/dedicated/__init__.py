@@ -33,8 +33,9 @@ Protocol: the leader broadcasts a command, every engine rank takes part.
 * ``stop``: the engines shut down and their ranks exit 0.
 
 The modules: ``server`` (the engine ranks' command loop), ``client`` (``DedicatedRollout``, the
-trainer ranks' side), ``wire`` (the link's layout and a weight bucket's wire format), ``ahead``
-(the batch generated ahead, in a checkpoint).
+trainer ranks' side), ``wire`` (the link's layout and a weight bucket's wire format); the loop
+reaches both sides through ``rollout.start``, and keeps the batch generated ahead in a
+checkpoint with ``rollout.ahead``.
 
 One-step-off (``rollout.max_staleness: 1``, the trainer's loop): ``submit`` batch k+1 with the
 engines' weights of step k-1 before the update of step k, ``collect`` it after; the refit with

@@ -11,31 +11,34 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_dgpo.algorithm.batch import Experience
+from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, receive_bucket
 from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
                                             refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.hub import on_this_node
+from megatron_dgpo.runtime.parallel import (ParallelConfig, engine_group, init_distributed,
+                                             split_world)
 from megatron_dgpo.tasks import prompts
 
 
-def serve(cfg) -> int:
-    """The main of a rollout rank (``RunConfig`` ``cfg``): join the rollout world and this
-    engine's replica, then run commands until ``stop``. Returns 0."""
-    from megatron_dgpo.runtime.parallel import engine_group, init_distributed, split_world
-
-    rollout = cfg.rollout
-    init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
-                     watchdog_minutes=cfg.parallel.watchdog_minutes,
+def serve(rollout: RolloutConfig, data: prompts.DataConfig, parallel: ParallelConfig, *,
+          seed: int) -> int:
+    """The main of a rollout rank: join the rollout world and this engine's replica, then run
+    the leader's commands until ``stop``. ``rollout``, ``data`` and ``parallel`` are the
+    recipe's sections, ``seed`` its ``train.seed``. Returns 0."""
+    init_distributed(timeout_minutes=parallel.timeout_minutes,
+                     watchdog_minutes=parallel.watchdog_minutes,
                      tensor_parallel=1,  # Megatron's CUDA_DEVICE_MAX_CONNECTIONS is not vLLM's
                      rollout_ranks=rollout.num_gpus)
     side = split_world(rollout.num_gpus)
-    layout = dedicated_layout(rollout, cfg.parallel, side.trainer_size)
+    layout = dedicated_layout(rollout, parallel, side.trainer_size)
     group = engine_group(layout.engine_tp)  # before the engine: a collective of the rollout world
     replica = layout.replica_of(side.rank)
-    link = open_link(layout, replica, layout.link_index(side.rank), cfg.parallel.timeout_minutes)
-    server = _EngineServer(cfg, layout, link, group, leader=side.rank % layout.engine_tp == 0,
+    link = open_link(layout, replica, layout.link_index(side.rank), parallel.timeout_minutes)
+    server = _EngineServer(rollout, data, seed, layout, link, group,
+                           leader=side.rank % layout.engine_tp == 0,
                            engine_index=layout.engine_in_replica(side.rank))
     try:
         server.run()
@@ -47,9 +50,10 @@ def serve(cfg) -> int:
 class _EngineServer:
     """One engine rank: builds vLLM on ``start``, then generates and refits on command."""
 
-    def __init__(self, cfg, layout: DedicatedLayout, link, group, *, leader: bool,
-                 engine_index: int):
-        self.cfg, self.layout, self.link, self.group = cfg, layout, link, group
+    def __init__(self, rollout: RolloutConfig, data: prompts.DataConfig, seed: int,
+                 layout: DedicatedLayout, link, group, *, leader: bool, engine_index: int):
+        self.config, self.data, self.seed = rollout, data, seed
+        self.layout, self.link, self.group = layout, link, group
         self.leader, self.engine_index = leader, engine_index
         self.engine = self.pool = None
         self.version = 0
@@ -83,10 +87,9 @@ class _EngineServer:
                 raise ValueError(f"dedicated engine: unknown command {kind!r}")
 
     def _start(self, hf_dir: Path) -> None:
-        rollout = self.cfg.rollout
-        self.prompts, self.tokenizer = prompts.load_prompts(self.cfg.data, hf_dir,
-                                                         rollout.max_prompt_tokens)
-        self.engine = build_engine(rollout, hf_dir, seed=self.cfg.train.seed, placement="colocated",
+        self.prompts, self.tokenizer = prompts.load_prompts(self.data, hf_dir,
+                                                         self.config.max_prompt_tokens)
+        self.engine = build_engine(self.config, hf_dir, seed=self.seed, placement="colocated",
                                    tensor_parallel_size=self.layout.engine_tp, refitted=True,
                                    dedicated=True)
         if self.leader:
@@ -102,7 +105,7 @@ class _EngineServer:
         positions = command["positions"]
         mine = [positions[j] for j in shard_prompts(len(positions), self.layout.engines_per_replica,
                                                     self.engine_index)]
-        begin, group = time.perf_counter(), self.cfg.rollout.group_size
+        begin, group = time.perf_counter(), self.config.group_size
 
         def redo(piece: Experience | None) -> tuple[list[int], int]:
             # the engine's leader grades; its TP peers sample again what it says
@@ -124,9 +127,9 @@ class _EngineServer:
     def _sample(self, start: int, batch_prompts: int, positions: list[int]) -> Experience | None:
         if not positions:
             return Experience([], [], [], [], []) if self.leader else None
-        indices = prompts.prompt_order(len(self.prompts), self.cfg.train.seed, start, batch_prompts)
+        indices = prompts.prompt_order(len(self.prompts), self.seed, start, batch_prompts)
         return generate_experience(self.engine, self.pool, self.tokenizer, self.prompts, indices,
-                                   positions, self.cfg.rollout, train_seed=self.cfg.train.seed,
+                                   positions, self.config, train_seed=self.seed,
                                    prompts_consumed=start)
 
     def _refit(self, version: int) -> str:

@@ -1,4 +1,5 @@
-"""Rollout-vs-trainer log-prob mismatch, measured every step.
+"""Rollout-vs-trainer log-prob mismatch, measured every step on the trainer's packed rows,
+which hold both sides (``MicroBatch.old_logprobs`` and ``rollout_logprobs``).
 
 Given, for the same sampled tokens, the log-probs the rollout engine reported (``rollout_lp``)
 and the ones the trainer recomputes with the same weights (``trainer_lp``), on the valid
