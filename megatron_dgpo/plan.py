@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     try:
         run = load_recipe(args.recipe, args.overrides)
-        model = architecture_for(run, args.hf_config)
+        model = architecture_for(run, args.hf_config or tiny_model_config(run))
     except (ConfigError, ValueError) as exc:
         print(f"dgpo-plan: error: {exc}", file=sys.stderr)
         return 2
@@ -196,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
                       + explain_step_time(plan.step_times))
     return 0 if plan.fits else 1
 
+
+
+def tiny_model_config(run) -> dict | None:
+    """The HF config of the model ``model.tiny`` creates at start (``tasks.tiny.tiny_config``),
+    or None for a recipe that loads its model."""
+    if run.model.tiny is None:
+        return None
+    from megatron_dgpo.tasks.tiny import tiny_config
+
+    return tiny_config(**run.model.tiny)
 
 
 if __name__ == "__main__":

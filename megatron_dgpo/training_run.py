@@ -29,6 +29,7 @@ from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.config import to_dict
 from megatron_dgpo.runtime.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.runtime.parallel import init_distributed, initialize_parallel
+from megatron_dgpo.tasks.tiny import make_tiny_model
 from megatron_dgpo.training import policy
 from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume,
                                                export_latest, load_checkpoint, save_checkpoint)
@@ -59,7 +60,7 @@ class TrainingRun:
         self.rank0, self.run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
-        self.hf_dir = policy.initial_model(cfg.model, self.run_dir, seed)
+        self.hf_dir = policy.initial_model(cfg.model, self.run_dir, seed, make_tiny=make_tiny_model)
         self.models, self.hf_config, self.dtype = policy.build_policy(
             cfg.model, self.hf_dir, routing_replay=routing_replay,
             use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer))

@@ -70,20 +70,19 @@ LLAMA31_8B = PlannedModel.from_hf_config(dict(
 it; the published step times do)."""
 
 
-def architecture_for(run, hf_config: str | None = None) -> PlannedModel:
-    """The recipe's model shape: ``hf_config`` (a config.json or its folder) if given; else
-    ``model.tiny`` (the tiny Qwen2 of ``megatron_dgpo.tasks.tiny``); else ``model.path`` when it is a
-    local folder with config.json; else the built-in table ``PUBLISHED`` keyed by hub id."""
+def architecture_for(run, hf_config: str | dict | None = None) -> PlannedModel:
+    """The recipe's model shape: ``hf_config`` if given (a config.json or its folder; a dict:
+    the config of ``model.tiny``'s model, ``tasks.tiny.tiny_config``, which the driver passes);
+    else ``model.path`` when it is a local folder with config.json; else the built-in table
+    ``PUBLISHED`` keyed by hub id."""
+    if isinstance(hf_config, dict):
+        return PlannedModel.from_hf_config(hf_config, name="tiny")
     if hf_config:
         return PlannedModel.from_hf_config(_read_config(hf_config, "--hf-config"),
                                            name=os.path.basename(hf_config.rstrip("/")))
     if run.model.tiny is not None:
-        from megatron_dgpo.tasks.tiny import TINY_CONFIG
-
-        kwargs = {k: v for k, v in run.model.tiny.items() if k != "seed"}
-        cfg = {"model_type": "qwen2", "vocab_size": kwargs.pop("vocab_size", 512),
-               **TINY_CONFIG, **kwargs}
-        return PlannedModel.from_hf_config(cfg, name="tiny")
+        raise ValueError("model.tiny: the planner needs the tiny model's config "
+                         "(tasks.tiny.tiny_config(**model.tiny)) as hf_config")
     path = run.model.path
     if os.path.isfile(os.path.join(path, "config.json")):
         return PlannedModel.from_hf_config(_read_config(path, "model.path"),

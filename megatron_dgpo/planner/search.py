@@ -333,13 +333,14 @@ def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
 
 def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
                        mean_prompt_tokens: float = 200.0, mean_response_fraction: float = 0.5,
-                       headroom: float = 0.1) -> dict[str, dict]:
+                       headroom: float = 0.1, hf_config: str | dict | None = None
+                       ) -> dict[str, dict]:
     """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
     ``{"colocated" | "synchronous" | "one_step_off": StepTime.as_dict()}``, the latter two on
     the recipe's ``rollout.num_gpus``, and ``"balanced"``, one-step-off on the dedicated GPUs
     that make it fastest (``benchmarks/bench_async.py``). The attention backend is the one the
     recipe runs on ``hardware`` with the pinned image (``memory_terms.resolve_attention``; its
-    ``ValueError`` where it cannot run there)."""
+    ``ValueError`` where it cannot run there). ``hf_config``: ``catalogue.architecture_for``'s."""
     if run.rollout.placement != "dedicated":
         raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
                          f"{run.rollout.placement!r}")
@@ -347,7 +348,7 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
     work = resolve_attention(Workload.from_recipe(run),
                              planned_platform(hw.name, hw.compute_capability))
     cluster = replace(cluster, rollout_gpus=run.rollout.num_gpus)
-    plan = make_plan(architecture_for(run), cluster, work, headroom=headroom,
+    plan = make_plan(architecture_for(run, hf_config), cluster, work, headroom=headroom,
                      recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
     shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
                                   mean_response_fraction=mean_response_fraction)

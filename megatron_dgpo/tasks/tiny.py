@@ -1,5 +1,5 @@
-"""Tiny test/demo artifacts built locally, with no download: a tokenizer and a random Qwen2
-(or Qwen3, or Qwen3-MoE).
+"""Tiny test/demo artifacts built locally, with no download: a tokenizer and a random model
+(Qwen2 by default).
 
     from megatron_dgpo.tasks.tiny import make_tiny_model
     model_dir = make_tiny_model("/tmp/tiny")            # tokenizer + Qwen2 weights, fp32
@@ -15,15 +15,18 @@ works, and so does vLLM). Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|
 The chat template is Qwen's ChatML:
 ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``.
 
-``make_tiny_model(out_dir, *, seed=0, tie_word_embeddings=False, family="qwen2",
-**config_overrides)``: a randomly initialised ``Qwen2ForCausalLM`` (default: hidden 128, 4 heads
-of size 32, 2 KV heads, 2 layers, MLP 256, ~0.3M parameters; ``family`` "qwen3" adds q/k norms,
-"qwen3_moe" replaces each MLP by 8 routed experts of width 64, top 2) saved with ``save_pretrained`` in fp32 safetensors, with a
-``generation_config.json`` (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer of
-``tiny_tokenizer_texts()`` in the same folder. Head size 32 is the smallest vLLM's CPU attention
-accepts. The result depends only on ``seed`` and the overrides (deterministic). Any
+``make_tiny_model(out_dir, *, seed=0, family="qwen2", vocab_size=512, **config_overrides)``: a
+randomly initialised model of HF ``model_type`` ``family`` (transformers' auto classes; default:
+hidden 128, 4 heads of size 32, 2 KV heads, 2 layers, MLP 256, ~0.3M parameters; a family with
+routed experts, e.g. "qwen3_moe", gets 8 experts of width 64, top 2) saved in fp32 safetensors,
+with a ``generation_config.json`` (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer
+of ``tiny_tokenizer_texts()`` in the same folder. Head size 32 is the smallest vLLM's CPU
+attention accepts. The result depends only on ``seed`` and the overrides (deterministic). Any
 field of the family's config class can be overridden (e.g. ``num_hidden_layers=4``,
-``initializer_range=0.2`` for peakier output distributions); ``vocab_size`` follows the tokenizer.
+``initializer_range=0.2``); ``vocab_size`` follows the tokenizer. ``tiny_config`` gives the
+model's config without building it (what ``dgpo-plan`` plans for a recipe's ``model.tiny``).
+Which families the trainer accepts is the family registry's business
+(``megatron_dgpo.models.families``), not this module's.
 """
 
 from __future__ import annotations
@@ -55,9 +58,6 @@ TINY_CONFIG = dict(
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                 norm_topk_prob=True, router_aux_loss_coef=0.0)
 """The routed experts of a tiny ``family="qwen3_moe"`` (8 experts, top 2, width 64)."""
-_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512, *,
@@ -119,65 +119,72 @@ def tiny_tokenizer_texts() -> list[str]:
     return texts
 
 
-def make_tiny_model(
-    out_dir: str | os.PathLike,
-    *,
-    seed: int = 0,
-    tie_word_embeddings: bool = False,
-    vocab_size: int = 512,
-    tokenizer_texts: Iterable[str] | None = None,
-    individual_digits: bool = False,
-    family: str = "qwen2",
-    **config_overrides,
-) -> Path:
-    """Build and save a random tiny model (fp32 safetensors) plus its tokenizer in ``out_dir``.
+def _config_class(family: str):
+    """transformers' config class of HF ``model_type`` ``family``."""
+    from transformers import AutoConfig
 
-    family: "qwen2" (default), "qwen3" (q/k norms) or "qwen3_moe" (every MLP routed experts,
-    ``TINY_MOE``). seed fixes the weights (the tokenizer does not depend on it);
-    config_overrides are fields of the family's config class. tokenizer_texts: the tokenizer's
-    training corpus (default ``tiny_tokenizer_texts()``); individual_digits: see
-    ``train_tokenizer``. Returns ``out_dir`` (loadable by transformers and vLLM).
-    """
-    import torch
-    import transformers
-    from transformers import GenerationConfig
+    try:
+        return type(AutoConfig.for_model(family))
+    except ValueError:
+        raise ValueError(f"model.tiny.family: {family!r} is no model_type transformers knows "
+                         f"(qwen2, qwen3, qwen3_moe, llama, ...)") from None
 
-    if family not in _CLASSES:
-        raise ValueError(f"model.tiny.family must be one of {sorted(_CLASSES)}, got {family!r}")
-    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
-    defaults = {**TINY_CONFIG, **(TINY_MOE if family == "qwen3_moe" else {})}
+
+def tiny_config(*, family: str = "qwen2", tie_word_embeddings: bool = False,
+                vocab_size: int = 512, seed: int = 0, tokenizer_texts: Iterable[str] | None = None,
+                individual_digits: bool = False, **config_overrides) -> dict:
+    """The HF config (``config.json`` fields) of the model ``make_tiny_model`` builds with the
+    same arguments, without building it: ``model_type`` ``family``, ``TINY_CONFIG`` (and
+    ``TINY_MOE`` for a family with routed experts) under ``config_overrides``. ``vocab_size`` is
+    the tokenizer's requested size (the built model takes the trained tokenizer's length);
+    ``seed`` and the tokenizer's arguments do not change the config. Raises ``ValueError`` on an
+    unknown family or field."""
+    del seed, tokenizer_texts, individual_digits  # the weights and the tokenizer only
+    config_class = _config_class(family)
+    known = set(config_class().to_dict())
+    defaults = {**TINY_CONFIG, **(TINY_MOE if "moe_intermediate_size" in known else {})}
     # head_dim is read by every Qwen family's attention; Qwen3-MoE's config class declares no
     # such field but keeps it as an extra attribute
-    known = set(config_class().to_dict()) | {"head_dim"}
-    unknown = set(config_overrides) - known - set(defaults)
+    unknown = set(config_overrides) - known - {"head_dim"} - set(defaults)
     if unknown:
         raise ValueError(f"unknown {config_class.__name__} fields: {sorted(unknown)}")
     if "vocab_size" in config_overrides:
         raise ValueError("vocab_size follows the tokenizer: pass it as make_tiny_model(vocab_size=...)")
+    return {"model_type": family, "vocab_size": vocab_size,
+            "tie_word_embeddings": tie_word_embeddings, **defaults, **config_overrides}
+
+
+def make_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0,
+                    tokenizer_texts: Iterable[str] | None = None, individual_digits: bool = False,
+                    **config_args) -> Path:
+    """Build and save a random tiny model (fp32 safetensors) plus its tokenizer in ``out_dir``.
+
+    ``config_args``: ``tiny_config``'s (``family``: an HF ``model_type``, "qwen2" by default;
+    ``vocab_size``; ``tie_word_embeddings``; fields of the family's config class). ``seed``
+    fixes the weights (the tokenizer does not depend on it). ``tokenizer_texts``: the
+    tokenizer's training corpus (default ``tiny_tokenizer_texts()``); ``individual_digits``:
+    see ``train_tokenizer``. Returns ``out_dir`` (loadable by transformers and vLLM).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    fields = tiny_config(**config_args)
+    family, vocab_size = fields.pop("model_type"), fields.pop("vocab_size")
     out = Path(out_dir)
     texts = tiny_tokenizer_texts() if tokenizer_texts is None else list(tokenizer_texts)
     train_tokenizer(texts, out, vocab_size=vocab_size, individual_digits=individual_digits)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    fields = {**defaults, **config_overrides}
-    config = config_class(
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        torch_dtype="float32",
-        **fields,
-    )
+    config = _config_class(family)(vocab_size=len(tokenizer), bos_token_id=None,
+                                   eos_token_id=eos, pad_token_id=pad, torch_dtype="float32",
+                                   **fields)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim < 32:
         raise ValueError(f"head size {head_dim} < 32: vLLM's CPU attention needs 32, 64, 80, ... (hidden/heads)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=[eos, pad], pad_token_id=pad, do_sample=True, temperature=1.0, top_p=1.0
     )

@@ -89,7 +89,7 @@ class ModelConfig:
             raise ValueError("model: set model.path (an HF folder) or model.tiny")
 
 
-def initial_model(config, run_dir, seed: int, *, download=None):
+def initial_model(config, run_dir, seed: int, *, make_tiny=None, download=None):
     """Collective over the default world: the HF folder (``Path``) of the initial policy of
     ``config`` (a recipe's ``ModelConfig``) as this rank's node sees it, holding a config.json.
     Every rank returns or every rank raises: a rank that has no such folder makes all of them
@@ -97,8 +97,10 @@ def initial_model(config, run_dir, seed: int, *, download=None):
     id and revision.
 
     * ``model.tiny``: created once by global rank 0 under ``<run_dir>/initial_model`` (kept for
-      resuming); every rank reads it there, so ``run_dir`` must be storage every node sees
-      (docs/launching.md asks it of every run: all ranks write checkpoints into it).
+      resuming) with ``make_tiny(folder, seed=seed, **model.tiny)`` (the driver passes
+      ``tasks.tiny.make_tiny_model``); every rank reads it there, so ``run_dir`` must be storage
+      every node sees (docs/launching.md asks it of every run: all ranks write checkpoints
+      into it).
     * a folder: used as it is; every node must see it at that path.
     * a hub id (``model.path`` is no folder): global rank 0 downloads it and fixes the commit
       it got; then one rank per node (``LOCAL_RANK`` 0, as torchrun sets it) downloads that
@@ -125,7 +127,7 @@ def initial_model(config, run_dir, seed: int, *, download=None):
     made, error = None, None
     if rank == 0:
         try:
-            made = _materialise_model(config, Path(run_dir), seed, download)
+            made = _materialise_model(config, Path(run_dir), seed, download, make_tiny)
         except Exception as exc:  # noqa: BLE001 - every rank raises it below
             error = exc
     made = comm.broadcast_object(made if error is None else _cause(error), src=0)
@@ -146,20 +148,20 @@ def initial_model(config, run_dir, seed: int, *, download=None):
     return folder
 
 
-def _materialise_model(config, run_dir, seed: int, download):
+def _materialise_model(config, run_dir, seed: int, download, make_tiny):
     """Rank 0's part of ``initial_model``: ``(folder, revision)``, revision the commit of a hub
     id (folder then being rank 0's snapshot of it), None for a tiny model or a folder."""
     import shutil
     from pathlib import Path
 
     if config.tiny is not None:
-        from megatron_dgpo.tasks.tiny import make_tiny_model
-
+        if make_tiny is None:
+            raise ValueError("model.tiny: initial_model was given no make_tiny to create it with")
         target = run_dir / "initial_model"
         if not (target / "config.json").is_file():
             staging = run_dir / ".initial_model.incomplete"
             shutil.rmtree(staging, ignore_errors=True)
-            make_tiny_model(staging, **{"seed": seed, **config.tiny})
+            make_tiny(staging, **{"seed": seed, **config.tiny})
             os.replace(staging, target)
         return target, None
     if Path(config.path).is_dir():

@@ -4,6 +4,7 @@ cards, and the model a recipe names when it is a local HF folder."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,16 @@ def test_architecture_from_local_hf_folder(tmp_path, capsys):
     assert data["model"]["kv_heads"] == 1 and data["model"]["qkv_bias"] is True
     # KV groups = 1: TP must stay 1
     assert {row["layout"]["tp"] for row in data["layouts"]} == {1}
+
+
+def test_a_tiny_recipe_is_planned_as_the_model_it_creates(capsys):
+    """``model.tiny`` is planned from the config the tiny model is created with
+    (``tasks.tiny.tiny_config``): the MoE recipe's routed experts included."""
+    from megatron_dgpo.tasks.tiny import TINY_MOE
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe_cpu.yaml")
+    code, out, _ = run_main(capsys, [recipe, "--gpus-per-node", "2",
+                                     "--gpu-memory-gb", "16", "--json"])
+    model = json.loads(out)["model"]
+    assert code in (0, 1)  # a plan (fitting or not), not a refused recipe (2)
+    assert (model["experts"], model["layers"]) == (TINY_MOE["num_experts"], 2)

@@ -174,12 +174,14 @@ def test_shipped_recipes_plan_as_before_on_the_image(recipe):
     """The GPU recipes run ``auto`` on the pinned image: FlashAttention on an A100, cuDNN fused
     on an H100, both linear in tokens, so their plans are those of the linear model (the
     workload's default backend) term for term, with no [s, s] tensors."""
+    from megatron_dgpo.plan import tiny_model_config
     from megatron_dgpo.planner.catalogue import architecture_for
     from megatron_dgpo.planner.search import plan_attention
     from megatron_dgpo.planner.steptime import HARDWARE
 
     run = load_recipe(os.path.join(ROOT, "recipes", f"{recipe}.yaml"))
-    model, cluster, linear = architecture_for(run), Cluster(8, 4, 80), Workload.from_recipe(run)
+    model = architecture_for(run, tiny_model_config(run))
+    cluster, linear = Cluster(8, 4, 80), Workload.from_recipe(run)
     before = make_plan(model, cluster, linear).as_dict()["layouts"]
     for hardware, backend in (("a100", "flash"), ("h100", "fused")):
         work, _, refusal = plan_attention(linear, HARDWARE[hardware])
