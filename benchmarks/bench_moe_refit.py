@@ -44,6 +44,7 @@ def main() -> None:
     from megatron_dgpo.rollout.refit import run_bucketed_refit
     from megatron_dgpo.rollout.vllm_engine import VLLMConfig, VLLMEngine
     from megatron_dgpo.runtime.parallel import init_distributed
+    from tests.conftest import hf_groups
     from tests.distributed import free_port
     from tests.rollout.test_vllm_moe_refit import model_pair
 
@@ -55,6 +56,7 @@ def main() -> None:
                                       hidden_size=args.hidden, num_experts=args.experts,
                                       moe_intermediate_size=args.expert_width)
         weights = list(load_file(os.path.join(model_b, "model.safetensors")).items())
+        groups = hf_groups(model_b, dict(weights))
         total = sum(t.numel() * t.element_size() for _, t in weights)
         print(f"model: {sum(t.numel() for _, t in weights) / 1e6:.2f}M params, {total / 2**20:.1f} MiB "
               f"fp32, {len(weights)} tensors; {args.layers} layers x {args.experts} experts")
@@ -82,9 +84,9 @@ def main() -> None:
             engine.config.refit_bucket_bytes = bucket_bytes
             t0 = time.perf_counter()
             if load is None:
-                stats = engine.update_weights(iter(weights))
+                stats = engine.update_weights(iter(groups))
             else:
-                stats = run_bucketed_refit(iter(weights), bucket_bytes, load)
+                stats = run_bucketed_refit(iter(groups), bucket_bytes, load)
                 engine._after_refit()
             return time.perf_counter() - t0, stats
 

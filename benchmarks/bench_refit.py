@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Weight refit of the vLLM engine: one safetensors blob (the method before issue 12) vs buckets.
+"""Weight refit of the vLLM engine: one safetensors blob (the method before buckets) vs buckets.
 
 One run, one random Qwen2 of a few hundred MB (fp32, built with ``megatron_dgpo.tasks.tiny``), its
 weights resident in this process as the trainer's would be. Each method refits the engine from
@@ -66,31 +66,31 @@ class PeakRSS:
         self.peak = max(self.peak, self._rss())
 
 
-def refit_as_one_blob(engine, named_tensors) -> dict:
-    """The pre-issue-12 ``VLLMEngine.update_weights``, kept here for the comparison only: the
-    whole model copied into one safetensors payload, sent once through ``collective_rpc``."""
+def refit_as_one_blob(engine, groups) -> dict:
+    """The refit before buckets, kept here for the comparison only: the whole model copied
+    into one safetensors payload, sent once through ``collective_rpc``."""
     from safetensors.torch import save
 
     from megatron_dgpo.rollout.vllm_worker import reload_from_safetensors_blob
 
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+    tensors = {name: t.detach().to("cpu").contiguous() for group in groups for name, t in group}
     blob = save(tensors)
     engine.llm.collective_rpc(reload_from_safetensors_blob, args=(blob,))
     engine.llm.reset_prefix_cache()
     return {"buckets": 1, "max_bucket_bytes": len(blob)}
 
 
-def refit_in_buckets(engine, named_tensors) -> dict:
-    stats = engine.update_weights(named_tensors)
+def refit_in_buckets(engine, groups) -> dict:
+    stats = engine.update_weights(groups)
     return {"buckets": stats.buckets, "max_bucket_bytes": stats.max_bucket_bytes}
 
 
-def measure(name, engine, refit, weights, repeats, check) -> dict:
+def measure(name, engine, refit, groups, repeats, check) -> dict:
     times, peaks, info = [], [], {}
     for _ in range(repeats):
         with PeakRSS() as mem:
             t0 = time.perf_counter()
-            info = refit(engine, iter(weights.items()))
+            info = refit(engine, iter(groups))
             times.append(time.perf_counter() - t0)
         peaks.append(mem.peak - mem.base)
     check(engine)
@@ -145,6 +145,7 @@ def main() -> None:
     from megatron_dgpo.runtime.parallel import init_distributed
     from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
     from megatron_dgpo.tasks.tiny import make_tiny_model
+    from tests.conftest import hf_groups
     from tests.distributed import free_port
 
     rows = []
@@ -155,6 +156,7 @@ def main() -> None:
         model_a = make_tiny_model(Path(tmp) / "a", seed=0, **shape)
         model_b = make_tiny_model(Path(tmp) / "b", seed=1, **shape)
         weights = load_file(str(model_b / "model.safetensors"))  # "the trainer's" new weights
+        groups = hf_groups(model_b, weights)  # as the trainer's export yields them
         total = sum(t.numel() * t.element_size() for t in weights.values())
         print(f"model: {sum(t.numel() for t in weights.values()) / 1e6:.1f}M params, "
               f"{total / 2**20:.0f} MiB fp32, {len(weights)} tensors")
@@ -174,16 +176,16 @@ def main() -> None:
         common = dict(model=str(model_a), dtype="float32", max_model_len=256, max_num_seqs=8,
                       kv_cache_memory_bytes=32 << 20, refit_bucket_bytes=args.bucket_mib << 20)
         with VLLMEngine(VLLMConfig(**common, placement="separate")) as engine:
-            rows.append(measure("blob (separate, before)", engine, refit_as_one_blob, weights, args.repeats, check))
+            rows.append(measure("blob (separate, before)", engine, refit_as_one_blob, groups, args.repeats, check))
             rows.append(measure(f"buckets {args.bucket_mib} MiB (separate)", engine, refit_in_buckets,
-                                weights, args.repeats, check))
+                                groups, args.repeats, check))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
         init_distributed("gloo")
         engine = VLLMEngine(VLLMConfig(**common, placement="colocated"))
         rows.append(measure(f"buckets {args.bucket_mib} MiB (colocated, in process)", engine,
-                            refit_in_buckets, weights, args.repeats, check))
-        rows.append(measure("blob (colocated, in process)", engine, refit_as_one_blob, weights,
+                            refit_in_buckets, groups, args.repeats, check))
+        rows.append(measure("blob (colocated, in process)", engine, refit_as_one_blob, groups,
                             args.repeats, check))
         engine.shutdown()
         dist.destroy_process_group()

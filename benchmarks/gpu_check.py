@@ -71,7 +71,7 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
 * ``vllm_colocated`` (needs vLLM; the trainer's side takes the local spec without TE): CUDA
   vLLM (bf16, ``placement="colocated"``: inside this process, on the trainer's GPU, sleep mode)
   beside the trainer's policy: generate -> ``sleep()`` -> one ``train_step`` update -> refit
-  (``update_weights`` wakes it; ``export_hf_weights``) -> generate -> the rollout vs trainer
+  (``update_weights`` wakes it; ``export_hf_groups``) -> generate -> the rollout vs trainer
   log-prob mismatch (``algorithm.mismatch``: mean |d|, exp(mean |d|) - 1), before and after the
   update. The refit worked if the mismatch after it is not larger than before (x3): a stale
   engine would be off by a 2e-3 learning-rate update. The engine must draw seeded requests'
@@ -727,11 +727,11 @@ def check_vllm_colocated() -> Row:
                 free_asleep = torch.cuda.mem_get_info()[0] / 2**30
                 _update(models, optimizer, row)
                 begin = time.perf_counter()
-                from megatron_dgpo.convert import export_hf_weights
+                from megatron_dgpo.convert import export_hf_groups
                 from megatron_dgpo.training.optimizer import sync_params
 
                 sync_params(models)
-                engine.update_weights(export_hf_weights(models, consumer="first"))
+                engine.update_weights(export_hf_groups(models, consumer="first"))
                 seconds["refit"] = time.perf_counter() - begin
             draw = engine.seeded_draw
         finally:

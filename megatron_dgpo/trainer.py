@@ -24,7 +24,7 @@ from megatron_dgpo.algorithm.advantages import (drop_degenerate_groups, group_ad
                                                 reduce_group_stats)
 from megatron_dgpo.algorithm.losses import merge_metrics, sample_loss_weights
 from megatron_dgpo.algorithm.mismatch import mismatch_metrics
-from megatron_dgpo.convert import export_hf_weights
+from megatron_dgpo.convert import export_hf_groups
 from megatron_dgpo.recipe import RunConfig
 from megatron_dgpo.rollout.ahead import load_ahead, save_ahead
 from megatron_dgpo.rollout.base import Rollout
@@ -182,7 +182,7 @@ def _refit(rollout: Rollout, models: list, version: int) -> dict[str, float]:
     overlapped param gather the last step left them to the next forward), then exported to the
     ranks that feed an engine. Collective."""
     sync_params(models)
-    return rollout.refit(export_hf_weights(models, consumer=rollout.weight_consumer), version)
+    return rollout.refit(export_hf_groups(models, consumer=rollout.weight_consumer), version)
 
 
 @contextlib.contextmanager

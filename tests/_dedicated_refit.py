@@ -3,8 +3,8 @@ exporting rank, rank 1 a dedicated engine in its own world (``parallel.split_wor
 
     python -m torch.distributed.run --nproc-per-node 2 tests/_dedicated_refit.py A B BUCKET OUT
 
-Rank 0 streams model B's HF tensors (safetensors order, as a checkpoint lists them) through
-``run_bucketed_refit`` + ``send_bucket`` over a ``comm.PeerGroup``; rank 1 starts vLLM on model A
+Rank 0 streams model B's HF tensors (grouped by the family map, as the export yields them)
+through ``run_bucketed_refit`` + ``send_bucket`` over a ``comm.PeerGroup``; rank 1 starts vLLM on model A
 (not from random weights as the trainer's engines: vLLM refuses a reload from a folder then),
 reloads each received bucket, samples, then reloads A and B fully from their folders
 (``update_weights_from_dir``) and samples again with the same seeds. Rank 1 writes what it
@@ -32,13 +32,11 @@ def main(model_a: str, model_b: str, bucket_bytes: int, out: str) -> None:
     link = comm.PeerGroup(launch_store(5), "test/refit", 0 if side.role == "trainer" else 1, 2,
                           device_backend="gloo", timeout=timedelta(minutes=5))
     if side.role == "trainer":
-        from safetensors.torch import load_file
-
         from megatron_dgpo.rollout.refit import run_bucketed_refit
+        from tests.conftest import hf_groups
 
-        pairs = [pair for f in sorted(Path(model_b).glob("*.safetensors"))
-                 for pair in load_file(f).items()]
-        stats = run_bucketed_refit(pairs, bucket_bytes, lambda bucket: send_bucket(link, bucket))
+        stats = run_bucketed_refit(hf_groups(model_b), bucket_bytes,
+                                   lambda bucket: send_bucket(link, bucket))
         link.broadcast_object({"kind": "end"})
         assert link.recv_object(1) == stats.buckets
         return

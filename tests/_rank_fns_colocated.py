@@ -50,6 +50,7 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     from safetensors.torch import load_file
 
     from megatron_dgpo.rollout.placement import EngineLayout, prompt_seeds, shard_prompts
+    from tests.conftest import hf_groups
 
     os.environ["OMP_NUM_THREADS"] = "1"  # before the engine: torch.set_num_threads is dead after
     out = {}
@@ -68,7 +69,7 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     engine.sleep()  # CPU: logs once, no-op
     engine.sleep()
     b_tensors = load_file(os.path.join(model_b, "model.safetensors"))
-    stats = engine.update_weights(iter(b_tensors.items()))
+    stats = engine.update_weights(hf_groups(model_b, b_tensors))
     out["refit"] = {"buckets": stats.buckets, "max_bucket_bytes": stats.max_bucket_bytes,
                     "tensors": stats.tensors, "total_bytes": stats.total_bytes,
                     "metrics": stats.as_metrics()}
@@ -95,11 +96,11 @@ def colocated_engines(rank, world, model_a, model_b, prompts):
     seeds = prompt_seeds(SEED, 0, range(len(prompts)), N)
     out["tp2_refused_before_refit"] = not tp2.holds_weights
     a_tensors = load_file(os.path.join(model_a, "model.safetensors"))
-    tp2.update_weights(iter(a_tensors.items()))
+    tp2.update_weights(hf_groups(model_a, a_tensors))
     g = tp2.generate(prompts, n=N, max_tokens=MAX_TOKENS, seeds=seeds)
     out["tp2_tokens"] = _tokens(g)
     out["tp2_diff_a"] = _max_diff_vs_transformers(model_a, prompts, g)
-    stats = tp2.update_weights(iter(b_tensors.items()))
+    stats = tp2.update_weights(hf_groups(model_b, b_tensors))
     out["tp2_buckets"] = stats.buckets
     out["tp2_diff_b"] = _max_diff_vs_transformers(
         model_b, prompts, tp2.generate(prompts, n=N, max_tokens=MAX_TOKENS, seeds=seeds))

@@ -20,7 +20,7 @@ def benchmarks() -> dict:
 class GenerateOnlyEngine(RolloutEngine):
     """A scripted engine's base: it generates, it is never refitted."""
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, groups):
         raise NotImplementedError
 
     def update_weights_from_dir(self, hf_dir):

@@ -52,7 +52,7 @@ def replay_checks(rank, world, hf_dir):
     same samples). Returns plain numbers for the test's asserts."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.convert import export_hf_weights
+    from megatron_dgpo.convert import export_hf_groups
     from megatron_dgpo.recipe import ModelConfig, OptimizerConfig
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.training import policy
@@ -169,7 +169,7 @@ def replay_checks(rank, world, hf_dir):
 
     # (e) the engine refitted to the updated weights samples again: replaying its routing gives
     # its log-probs, and its routing is the trainer's free routing
-    engine.update_weights(export_hf_weights(models, consumer="all"))
+    engine.update_weights(export_hf_groups(models, consumer="all"))
     new_groups = engine.generate(PROMPTS, n=N, max_tokens=MAX_TOKENS, seed=SEED + 1)
     new_rows = _rows(PROMPTS, new_groups)
     with replay.recording("e/"):

@@ -25,6 +25,23 @@ FIRST_STEPS = 6
 TINY_INIT_RANGE = 0.1  # peakier than the 0.02 default, so distinct weights give distinct log-probs
 
 
+def hf_groups(model_dir, tensors=None):
+    """The HF folder ``model_dir``'s tensors (or ``tensors``, a subset or altered copy of them)
+    in the fused groups an export yields and a refit takes (``models.group_hf_tensors``)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_dgpo.models import group_hf_tensors
+
+    if tensors is None:
+        tensors = {}
+        for file in sorted(Path(model_dir).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return group_hf_tensors(config, tensors)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Random tiny Qwen2 "A" (seed 0) with the locally trained tokenizer."""

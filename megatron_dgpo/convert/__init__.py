@@ -8,7 +8,7 @@ Modules (one job each):
     reading.py            torch_dist checkpoint -> HF, box by box (``megatron_to_hf``)
     checkpoint_format.py  dgpo_convert.json + the model's sharded-state-dict layout
     live_load.py          HF folder / checkpoint -> live model chunks (``load_model``)
-    live_export.py        live model -> HF pairs for refit / export (``export_hf_weights``)
+    live_export.py        live model -> HF pairs, by fused group for refit (``export_hf_groups``)
     safetensors_io.py     lazy safetensors reads, sharded writes, side files
     _megatron_compat.py   every private DCP / Megatron-Core API, behind version checks
 
@@ -17,6 +17,7 @@ Public API:
     megatron_to_hf(ckpt_dir, out_dir, dtype=None)                 torch_dist checkpoint -> HF folder
     load_model(path, *, dtype=torch.float32, **overrides)         GPTModel chunks from either
     export_hf_weights(model_chunks, *, consumer="all")            live model -> (hf_name, tensor)
+    export_hf_groups(model_chunks, *, consumer="all")             the same pairs, a list per fused group
     export_from_checkpoint(ckpt_dir)                              checkpoint -> (hf_name, tensor)
     write_hf_checkpoint(pairs, out_dir, *, dtype=None)            pairs -> sharded safetensors
     write_metadata(ckpt_dir, hf_config, padded_vocab_size, dtype)  make a training checkpoint
@@ -25,7 +26,7 @@ Public API:
 
 from megatron_dgpo.convert.checkpoint_format import (model_sharded_state_dict, read_metadata,
                                                      write_metadata)
-from megatron_dgpo.convert.live_export import export_hf_weights
+from megatron_dgpo.convert.live_export import export_hf_groups, export_hf_weights
 from megatron_dgpo.convert.live_load import load_hf_into, load_model
 from megatron_dgpo.convert.reading import export_from_checkpoint, megatron_to_hf
 from megatron_dgpo.convert.safetensors_io import (LazyHFReader, ShardedSafetensorsWriter,
@@ -34,6 +35,7 @@ from megatron_dgpo.convert.writing import hf_to_megatron, single_process_group
 from megatron_dgpo.models import FAMILIES, family_for, supported_architectures
 
 __all__ = ["FAMILIES", "family_for", "supported_architectures", "export_from_checkpoint",
-           "export_hf_weights", "hf_to_megatron", "load_hf_into", "load_model", "megatron_to_hf",
+           "export_hf_groups", "export_hf_weights", "hf_to_megatron", "load_hf_into", "load_model",
+           "megatron_to_hf",
            "model_sharded_state_dict", "read_metadata", "single_process_group", "write_metadata",
            "LazyHFReader", "ShardedSafetensorsWriter", "copy_side_files", "write_hf_checkpoint"]

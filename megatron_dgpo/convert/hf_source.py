@@ -7,13 +7,12 @@ the HF -> Megatron writer and by the HF -> live-model load.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.convert.transforms import hf_tensors, megatron_box
 from megatron_dgpo.models import ParamMap, describe
+from megatron_dgpo.models.families import iter_params  # noqa: F401 - re-exported: readers of the map
 from megatron_dgpo.models.builder import transformer_config_from_hf
 
 
@@ -80,17 +79,3 @@ def conversion_overrides(hf_config) -> dict:
     if tp > 1 and describe(hf_config).dims.moe:
         return {"sequence_parallel": sequence_parallel(tp, Platform.detect())}
     return {}
-
-
-def iter_params(params: Sequence[ParamMap], num_layers: int):
-    """(map, global layer) in HF order: embeddings, layer 0 .. L-1, final norm, lm_head."""
-    for pm in params:
-        if not pm.per_layer and pm.megatron.startswith("embedding"):
-            yield pm, None
-    for layer in range(num_layers):
-        for pm in params:
-            if pm.per_layer:
-                yield pm, layer
-    for pm in params:
-        if not pm.per_layer and not pm.megatron.startswith("embedding"):
-            yield pm, None

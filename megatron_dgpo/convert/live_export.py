@@ -1,9 +1,9 @@
-"""Live model -> HF ``(name, tensor)`` pairs (``export_hf_weights``): the vLLM refit and the
-HF export of a training run.
+"""Live model -> HF ``(name, tensor)`` pairs: ``export_hf_groups`` yields them in the family
+map's fused groups (the vLLM refit's unit), ``export_hf_weights`` one by one (the HF export).
 
 Collective over the model-parallel group: per tensor, the owning pipeline stage all-gathers its
 TP shards, undoes the Megatron layouts (``transforms.hf_from_megatron``) and sends the result
-to the consumers. One full tensor in memory at a time.
+to the consumers. One fused group's full tensors in memory at a time.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.convert.hf_source import iter_params
 from megatron_dgpo.convert.transforms import hf_from_megatron, megatron_shape, tp_unshard
-from megatron_dgpo.models import Family, describe, megatron_param_key
+from megatron_dgpo.models import Family, describe, fused_groups, megatron_param_key
 from megatron_dgpo.models.builder import unwrap_model
 from megatron_dgpo.runtime import comm
 
@@ -60,19 +59,30 @@ def _gather_full(pm, shard: torch.Tensor, groups) -> torch.Tensor:
 
 def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype | None = None,
                       hf_config: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` pairs of a live model, in HF order, one tensor at a time.
+    """``export_hf_groups``' pairs one by one, in HF order (same arguments and contract)."""
+    for group in export_hf_groups(model_chunks, consumer=consumer, dtype=dtype,
+                                  hf_config=hf_config):
+        yield from group
+
+
+def export_hf_groups(model_chunks, *, consumer: str = "all", dtype: torch.dtype | None = None,
+                     hf_config: dict | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(hf_name, full tensor)`` pairs of a live model, in HF order, one fused group at a time:
+    a list per group of the family map (``models.fused_groups``: a layer's q/k/v weights and
+    biases, its gate/up, all its routed experts; any other tensor alone), which a refit must
+    load whole.
 
     Collective over the model-parallel group: *every* rank of it must exhaust the generator.
     Per tensor, the pipeline stage that owns it all-gathers its TP shards (undoing the QKV /
     gate-up / vocab-padding layouts via the family map; an MoE layer's experts are gathered
     from every expert-parallel rank, all of a layer's experts in one collective, and come out
-    expert by expert, all of them before the next tensor) and, for ``consumer="all"``, broadcasts
-    it over the pipeline group: every model-parallel rank then receives every pair. With
-    ``consumer="first"`` only model-parallel rank 0 (TP 0, PP 0) receives pairs (a point-to-point
-    send from the owning stage); the others yield nothing. Tensors are on the model's device,
-    in each parameter's dtype unless ``dtype`` is given (floating tensors are cast to it).
-    They may be views of per-step buffers: copy what you keep.
-    ``hf_config`` is only needed for models not built by ``megatron_dgpo.models.builder.build_model``.
+    expert by expert) and, for ``consumer="all"``, broadcasts it over the pipeline group: every
+    model-parallel rank then receives every group. With ``consumer="first"`` only
+    model-parallel rank 0 (TP 0, PP 0) receives them (a point-to-point send from the owning
+    stage); the others yield nothing. Tensors are on the model's device, in each parameter's
+    dtype unless ``dtype`` is given (floating tensors are cast to it). They may be views of
+    per-step buffers: copy what you keep. ``hf_config`` is only needed for models not built by
+    ``megatron_dgpo.models.builder.build_model``.
     """
     from megatron.core import parallel_state
 
@@ -100,27 +110,31 @@ def export_hf_weights(model_chunks, *, consumer: str = "all", dtype: torch.dtype
             owner.setdefault(tuple(key), stage)
             dtypes[tuple(key)] = getattr(torch, dtype_name.replace("torch.", ""))
     device = next(iter(local.values()))[1].device
-    for pm, layer in iter_params(params, dims.layers):
-        src = owner.get((pm.key(), layer))
-        if src is None:
-            raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")
-        full = None
-        if pp_rank == src:
-            full = _gather_full(pm, local[(pm.key(), layer)][1].detach().contiguous(), groups)
-        if pp_size > 1 and consumer == "all":
-            if full is None:
-                full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
-                                   device=device)
-            comm.broadcast_(full, src=pp_ranks[src], group=pp_group)
-        elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+    for members in fused_groups(params, dims.layers):
+        group = []
+        for pm, layer in members:
+            src = owner.get((pm.key(), layer))
+            if src is None:
+                raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")
+            full = None
             if pp_rank == src:
-                comm.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
-            elif pp_rank == 0:
-                full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
-                                   device=device)
-                comm.recv_(full, src=pp_ranks[src], group=pp_group)
-        if consumer == "all" or first:
-            for name, tensor in hf_from_megatron(pm, layer, full, dims):
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                yield name, tensor
+                full = _gather_full(pm, local[(pm.key(), layer)][1].detach().contiguous(), groups)
+            if pp_size > 1 and consumer == "all":
+                if full is None:
+                    full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
+                                       device=device)
+                comm.broadcast_(full, src=pp_ranks[src], group=pp_group)
+            elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+                if pp_rank == src:
+                    comm.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
+                elif pp_rank == 0:
+                    full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
+                                       device=device)
+                    comm.recv_(full, src=pp_ranks[src], group=pp_group)
+            if consumer == "all" or first:
+                for name, tensor in hf_from_megatron(pm, layer, full, dims):
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    group.append((name, tensor))
+        if group:
+            yield group

@@ -30,9 +30,11 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, TypeVar
 
-from megatron_dgpo.models.families import Family, family_for
+from megatron_dgpo.models.families import Family, family_for, fused_groups
+
+T = TypeVar("T")
 
 VOCAB_DIVISOR = 128
 """Megatron's default ``--make-vocab-size-divisible-by``."""
@@ -234,3 +236,25 @@ def _moe_of(cfg: dict, family: Family) -> tuple[dict, Router]:
     dims = dict(experts=experts, topk=topk, moe_ffn=_require(cfg, "moe_intermediate_size"))
     return dims, Router(norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                         hf_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
+
+
+def group_hf_tensors(hf_config: Any, tensors: Mapping[str, T]) -> list[list[tuple[str, T]]]:
+    """``tensors`` (HF name -> tensor of a model described by ``hf_config``) as the groups a
+    live model's export yields (``convert.export_hf_groups``): one list per fused group of the
+    family map (``families.fused_groups``), in export order; names absent from ``tensors`` are
+    left out. Raises ``KeyError`` naming a tensor the family map does not know."""
+    description = describe(hf_config)
+    cfg, dims = hf_config_dict(hf_config), description.dims
+    groups, known = [], set()
+    for members in fused_groups(description.family.active(cfg), dims.layers):
+        names = [name for pm, layer in members
+                 for e in (range(dims.experts) if pm.expert else (None,))
+                 for name in pm.hf_names(layer, e)]
+        known.update(names)
+        if group := [(name, tensors[name]) for name in names if name in tensors]:
+            groups.append(group)
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise KeyError(f"{unknown[0]!r} ({len(unknown)} tensors) is not in the "
+                       f"{description.family.name!r} family's tensor map")
+    return groups

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 LAYER_PREFIX = "decoder.layers."
 
@@ -57,6 +57,11 @@ class ParamMap:
     """One tensor per routed expert: HF names contain ``{e}``; the layer's Megatron tensor is
     the experts stacked, [E, *per-expert shape] (the checkpoint's [L, E, ...] minus the layer
     axis), and ``kind`` / ``tp_axis`` describe one expert's tensor (expert TP splits it)."""
+    fused: str | None = None
+    """The module this tensor is fused into with the other maps of its layer that carry the
+    same name (q/k/v weights and biases: ``qkv``; gate/up: ``gate_up``; a layer's routed
+    experts: ``experts``), as Megatron and vLLM both hold them: an engine reloads such a
+    group whole or not at all (``fused_groups``). None: a tensor of its own."""
 
     def key(self) -> str:
         """Distributed-checkpoint key (``decoder.layers.`` + suffix for per-layer tensors)."""
@@ -115,10 +120,10 @@ def _attention(qkv_bias: Callable[[dict], bool], qk_norm: bool) -> tuple[ParamMa
                  local_name="input_layernorm.weight"),
         ParamMap("self_attention.linear_qkv.weight",
                  (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                 "qkv", 0, per_layer=True),
+                 "qkv", 0, per_layer=True, fused="qkv"),
         ParamMap("self_attention.linear_qkv.bias",
                  (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                 "qkv", 0, per_layer=True, enabled=qkv_bias),
+                 "qkv", 0, per_layer=True, enabled=qkv_bias, fused="qkv"),
     )
     if qk_norm:  # one [head_dim] weight shared by all heads: replicated over TP
         maps += (ParamMap("self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "copy",
@@ -135,7 +140,7 @@ def _dense_mlp() -> tuple[ParamMap, ...]:
         ParamMap("mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",),
                  "copy", None, per_layer=True, local_name="pre_mlp_layernorm.weight"),
         ParamMap("mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                 "gate_up", 0, per_layer=True),
+                 "gate_up", 0, per_layer=True, fused="gate_up"),
         ParamMap("mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "copy", 1, per_layer=True),
     )
 
@@ -151,9 +156,9 @@ def _moe_mlp() -> tuple[ParamMap, ...]:
                  per_layer=True),
         ParamMap("mlp.experts.experts.linear_fc1.weight",
                  (expert + "gate_proj.weight", expert + "up_proj.weight"), "gate_up", 0,
-                 per_layer=True, expert=True),
+                 per_layer=True, expert=True, fused="experts"),
         ParamMap("mlp.experts.experts.linear_fc2.weight", (expert + "down_proj.weight",), "copy",
-                 1, per_layer=True, expert=True),
+                 1, per_layer=True, expert=True, fused="experts"),
     )
 
 
@@ -179,6 +184,37 @@ QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), qkv_bias=lambda cfg: False,
 QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qkv_bias=lambda cfg: False,
                    refused_fields=("attention_bias",), qk_norm=True, moe=True)
 FAMILIES = {f.name: f for f in (QWEN2, LLAMA, QWEN3, QWEN3_MOE)}
+
+
+def iter_params(params: Sequence[ParamMap], num_layers: int):
+    """(map, global layer) in HF order: embeddings, layer 0 .. L-1, final norm, lm_head."""
+    for pm in params:
+        if not pm.per_layer and pm.megatron.startswith("embedding"):
+            yield pm, None
+    for layer in range(num_layers):
+        for pm in params:
+            if pm.per_layer:
+                yield pm, layer
+    for pm in params:
+        if not pm.per_layer and not pm.megatron.startswith("embedding"):
+            yield pm, None
+
+
+def fused_groups(params: Sequence[ParamMap], num_layers: int
+                 ) -> Iterator[list[tuple[ParamMap, int | None]]]:
+    """``iter_params``' (map, layer) pairs grouped as an engine must reload them: the maps of
+    one layer that share a ``fused`` name together, at the place of the first, every other map
+    alone."""
+    order = list(iter_params(params, num_layers))
+    members: dict[tuple, list] = {}
+    for pm, layer in order:
+        if pm.fused is not None:
+            members.setdefault((layer, pm.fused), []).append((pm, layer))
+    for pm, layer in order:
+        if pm.fused is None:
+            yield [(pm, layer)]
+        elif members[(layer, pm.fused)][0][0] is pm:
+            yield members[(layer, pm.fused)]
 
 
 def supported_architectures() -> str:

@@ -20,7 +20,7 @@ def __getattr__(name):
 
 __all__ = ["RolloutEngine", "Completion", "VLLMEngine", "VLLMConfig", "HFEngine"]
 
-# Bucketed weight refit (issue 12, engine level): cheap to import (torch only).
-from megatron_dgpo.rollout.refit import RefitStats, bucket_named_tensors  # noqa: E402
+# Bucketed weight refit: cheap to import (torch only).
+from megatron_dgpo.rollout.refit import RefitStats, bucket_groups  # noqa: E402
 
-__all__ += ["RefitStats", "bucket_named_tensors"]
+__all__ += ["RefitStats", "bucket_groups"]

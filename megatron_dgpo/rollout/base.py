@@ -22,9 +22,11 @@ the batch around a request, so the samples agree in distribution), and two ident
 one call still get different samples. ``seeds=[...]`` gives each prompt its own (the trainer's
 ``placement.prompt_seeds``). ``seed=None`` draws fresh randomness.
 
-Weight refit: ``update_weights(named_tensors)`` takes an iterable of ``(hf_name, tensor)`` pairs
-in Hugging Face naming (what ``megatron_dgpo.convert.export_hf_weights`` yields) covering the
-whole model and returns its ``RefitStats`` (None from one that keeps none, transformers');
+Weight refit: ``update_weights(groups)`` takes an iterable of fused groups, lists of
+``(hf_name, tensor)`` pairs in Hugging Face naming that a reload must take whole (what
+``megatron_dgpo.convert.export_hf_groups`` yields; ``models.group_hf_tensors`` groups an HF state
+dict so), covering the whole model, and returns its ``RefitStats`` (None from one that keeps
+none, transformers');
 ``update_weights_from_dir(hf_dir)`` reloads from a saved HF folder. Neither restarts the engine;
 both invalidate any cache computed with the old weights (prefix cache). An engine that reloads
 bucket by bucket also takes a refit whose buckets arrive from elsewhere (a dedicated engine
@@ -103,9 +105,9 @@ class RolloutEngine(ABC):
         fresh randomness (see the module docstring)."""
 
     @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitStats | None:
-        """Replace all weights with the given (HF name, tensor) pairs; what the refit did, or
-        None from an engine that keeps no statistics."""
+    def update_weights(self, groups: Iterable[list[tuple[str, torch.Tensor]]]) -> RefitStats | None:
+        """Replace all weights with the given fused groups of (HF name, tensor) pairs; what the
+        refit did, or None from an engine that keeps no statistics."""
 
     @abstractmethod
     def update_weights_from_dir(self, hf_dir: str) -> None:
@@ -135,7 +137,7 @@ class RolloutEngine(ABC):
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Reload one bucket of HF-named tensors holding whole fused groups
-        (``refit.bucket_named_tensors``)."""
+        (``refit.bucket_groups``)."""
         raise NotImplementedError(f"{type(self).__name__} has no bucketed refit")
 
     def end_refit(self) -> None:
@@ -182,7 +184,7 @@ class Rollout(Protocol):
     @property
     def weight_consumer(self) -> Literal["all", "first"]:
         """Which ranks of the model-parallel group ``refit`` takes the weights on
-        (``export_hf_weights``' ``consumer``)."""
+        (``export_hf_groups``' ``consumer``)."""
 
     @property
     def submitted(self) -> bool:
@@ -199,9 +201,10 @@ class Rollout(Protocol):
     def collect(self) -> Sampled:
         """The submitted batch; waits for it."""
 
-    def refit(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        """The engines take ``weights`` (the export of step ``version``'s model, exhausted on
-        every rank) between batches; returns ``refit/*`` metrics (largest over the engines)."""
+    def refit(self, weights: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
+        """The engines take ``weights`` (the fused groups of step ``version``'s model,
+        ``export_hf_groups``, exhausted on every rank) between batches; returns ``refit/*``
+        metrics (largest over the engines)."""
 
     def sleep_engines(self) -> None:
         """Free the engines' accelerator memory, weights kept, until the next ``sample``."""

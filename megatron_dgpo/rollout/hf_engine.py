@@ -110,10 +110,10 @@ class HFEngine(RolloutEngine):
             prompt_index = group[k // n]
             results[prompt_index].append(Completion(prompt_index, toks[:length], logprobs[k, :length].tolist(), reason))
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, groups: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         state = self.model.state_dict()
         new = {}
-        for name, tensor in named_tensors:
+        for name, tensor in (pair for group in groups for pair in group):
             if name not in state:
                 raise KeyError(f"update_weights: unknown tensor {name!r} for {type(self.model).__name__}")
             if tuple(tensor.shape) != tuple(state[name].shape):
@@ -137,7 +137,7 @@ class HFEngine(RolloutEngine):
         pairs = []
         for f in files:
             pairs += list(load_file(str(f)).items())
-        self.update_weights(pairs)
+        self.update_weights([pairs])  # one load_state_dict: no fused group to keep whole
 
     def shutdown(self) -> None:
         self.model = None

@@ -5,7 +5,7 @@ Colocated engines (``VLLMConfig.placement="colocated"``) are vLLM ``external_lau
 groups of ``engine_tp`` *consecutive* global ranks: ranks ``[e * t, (e + 1) * t)`` form engine
 ``e``, so there are ``world / t`` engines. Every rank of an engine must call ``generate`` with
 the same prompts and seeds; every rank feeds its own engine rank the full HF tensors
-(``export_hf_weights(consumer="all")``: DP replicas hold identical weights, so any replica's
+(``export_hf_groups(consumer="all")``: DP replicas hold identical weights, so any replica's
 ranks can feed any engine).
 
 Dedicated engines (``rollout.placement: dedicated``, ``DedicatedLayout``): the last

@@ -2,7 +2,7 @@
 separate engine on the replica's leader), as the trainer drives it (``base.Rollout``):
 
     rollout = ReplicaRollout(cfg.rollout, cfg.data, cfg.parallel, hf_dir, seed=..., batch_prompts=...)
-    weights = export_hf_weights(models, consumer=rollout.weight_consumer)  # after sync_params
+    weights = export_hf_groups(models, consumer=rollout.weight_consumer)  # after sync_params
     if resumed or rollout.needs_first_refit: rollout.refit(weights, version=step)
     batch, metrics, used = rollout.sample(prompts_consumed)   # the replica's whole prompt groups
     metrics = rollout.refit(weights, version=step)      # each engine from its replica's ranks

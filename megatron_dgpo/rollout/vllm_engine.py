@@ -534,9 +534,10 @@ class VLLMEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------------- refit
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitStats:
-        """Reload all weights from (HF name, tensor) pairs without restarting the engine, in
-        buckets of at most ``config.refit_bucket_bytes`` that keep fused groups whole.
+    def update_weights(self, groups: Iterable[list[tuple[str, torch.Tensor]]]) -> RefitStats:
+        """Reload all weights from fused groups of (HF name, tensor) pairs without restarting
+        the engine, in buckets of at most ``config.refit_bucket_bytes`` that keep each group
+        whole (``refit.bucket_groups``).
 
         Colocated: each bucket goes to this rank's worker in process (tensors stay on their
         device). Separate: each bucket is one safetensors payload through ``collective_rpc``.
@@ -547,7 +548,7 @@ class VLLMEngine(RolloutEngine):
         of old and new weights).
         """
         self.begin_refit()
-        stats = run_bucketed_refit(named_tensors, self.config.refit_bucket_bytes, self.load_bucket)
+        stats = run_bucketed_refit(groups, self.config.refit_bucket_bytes, self.load_bucket)
         self.end_refit()
         self.last_refit = stats
         return stats
@@ -569,7 +570,7 @@ class VLLMEngine(RolloutEngine):
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Reload one bucket of HF-named tensors, which must hold whole fused groups
-        (``refit.bucket_named_tensors`` cuts them so), within ``begin_refit`` / ``end_refit``."""
+        (``refit.bucket_groups`` cuts them so), within ``begin_refit`` / ``end_refit``."""
         self._record_loads(lambda: (self._load_bucket_in_process(bucket) if self.colocated
                                     else self._load_bucket_via_rpc(bucket)))
 

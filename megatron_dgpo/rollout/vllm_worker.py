@@ -25,8 +25,6 @@ from typing import Iterator
 
 import torch
 
-from megatron_dgpo.rollout.refit import expert_of, layer_of
-
 
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
@@ -153,7 +151,9 @@ def reload_weights_in_worker(worker, *, weights: list | None = None,
     model = worker.model_runner.get_model()
     methods = cpu_moe_methods(model)
     if weights is not None:
-        expected = moe_layers_given(methods, [name for name, _ in weights])
+        modules = dict(model.named_modules())
+        expected = moe_layers_given({name: modules[name] for name in methods},
+                                    [name for name, _ in weights])
         kwargs = {"weights_iterator": iter(weights)}
     else:
         expected, kwargs = list(methods), {"weights_path": weights_path}
@@ -194,29 +194,26 @@ def cpu_moe_methods(model) -> dict:
     return methods
 
 
-def moe_layers_given(methods: dict, names: list[str]) -> list[str]:
-    """The MoE modules of ``methods`` that the HF tensors ``names`` carry experts for; raises
-    ``ValueError`` if a layer's experts are incomplete (each needs gate, up and down of all)."""
-    given: dict[str, set] = {}
-    for name in names:
-        expert = expert_of(name)
-        if expert:
-            given.setdefault(expert[0], set()).add(expert[1:])
+def moe_layers_given(modules: dict, names: list[str]) -> list[str]:
+    """The MoE modules of ``modules`` (name -> vLLM's routed-experts module) that the HF tensors
+    ``names`` carry experts for, each module's own expert mapping deciding which names are its
+    (``get_expert_mapping``: what vLLM's loader matches, under the module's ``layer_name``);
+    raises ``ValueError`` if a module gets only some of its experts' tensors."""
     layers = []
-    for module_name, method in methods.items():
-        have = given.get(layer_of(module_name))
-        if have is None:
+    for module_name, module in modules.items():
+        prefix = module.layer_name + "."
+        given = [name for name in names if name.startswith(prefix)]
+        if not given:
             continue
-        want = {(e, p) for e in range(method.moe.num_logical_experts) for p in ("gate", "up", "down")}
-        if have - want:
-            raise ValueError(f"refit: expert tensors beyond the {len(want) // 3} experts of "
-                             f"{module_name}: {sorted(have - want)[:3]}")
-        if want - have:
-            expert, proj = min(want - have)
+        mapping = {weight_name: (expert, shard)
+                   for _, weight_name, expert, shard in module.get_expert_mapping()}
+        have = {mapping[w] for name in given for w in mapping if w in name}
+        missing = sorted(w for w, key in mapping.items() if key not in have)
+        if missing:
             raise ValueError(f"refit: one reload call must carry all experts of a layer (vLLM "
-                             f"reprocesses the layer's {len(want) // 3} experts together); "
-                             f"{layer_of(module_name)} got {len(have)} of {len(want)} expert tensors "
-                             f"(missing e.g. expert {expert} {proj}_proj)")
+                             f"reprocesses the layer's experts together); {module.layer_name} "
+                             f"got {len(have)} of {len(mapping)} expert tensors (missing e.g. "
+                             f"{missing[0]!r})")
         layers.append(module_name)
     return layers
 

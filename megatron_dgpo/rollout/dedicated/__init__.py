@@ -8,7 +8,7 @@ a weight broadcast, optionally generating one batch ahead (``rollout.placement: 
 (``external_launcher`` over the rollout ranks, as a colocated engine) each see only their own
 ranks. DP replica d owns engines [d k, (d + 1) k), k = E / D, and talks to them through a
 ``comm.PeerGroup`` of 1 + k t members: index 0 is the replica's leader (the first rank of its
-model-parallel group, where ``export_hf_weights(consumer="first")`` delivers the full HF
+model-parallel group, where ``export_hf_groups(consumer="first")`` delivers the full HF
 tensors), then the engines' ranks in order. Only the replica's own samples reach it (samples
 never cross DP) and each replica refits its own engines: nothing funnels through global rank 0.
 The link is tried when it is made: ``PeerGroup`` sends one checked broadcast on its tensor
@@ -27,7 +27,7 @@ Protocol: the leader broadcasts a command, every engine rank takes part.
   when it needs them (``collect``): meanwhile the engines generate and the trainer trains.
 * ``refit`` (``version``), then per bucket ``bucket`` (the tensors' names, shapes, dtypes) and
   one tensor broadcast of the bucket's bytes, then ``end``: the buckets are
-  ``refit.bucket_named_tensors``' (a fused q/k/v, gate/up or experts group is never split) and
+  ``refit.bucket_groups``' (a fused q/k/v, gate/up or experts group is never split) and
   each is reloaded in place as a colocated engine's (``VLLMEngine.load_bucket``). Every engine
   rank answers ``ok`` or its error, which the leader raises.
 * ``stop``: the engines shut down and their ranks exit 0.

@@ -125,7 +125,7 @@ class DedicatedRollout:
         if self._submitted:
             raise RuntimeError("DedicatedRollout.refit: collect the batch in flight first (the "
                                "engines take weights between batches)")
-        metrics = refit_engines(weights, (lambda pairs: self._broadcast_weights(pairs, version))
+        metrics = refit_engines(weights, (lambda groups: self._broadcast_weights(groups, version))
                                 if self.leader else None)
         self.version = version
         self.needs_first_refit = False
