@@ -48,7 +48,7 @@ def _peak_rank_rss(root_pid: int, stop: threading.Event, peak: dict) -> None:
 
 
 def run_layout(name: str, steps: int, out: Path) -> tuple[list[dict], float]:
-    from megatron_dgpo.convert._spawn import free_port
+    from megatron_dgpo.runtime.parallel import free_port
     from megatron_dgpo.telemetry import read_metrics
 
     ranks, tp, pp = LAYOUTS[name]

@@ -51,7 +51,8 @@ def main() -> None:
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
     from megatron_dgpo.algorithm.packing import Sample, pack, padded_micro_batch
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.runtime.parallel import (ParallelConfig, destroy_parallel, init_distributed,
                                                 initialize_parallel)
     from megatron_dgpo.training.train_step import train_step

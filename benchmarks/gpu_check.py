@@ -854,7 +854,7 @@ def tiny_gpu_overrides(available: dict) -> list[str]:
 
 def tiny_gpu_command(gpus: int, overrides: list[str], run_dir: str) -> list[str]:
     """``recipes/tiny_gpu.yaml`` on ``gpus`` GPUs of this node (torchrun when more than one)."""
-    from megatron_dgpo.convert._spawn import free_port
+    from megatron_dgpo.runtime.parallel import free_port
 
     launcher = [sys.executable] if gpus == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus),
@@ -1101,10 +1101,10 @@ def run_checks(names=None, available: dict | None = None) -> list[Row]:
     """Every check (or those in ``names``) in this process; failures become rows, a check
     whose needs ``available`` lacks a "not run" row."""
     from megatron_dgpo.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel
-    from megatron_dgpo.train import _single_process_world
+    from megatron_dgpo.command import single_process_world
 
     available = available_components() if available is None else available
-    _single_process_world()
+    single_process_world()
     init_distributed()
     initialize_parallel(ParallelConfig(), seed=1234)
     rows = []

@@ -21,10 +21,7 @@ rendered with the tokenizer's chat template, as in the rollout) and the response
 
 from __future__ import annotations
 
-import os
-
-# As in megatron_dgpo.train: one OpenMP thread per rank unless the environment says otherwise.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from megatron_dgpo.command import recipe_command  # first: sets the OpenMP default before torch
 
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -157,8 +154,6 @@ def load_sft_recipe(path, overrides=()) -> SFTRunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_dgpo.train import recipe_command
-
     return recipe_command(argv, prog="dgpo-sft", config_class=SFTRunConfig, load=load_sft_recipe,
                           run=train_sft,
                           description="Supervised warm start of a policy from a recipe.",

@@ -16,7 +16,8 @@ def _setup(tp: int, *, distributed: bool, seed: int = 5, bucket_size: int | None
            overlap: bool = False):
     from megatron.core import parallel_state
 
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.recipe import OptimizerConfig
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.training.optimizer import build_optimizer

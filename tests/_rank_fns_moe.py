@@ -202,7 +202,7 @@ def train_fn(rank, world_size, dirs: dict, ckpt_root: str):
     from megatron_dgpo.algorithm.packing import padded_micro_batch
     from megatron_dgpo.convert import export_hf_weights, load_model
     from megatron_dgpo.convert.safetensors_io import read_hf_config
-    from megatron_dgpo.models.builder import wrap_ddp
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.recipe import OptimizerConfig
     from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
     from megatron_dgpo.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint

@@ -149,7 +149,8 @@ def packed_micro_batches(n_rows: int):
 
 
 def _build(cfg, tp, pp):
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=5)
@@ -406,7 +407,8 @@ def overlap_and_logits_fn(rank, world_size):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.training.train_step import _forward_kwargs
 

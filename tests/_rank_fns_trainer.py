@@ -16,7 +16,8 @@ LR, WD, CLIP, BETAS, EPS = 5e-3, 0.1, 0.05, (0.9, 0.95), 1e-8
 def _setup(seed: int = 5):
     from megatron.core import parallel_state
 
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.recipe import OptimizerConfig
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.training.optimizer import build_optimizer

@@ -211,7 +211,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: i
     else:
         import torch.multiprocessing as mp
 
-        from megatron_dgpo.convert._spawn import free_port
+        from megatron_dgpo.runtime.parallel import free_port
 
         mp.spawn(_spawned_convert,
                  args=(world, free_port(), hf_dir, out_dir, tp, pp, ep, dtype, progress),

@@ -353,35 +353,6 @@ def _experts_in_their_own_optimizer(model) -> None:
             param.allreduce = False
 
 
-# ------------------------------------------------------------------ the policy of a training job
-
-def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
-             use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
-             bucket_size: int | None = None) -> list:
-    """Wrap model chunks in Megatron's ``DistributedDataParallel`` (gradients in ``main_grad``).
-
-    Chunks after the first skip bucketing, as Megatron's training loop does for VPP. The
-    trainer passes ``gpu_flags.ddp_flags`` (overlapped grad reduce and param gather on a GPU;
-    ``train_step`` then gives the schedules ``gpu_flags.schedule_sync_hooks``).
-    """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer,
-        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
-    return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
-                                    disable_bucketing=i > 0) for i, m in enumerate(models)]
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def dtype_named(name: str) -> torch.dtype:
-    """The torch dtype of a recipe's dtype name (``model.dtype``, ``checkpoint.export_dtype``)."""
-    return _DTYPES[name]
-
-
 def padded_vocab_of(models: list) -> int:
     """The (TP-padded) vocabulary size the live model was built with."""
     return int(unwrap_model(models[0]).vocab_size)

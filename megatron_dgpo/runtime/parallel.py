@@ -96,6 +96,17 @@ class ParallelConfig:
         return vpp if vpp is not None and vpp > 1 else None
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a local rendezvous (``MASTER_PORT`` of a run
+    started without torchrun, the converter's spawned ranks). Another process may take it
+    before it is bound: callers that can retry should."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def default_backend() -> str:
     return "gloo" if cpu_only() else "nccl"
 

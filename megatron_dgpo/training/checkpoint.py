@@ -545,7 +545,7 @@ def export_latest(run_dir: str | os.PathLike, dtype_name: str | None = None) -> 
     """The newest complete checkpoint of a run (``<run_dir>/checkpoints``) as the HF folder
     ``<run_dir>/hf`` (rank 0 only; ``dtype_name`` None keeps the training dtype): the final
     policy of the trainer and of ``megatron_dgpo.sft``."""
-    from megatron_dgpo.models.builder import dtype_named
+    from megatron_dgpo.training.policy import dtype_named
 
     run_dir = Path(run_dir)
     export_hf(latest_checkpoint(run_dir / "checkpoints"), run_dir / "hf",

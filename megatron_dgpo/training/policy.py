@@ -17,7 +17,6 @@ import torch
 from megatron_dgpo.convert import load_model
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.models import describe
-from megatron_dgpo.models.builder import dtype_named, wrap_ddp
 from megatron_dgpo.runtime.config import require_choice
 from megatron_dgpo.runtime.gpu_flags import (ATTENTION_BACKENDS, Platform, attention_backend,
                                              ddp_flags, require_gpu_stack)
@@ -247,6 +246,31 @@ def model_overrides(config, hf_config=None, *, routing_replay: str = "off") -> d
                              "algorithm.routing_replay: off")
         overrides["moe_enable_routing_replay"] = True
     return overrides
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of a recipe's dtype name (``model.dtype``, ``checkpoint.export_dtype``)."""
+    return _DTYPES[name]
+
+
+def wrap_ddp(models: list, *, grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
+             use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
+             bucket_size: int | None = None) -> list:
+    """Model chunks wrapped in Megatron's ``DistributedDataParallel`` (gradients in
+    ``main_grad``); chunks after the first skip bucketing, as Megatron's training loop does for
+    VPP. ``wrap_policy`` passes ``gpu_flags.ddp_flags`` (overlapped grad reduce and param
+    gather on a GPU; ``train_step`` then gives the schedules ``gpu_flags.schedule_sync_hooks``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+    return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
+                                    disable_bucketing=i > 0) for i, m in enumerate(models)]
 
 
 def wrap_policy(chunks: list, *, use_distributed_optimizer: bool,

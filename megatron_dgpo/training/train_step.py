@@ -321,7 +321,7 @@ def _check_models(models: list) -> None:
                          "step's 1/N normalisation relies on it); build it with "
                          "megatron_dgpo.models.builder.build_model")
     if not all(hasattr(m, "zero_grad_buffer") for m in models):
-        raise TypeError("train_step needs models wrapped by model.wrap_ddp")
+        raise TypeError("train_step needs models wrapped by training.policy.wrap_ddp")
 
 
 def _count_over_dp(values: list[float], device) -> list[float]:

@@ -128,7 +128,8 @@ def _packing_gradient_fn(rank, world_size):
     """Same samples through train_step padded (2 per micro-batch) and packed: same gradient."""
     from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
     from megatron_dgpo.algorithm.packing import padded_micro_batch
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.training.train_step import train_step
     from tests._rank_fns_model import TINY_QWEN2

@@ -71,7 +71,8 @@ def count_params_fn(rank, world_size):
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_dgpo.models.builder import build_model, wrap_ddp
+    from megatron_dgpo.models.builder import build_model
+    from megatron_dgpo.training.policy import wrap_ddp
     from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     out = {}

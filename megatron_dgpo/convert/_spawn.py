@@ -1,9 +1,0 @@
-"""Tiny helper for spawning local gloo ranks."""
-
-import socket
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
