@@ -30,10 +30,10 @@ run: $(STAMP)
 test: $(STAMP) $(LAUNCH_STAMP)
 	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/cluster
 
-# Minutes-long end-to-end checks (marked slow), kept out of `make test` so that it stays well
-# inside CI's 30 minutes: the reproduction study at smoke size, the stop-signal runs of the
-# trainer, a checkpoint resumed at other layouts, pip's resolver on the GPU pins, the tiny MoE
-# job (EP=2 against EP=1, 50 steps learning, routing replay). CI runs it after `make test`.
+# Minutes-long end-to-end checks (marked slow), kept out of `make test` so that it stays short:
+# the reproduction study at smoke size, the stop-signal runs of the trainer, a checkpoint resumed
+# at other layouts, pip's resolver on the GPU pins, the tiny MoE job (EP=2 against EP=1, 50 steps
+# learning, routing replay). CI runs it after `make test` (.ci/run prints each target's minutes).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests --ignore=tests/cluster
 
