@@ -15,7 +15,7 @@ The draws measured are vLLM 0.32's own, called as its samplers call them:
 * ``v2 gumbel, seeded`` (CUDA with Triton only): ``v1/worker/gpu/sample/gumbel.gumbel_sample``,
   the draw of Model Runner V2 (vLLM 0.32's default on CUDA): counter-based Gumbel noise keyed by
   (request seed, position, token) in one kernel for the batch; a seeded request costs what an
-  unseeded one does. Goal (issue 30): within 1.5x of ``v1 batched, unseeded``.
+  unseeded one does. Goal: within 1.5x of ``v1 batched, unseeded``.
 
 Each draw gets fresh probabilities (the V1 draws divide them in place), copied outside the
 timed region; best of ``--repeats`` (CUDA synchronised). ``measure`` is also what

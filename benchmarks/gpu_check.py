@@ -80,7 +80,7 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
 * ``seeded_sampling_v152064`` (needs vLLM): one decode step's sampling draw for 1024 requests
   over vocabulary 152064 (benchmarks/bench_sampling.py): Model Runner V2's draw with every
   request seeded, goal within 1.5x of V1's batched unseeded draw; V1's per-request seeded draw
-  reported beside them (8.9 ms against 0.88 ms on an H200, issue 30).
+  reported beside them (8.9 ms against 0.88 ms on an H200: benchmarks/README.md).
 * ``tiny_gpu_stop_resume`` (needs nothing): ``python -m megatron_dgpo.train
   recipes/tiny_gpu.yaml`` (scheduled saves off), SIGTERM once its first metrics line is
   written: exit ``interrupt.EXIT_STOPPED`` (75), the step in flight saved as the checkpoint

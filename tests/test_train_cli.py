@@ -61,9 +61,9 @@ def test_describe_documents_every_key(capsys):
     for key, _, doc in rows:
         assert doc, f"{key} has no documentation under its declaration"
         assert f"{key}  (" in out
-    for key in ("algorithm.loss_aggregation", "algorithm.rollout_correction",  # issue 14
+    for key in ("algorithm.loss_aggregation", "algorithm.rollout_correction",
                 "algorithm.rollout_correction_cap", "algorithm.drop_degenerate_groups",
-                "eval.every", "eval.at_end", "eval.benchmarks", "eval.n", "eval.max_tokens",  # issue 21
+                "eval.every", "eval.at_end", "eval.benchmarks", "eval.n", "eval.max_tokens",
                 "eval.temperature", "eval.top_p", "eval.limit", "eval.seed"):
         assert f"{key}  (" in out
 

@@ -28,7 +28,7 @@ surrogate
 
     s_t = J_t + F_t * A_t * (log pi_t - sg[log pi_t]),
 
-where J_t (the value of each paper's objective, below) and F_t are computed from detached,
+where J_t (the value of each paper's objective) and F_t are computed from detached,
 masked and clamped log-ratios. The only differentiable operation is linear in log pi, so
 ``d loss / d logprobs[t] = -mask[t] * F[t] * A[t] / num_tokens`` holds exactly, and no branch a
 ``torch.where`` discards can leak a NaN into the gradient (the failure of ``0 * inf`` in the
@@ -36,32 +36,8 @@ gradient of an unselected ``exp`` branch). Log-ratios are clamped to +-LOG_RATIO
 [2e-9, 4.9e8]) before F is formed: F is the table above for every ratio a trust region could
 still care about, and F * A stays finite in float32 sums over millions of tokens.
 
-The objective values J_t (what the loss reports; the gradient does not depend on them):
-    grpo      min(w A, clip(w, 1-eps_low, 1+eps_high) A)                    (PPO)
-              with ``dual_clip`` c and A < 0: max(min(w A, clip(w) A), c A), which is the
-              constant c A (F = 0) for w > c and the PPO value otherwise (verl's clip_ratio_c)
-    cispo     sg[clip(w, 1-eps_low, 1+eps_high)] A log pi                  (MiniMax-M1)
-    others    F A: the paper's probability-weight form J = sg[W] A pi with F = W pi (Eq. 9 for
-              DGPO; for gppo/ce_gppo this equals their clipped objective's value).
-
-Dual clip (``LossHyperparams.dual_clip``, off by default) is accepted by ``grpo`` only
-(``DUAL_CLIP_METHODS``): it is a clip of the PPO objective's value (Ye et al. 2020, verl's
-``clip_ratio_c``, which verl applies in its PPO loss only), and the official DGPO code's GRPO
-baseline runs with c = 3. The other methods' F are the paper's tables, which have no such cut
-(CISPO's and ASPO's HN weights are already capped by their own clips); they refuse it.
-
-Log-ratio clamp, compared with the official code (FlyTune/DGPO-RL, verl): both clamp log w to
-[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]. There the ratio of M, LP and HN tokens is
-``exp(clamp(log w))`` itself, so past the clamp their value is frozen and their gradient is
-exactly 0 (``torch.clamp``), while its DGPO LN and HP branches use the unclamped log-probs.
-Here F and J of every region are formed from the clamped log-ratio and only ``logprobs``
-carries the gradient, F(clamped w) A: a token past the clamp keeps the weight F has at the
-clamp's edge (HN: F = e^20 for grpo without dual clip, gppo, ce_gppo, dgpo; LP: F = e^-20 for
-grpo, gppo, ce_gppo, dgpo; cispo's and aspo's F are constants there; DGPO's LN/HP F are taken
-at w = e^-+20; M past the clamp means A = 0, no gradient in either). Kept on purpose: the clamp
-is a floating-point guard, not a trust region, so it adds no zero-gradient region with a jump
-at w = e^+-20 to any method's F table; the differences are confined to tokens whose ratio moved
-by more than e^20 (``ratio/min``, ``ratio/max`` show them).
+``dual_clip`` (``grpo`` only), the objective values J_t the loss reports, and how the log-ratio
+clamp and the token mean differ from the paper's official code: docs/losses.md.
 """
 
 from __future__ import annotations
@@ -154,7 +130,7 @@ class LossConfig:
     loss: LossHyperparams = field(default_factory=LossHyperparams)
     """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO;
     GRPO's optional ``dual_clip``, which the other methods refuse). How they and the log-ratio
-    clamp differ from the paper's official code: ``megatron_dgpo.algorithm.losses``' docstring, README."""
+    clamp differ from the paper's official code: docs/losses.md."""
     loss_aggregation: Literal["token_mean", "group_token_mean",
                               "seq_mean_token_mean"] = "token_mean"
     """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
@@ -283,7 +259,7 @@ def coefficient(method: str, log_w: Tensor, advantages: Tensor, hp: LossHyperpar
 
 
 def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> Tensor:
-    """Per-token value J_t of each paper's objective (module docstring); detached inputs."""
+    """Per-token value J_t of each paper's objective (docs/losses.md); detached inputs."""
     if method == "grpo":
         w = log_w.exp()
         clipped = w.clamp(1.0 - hp.eps_low, 1.0 + hp.eps_high)

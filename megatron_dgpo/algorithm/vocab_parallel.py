@@ -15,39 +15,15 @@ Per chunk of tokens the forward needs two all-reduces (MAX of m; SUM of S, sum p
 floats per token cross the network, never the vocabulary. The backward recomputes softmax from
 the saved (m, S, c = sum_j p_j z_j) one chunk at a time as p = exp(z) / S and uses
 log p + H = z - c. Both avoid a large rounded shift: exp(x - (m + log S)) with m + log S rounded
-to float32 has a relative error of ~|m + log S| * 6e-8 in every p (gradient errors of 1.6e-6,
-9.4e-6 with the entropy term, on rows of scale 16 over 152064 columns; now <= 2e-7), while
-x - m is exact where p is large (z is computed as (logits - max logits) / T, the subtraction
-exact near the maximum). The backward writes each chunk's gradient into the one gradient
+to float32 has a relative error of ~|m + log S| * 6e-8 in every p, while x - m is exact where p
+is large (z is computed as (logits - max logits) / T, the subtraction exact near the maximum). The backward writes each chunk's gradient into the one gradient
 tensor autograd needs anyway. Nothing is written into ``logits``; no one-hot is built.
 
-Per chunk there are three passes over the logits: the row max (torch's reduction, one pass in
-the logits' dtype already), the forward's sums, and the backward's gradient. One chunk loop with
-its all-reduces serves two implementations of the last two (``kernel=``):
-
-* ``"eager"``: torch ops on two float32 work buffers [chunk, V_l] (bf16/fp16 upcast on the
-  first subtraction), ~ten passes over a float32 chunk; the chunk is cache-sized on CPU. The
-  target column is updated with a scatter.
-* ``"compiled"``: ``_fused_sums`` and ``_fused_grad`` through ``torch.compile`` (inductor), each
-  one pass over the chunk in the logits' dtype, upcast in registers (the sums accumulated in
-  float64), the TP padding columns masked and the target column picked by column-index
-  compares; the gradient chunk is stored straight into the gradient tensor in the logits'
-  dtype. No float32 chunk exists, so the extra memory is the gradient (1.0x the logits) and
-  per-token vectors, with chunks as large as one likes.
-
-``"auto"`` (the default) takes the compiled kernels where inductor generates Triton code for the
-logits' device and dtype (CUDA, Triton importable, both passes built and run once on a tiny
-chunk of that dtype: ``compiled_by_default``, per device and dtype; a dtype whose kernels do not
-build warns once and runs eager) and the eager ones elsewhere. The trainer's last pipeline
-stage builds them in its logits' dtype at start-up, before any engine
-(``training_run.TrainingRun``): a failure shows before generation, and the build gets inductor's
-compile threads. Inductor reads TORCHINDUCTOR_COMPILE_THREADS once, when ``torch._inductor.config``
-is first imported, and ``import vllm`` sets it to 1 and then imports that config: in a process
-where vLLM comes first, every compile is single-threaded.
-On CPU the compiled kernels, once compiled, are ~1.5x faster on [1024, 152064] (benchmarks/
-README.md, "Compiled kernels"), but each process pays seconds of C++ compilation per graph and
-needs a C++ compiler, for CPU runs whose log-prob work is milliseconds per step; ask for them
-with ``kernel="compiled"``.
+Two implementations of the per-chunk passes (``kernel=``): ``"eager"`` torch ops on float32 work
+buffers, ``"compiled"`` fused ``torch.compile`` passes in the logits' dtype (no float32 chunk);
+``"auto"`` (the default) takes the compiled ones where inductor generates Triton code for the
+logits' device and dtype (``compiled_by_default``), the eager ones elsewhere. Why, and what
+each costs: docs/training.md, "Log-probs over a vocabulary shard".
 """
 
 from __future__ import annotations

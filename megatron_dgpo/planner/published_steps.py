@@ -1,4 +1,4 @@
-"""Published GRPO step times on H100s (``PUBLISHED_STEPS``: issue 30's nine NeMo-RL rows, four
+"""Published GRPO step times on H100s (``PUBLISHED_STEPS``: nine NeMo-RL rows, four
 of which fitted ``megatron_dgpo.planner.steptime``'s constants; ``HELD_OUT_STEPS``: rows no
 constant was fitted to), the step-time model on each row's workload (``predict_published``)
 and docs/planner.md's table of them (``published_table``;
@@ -91,8 +91,8 @@ PUBLISHED_STEPS: tuple[PublishedStep, ...] = (
     PublishedStep("Qwen3-32B, 32 GPUs colocated TP4 PP4", NEMO_RL_PERF_V05, "Qwen/Qwen3-32B",
                   32, 4, 4, 4, 3251, dict(step=376), fitted=False),
 )
-"""The nine rows of issue 30 (``fitted`` marks the four that set the constants; the other five
-are checks)."""
+"""The nine rows the model was built against (``fitted`` marks the four that set the
+constants; the other five are checks)."""
 
 HELD_OUT_STEPS: tuple[PublishedStep, ...] = (
     PublishedStep("Qwen3-32B, 32 + 32 one-step-off", NEMO_RL_PERF_V05, "Qwen/Qwen3-32B",
@@ -108,7 +108,7 @@ HELD_OUT_STEPS: tuple[PublishedStep, ...] = (
                   "meta-llama/Llama-3.1-8B", 16, 1, 1, 2, 1060, dict(step=97.7), fitted=False,
                   recompute=True),
 )
-"""Published rows outside issue 30's nine, none used for fitting: other layouts, placements,
+"""Published rows outside those nine, none used for fitting: other layouts, placements,
 engine TPs and models of the same performance pages."""
 
 PUBLISHED_MEAN_PROMPT = 128.0
@@ -144,7 +144,7 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
 
 
 def published_table(hw: Hardware | None = None) -> list[str]:
-    """docs/planner.md's table of the published rows (issue 30's nine, then the held-out ones):
+    """docs/planner.md's table of the published rows (``PUBLISHED_STEPS``, then the held-out ones):
     one markdown line per row, each published phase as "model / published = ratio"."""
     phases = ("step", "generation", "training", "logprobs", "refit")
     lines = ["| row | source | fit | " + " | ".join(phases) + " |",

@@ -1,56 +1,21 @@
 """How long an RL step takes where generation runs: a roofline model of generation, training and
-refit for ``dgpo-plan`` (colocated engines vs dedicated ones, synchronous vs one-step-off),
-checked against published step times (``published_steps.PUBLISHED_STEPS``;
-docs/planner.md#published-step-times).
+refit for ``dgpo-plan`` (colocated engines vs dedicated ones, synchronous vs one-step-off).
 
-A step is three phases. With E engines of t_r GPUs, a rollout batch of P prompts x G responses
-of mean length p (prompt) + r (response), longest response R, N the parameters a token passes
-through (all but the input embedding; for MoE the routed top-k experts), N_d the parameters
-every decode step reads whatever the batch (all but the input embedding and the routed
-experts), N_x the routed experts' parameters (0 dense), k of E experts per token:
+``step_times(desc, shape, hw, world=..., ...)`` gives the step colocated, on dedicated engines
+and one-step-off (``StepTime``: each phase's seconds and what each side idles) for a
+``StepShape`` (the recipe's batch and lengths) on a ``Hardware`` (published peaks), from
+``generation_seconds``, ``training_seconds`` and ``refit_seconds`` (their ``*_terms`` give each
+term; ``search.estimate_step_times`` applies them to a plan). Generation is
+prefill, continuous batching's bulk and the longest responses' tail, each decode step bounded
+by the HBM it reads or its FLOPs; training is the passes' FLOPs at an MFU with the pipeline
+bubble and sequence parallelism's communication; the placements combine them as
 
-    generation  prefill + bulk + tail
-                each engine decodes n = ceil(P G / E) responses, c = min(max_num_seqs, n,
-                KV cache / (p + r)) at a time. Continuous batching keeps c running for
-                S_b = max(0, n - c) r / c steps (the bulk); the last min(c, n) started take up to
-                R more steps (the tail), min(c, n) r / R running on average (every response
-                decoded: S_b c + R c_t = n r tokens). A step with c running sequences costs
-    step(c)     max(2 (N_d + N_x share(c)) + c (p + r / 2) kv,   HBM: the weights the step
-                    / (t_r B_hbm eta)                            touches, the running KV
-                    2 N c / (t_r F mfu_decode))                  or FLOPs, if larger
-                + o + c V s_row                                  fixed cost; sampling
-    share(c)    1 - (1 - k / E)^c: the experts c sequences touch (each routed to k of E; ~1
-                at c = 128 for Qwen3-MoE's 8 of 128), 1 for a dense model
-    s_row       the sampler's cost per row and vocabulary entry: batched (vLLM's one-kernel
-                draw: unseeded requests, and seeded ones on Model Runner V2) or per request
-                (seeded requests on Model Runner V1, one noise kernel each),
-                ``StepShape.per_request_seeded_draw``
-    prefill     2 N n p / (t_r F mfu_prefill)
-    training    P G (p + r) (passes) (2 N + 2 L a d (p + r)) / (T F mfu x pipe x tp)
-                passes: forward + backward (3) + a recomputed forward (recompute) in the update;
-                the old log-probs' forward (1) and, in NeMo-RL's workload, the reference model's
-                forward (1, KL; DGPO has none) in the log-prob phase; mfu dense or MoE;
-                pipe = m / (m + pp - 1) (1F1B's bubble, m micro-batches per update and DP rank);
-                tp = 1 / (1 + comm / compute), sequence parallelism's four all-gathers /
-                reduce-scatters of [s, h] per layer over NVLink against the layer's FLOPs
-    refit       colocated: fixed + 2 N_all / B_refit + tensors x s_tensor (+ the training
-                state to the host and back over PCIe when train.offload_training_state);
-                dedicated: the same + 2 N_all / B_net (the broadcast to its engines, one NIC's
-                bandwidth however many engines: NCCL pipelines a broadcast along a ring)
+    colocated        step = generation(all GPUs) + training(all GPUs) + refit
+    dedicated, sync  step = generation(R GPUs) + training(the rest) + refit
+    one-step-off     step = max(generation, training) + refit
 
-and the placements combine them as
-
-    colocated        step = generation(E = world / t_r) + training(T = world) + refit
-    dedicated, sync  step = generation(E = R / t_r) + training(T = world - R) + refit
-    one-step-off     step = max(generation, training) + refit   (the engines generate batch
-                     k+1 while the trainer updates on batch k; the refit is taken between)
-
-with the trainer idle for generation - training and the engines for training - generation
-(whichever is positive). F, B_hbm, B_nvlink, B_net are ``Hardware``'s published peaks; the
-efficiencies and costs are the module's named constants below, each with its source: six
-fitted to four published NeMo-RL rows (``PUBLISHED_STEPS`` marks them), the sampler's measured,
-the rest typical published shares. docs/planner.md#published-step-times has the checks against
-published step times, the held-out rows included (tests/planner/test_published_steps.py).
+The formulas term by term and the named constants' sources (six fitted to four published
+NeMo-RL rows, which ``published_steps.PUBLISHED_STEPS`` marks): docs/planner.md#step-time.
 """
 
 from __future__ import annotations
@@ -71,8 +36,8 @@ blog, Llama-3.1-8B on 8 H100 (data parallel only, so nothing else to blame): pol
 MOE_TRAIN_MFU = 0.065
 """MoE training's share of F (active parameters' FLOPs), Megatron-Core with EP all-to-alls,
 token-dropless routing without load balancing and many small expert GEMMs (NeMo-RL's
-`moe_permute_fusion: false`). Fitted to the two Qwen3-30B-A3B rows of issue 30, minimising the
-worst ratio: NeMo-RL v0.3 blog on 64 H100 (training 50 s implies 0.048, log-probs 23 s 0.07)
+`moe_permute_fusion: false`). Fitted to the two Qwen3-30B-A3B rows of ``PUBLISHED_STEPS``,
+minimising the worst ratio: NeMo-RL v0.3 blog on 64 H100 (training 50 s implies 0.048, log-probs 23 s 0.07)
 and the v0.5 performance summary on 32 H100 (198 s; NeMo-RL's MoE training got faster between
 the two releases, so no single value fits both closer than ~1.2x)."""
 DECODE_HBM_EFFICIENCY = 0.6
@@ -86,12 +51,12 @@ PREFILL_MFU = 0.5
 DECODE_MFU = 0.5
 SAMPLING_S_PER_ROW_VOCAB = 0.88e-3 / (1024 * 152064)
 """The sampler's batched draw (unseeded requests): measured on an NVIDIA H200, 0.88 ms for
-vLLM's draw on probabilities [1024, 152064] (issue 30), per row and vocabulary entry; used for
-every GPU type (the draw is launch- and compute-bound, not HBM-bound)."""
+vLLM's draw on probabilities [1024, 152064] (``bench_sampling.py``), per row and vocabulary
+entry; used for every GPU type (the draw is launch- and compute-bound, not HBM-bound)."""
 SEEDED_SAMPLING_S_PER_ROW_VOCAB = 8.9e-3 / (1024 * 152064)
 """The same draw with every request seeded on vLLM's Model Runner V1: ``random_sample`` draws a
 seeded request's noise with its own kernel; measured on the H200, 8.9 ms for 1024 seeded rows at
-vocab 152064 (issue 30). Charged only with ``StepShape.per_request_seeded_draw``: vLLM 0.32 runs
+vocab 152064. Charged only with ``StepShape.per_request_seeded_draw``: vLLM 0.32 runs
 Model Runner V2 on CUDA, whose counter-based draw costs a seeded request the batched figure
 (``rollout.vllm_engine.seeded_draw``; benchmarks/bench_sampling.py)."""
 REFIT_FIXED_S = 3.85

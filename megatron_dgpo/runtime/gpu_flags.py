@@ -1,9 +1,7 @@
-"""The Megatron-Core settings of the GPU path, as pure functions of what the machine offers.
-
-A Megatron user expects a 14B run to have sequence parallelism, fused RoPE, fused weight-gradient
-accumulation and overlapped gradient reduction / parameter gathering. Each of those needs CUDA
-and some an extension; this module decides them from a ``Platform`` (``Platform.detect()`` on
-the live machine; tests pass ``Platform(cuda=True, ...)`` to check the GPU decisions on CPU):
+"""The Megatron-Core settings of the GPU path, as pure functions of a ``Platform`` (what the
+machine offers: ``Platform.detect()`` on the live machine, ``Platform(cuda=True, ...)`` in tests),
+and the checks that refuse a GPU run without the stack it needs (``require_gpu_stack``,
+``require_usable_cuda``, ``attention_backend``):
 
 | setting (where it goes)                           | on when                                   |
 | ------------------------------------------------- | ----------------------------------------- |
@@ -18,46 +16,7 @@ the live machine; tests pass ``Platform(cuda=True, ...)`` to check the GPU decis
 | logits dtype into ``logprobs_and_entropy``        | the model's dtype (bf16: no fp32 copy)    |
 | ``attention_backend`` (TransformerConfig)         | per GPU generation: ``attention_backend`` |
 
-Why each condition (Megatron-Core 0.16 and 0.19):
-
-* Sequence parallelism shards the norm inputs, the layer inputs and every tensor the linear
-  layers save over the TP ranks (activations / t instead of ~4 h unsharded per token and
-  layer). It needs the packed row length divisible by t: samples are padded to ``pad_multiple``
-  (t; 2 c t with context parallelism, which Megatron's THD split needs). Off on CPU: the CPU
-  path keeps the configuration its tests were written against (and memory is no issue there).
-  Without Transformer-Engine the model is Megatron's local spec, whose torch norms
-  (``WrappedTorchNorm``) refuse sequence parallelism.
-* Softmax fusion: only the local spec's attention reads ``masked_softmax_fusion``, and then
-  imports Megatron's compiled ``scaled_masked_softmax_cuda`` kernel, which the megatron-core
-  wheel does not ship (apex's build or Megatron-LM's ``fused_kernels`` does): on only when it
-  imports ("No module named 'scaled_masked_softmax_cuda'" at the first forward otherwise).
-  The local spec's attention mask type is "arbitrary" (``builder.layer_spec``): with "causal"
-  the fused path runs the upper-triangular kernel and ignores the packed row's block mask.
-* ``persist_layer_norm`` selects apex's persistent LayerNorm kernel; every family here is
-  RMSNorm, which both specs build without it (TE's norms; the local spec's torch norms, which
-  assert it is off), so it stays off (on, the local spec does not build on a GPU).
-* RoPE fusion: without it THD RoPE takes Megatron's unfused path, which reads ``cu_seqlens``
-  with ``.tolist()`` in every attention layer (a host sync per layer and micro-batch). The
-  fused kernels (``fused_apply_rotary_pos_emb[_thd]``) come from Transformer-Engine only;
-  ``TransformerConfig`` refuses the flag without them.
-* Gradient-accumulation fusion accumulates weight gradients straight into the fp32
-  ``main_grad`` from the GEMM. TE's linear layers do it natively, but ``GPTModel``'s output
-  layer is Megatron's own ``ColumnParallelLinear``, which raises unless apex's
-  ``fused_weight_gradient_mlp_cuda`` extension imports (``docker/Dockerfile`` builds it).
-  It needs ``main_grad``: models trained with it must be wrapped in Megatron's DDP (they are).
-* Attention of packed (THD) rows, Transformer-Engine 2.17.1 (``attention_backend``): cuDNN
-  fused attention takes THD only on sm90 and newer; on sm80 (A100) TE runs THD through
-  FlashAttention-2, and only when the ``flash-attn`` distribution is installed at a version it
-  accepts (vLLM's bundled ``vllm_flash_attn`` does not count). Otherwise TE silently takes
-  ``UnfusedDotProductAttention``, which does accept THD: it pads every sequence of the row to the
-  longest and allocates [b h, s, s] scores and a [b, 1, s, s] mask per layer. So the backend is
-  chosen here, explicitly, and a run that would reach the unfused one is refused at start-up.
-* Overlapped grad reduce launches each bucket's all-reduce / reduce-scatter during backward;
-  the schedule must then be told to hold it until the last micro-batch
-  (``schedule_sync_hooks``). Overlapped param gather (distributed optimizer only) defers the
-  all-gather of the updated parameters to the next forward: anything that reads weights
-  directly after ``optimizer.step()`` (refit, checkpoint) first calls
-  ``optimizer.sync_params``.
+Why each condition: docs/training.md, "The GPU settings".
 """
 
 from __future__ import annotations

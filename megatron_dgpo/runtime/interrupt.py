@@ -28,7 +28,7 @@ the block) raises it again from the record.
 
 Helper processes must outlive a stop signal: SLURM sends it to every process of a job step,
 so a grader worker or the result queue's manager of Megatron's checkpoint writers would die of
-it and the save in flight would break (seen on the test cluster). ``children_keep_running()``
+it and the save in flight would break. ``children_keep_running()``
 starts such children with the stop signals blocked; the mask is inherited across fork and exec,
 so they never see them (the parent closes them), while the parent's signals stay pending until
 the block ends, or reach another thread of it, and are not lost.

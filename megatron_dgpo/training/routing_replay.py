@@ -2,13 +2,9 @@
 each token to the experts the rollout engine chose for it, through Megatron-Core's
 ``RouterReplay`` (``megatron/core/transformer/moe/router_replay.py``).
 
-Why: the engine and the trainer compute the router's top-k from slightly different logits
-(kernels, and from the first update on, weights), and a flipped choice moves a token's
-log-prob by far more than the kernels' rounding; replaying the engine's choices keeps
-pi_old / pi_rollout and the importance ratio about the policy, not about routing noise
-(Megatron-LM #4168: Qwen3-30B-A3B GRPO collapses without it). Replay replaces only the top-k
-indices; the gate probabilities come from the current router scores, so the router still gets
-its gradient.
+Replay replaces only the top-k indices; the gate probabilities come from the current router
+scores, so the router still gets its gradient. Why replay at all (a flipped expert choice moves
+a token's log-prob by far more than the kernels' rounding): docs/moe.md.
 
     replay = RoutingReplay(models)          # routers of models built with moe_enable_routing_replay
     train_step(models, rows, loss, routing_replay=replay)      # rows carry routed_experts

@@ -1,82 +1,23 @@
 """One policy-gradient forward/backward on a mini-batch with Megatron's schedules, split-invariant.
 
-The trainer calls, per mini-batch (after ``models = wrap_ddp(build_model(...))``)::
+    result = train_step(models, micro_batches, loss_config, temperature=t)  # gradients final
+    optimizer.step()
+    outputs = forward_logprobs(models, micro_batches)   # [(logprobs [S], entropy [S])], no grad
+    loss, n = sft_step(models, micro_batches)           # the supervised warm start's NLL
 
-    result = train_step(models, micro_batches, LossConfig(method="dgpo"), vocab_size=V)
-    optimizer.step()          # the trainer's (Megatron's optimizer on GPU)
-
-and, for old log-probs or evaluation::
-
-    outputs = forward_logprobs(models, micro_batches, vocab_size=V)   # [S] per micro-batch
-
-and, for the supervised warm start (``megatron_dgpo.sft``), ``sft_step(models, micro_batches)``:
-the token-mean negative log-likelihood with the same normalisation.
-
-Normalisation. The loss is the DGPO estimator averaged over the N valid tokens of the WHOLE
-mini-batch: all micro-batches of this rank and of every data-parallel rank,
+``models`` are this rank's chunks wrapped by ``policy.wrap_ddp``; ``micro_batches`` are
+``packing.MicroBatch`` rows (any count and shapes per rank). The loss is averaged over the N
+valid tokens of the WHOLE mini-batch, every micro-batch of every data-parallel rank,
 
     L = -(1/N) sum_{all DP ranks, micro-batches, tokens t} mask_t s_t,     N = sum mask_t,
 
-so the gradient does not depend on TP, PP, DP sizes or on how a rank's rows are cut into
-micro-batches. How Megatron's own averaging is neutralised: the model config has
-``calculate_per_token_loss=True`` (``builder.transformer_config_from_hf`` sets it; checked here),
-and the loss function returns the triple ``(-sum_t mask_t s_t, n_valid_tokens, logs)``
-(``policy_loss(..., num_tokens=1)``). With that flag
-
-* the schedule does not divide the loss by ``num_microbatches`` (it only sums the token counts),
-* Megatron DDP sums gradients over DP instead of averaging (``gradient_scaling_factor = 1``),
-* ``finalize_model_grads(models, total_tokens)`` broadcasts the count from the last pipeline
-  stage, all-reduces it over DP and scales every gradient by ``1/N``.
-
-So the gradients left in ``param.main_grad`` are exactly dL/dtheta. N is also all-reduced over DP
-here before the schedule runs (every rank knows its masks) and checked against the count
-Megatron used. ``finalize_model_grads`` (DP all-reduce, tied-embedding gradient sum across the
-first and last pipeline stages, 1/N scaling) runs inside ``train_step``: afterwards the
-gradients are final and the optimizer may step.
-
-Other aggregations (``LossConfig.loss_aggregation``, ``losses.sample_loss_weights``). Micro-batches
-that carry ``loss_weights`` c_t (computed per sample from whole groups before packing) give
-
-    L = -(1/W) sum_t mask_t c_t s_t,      W = sum_{all DP ranks, micro-batches} mask_t c_t,
-
-the number of groups (``group_token_mean``) or samples (``seq_mean_token_mean``) of the
-mini-batch; tokens with c_t = 0 (filtered groups) are out of the loss, of N and of the metrics.
-W is all-reduced over DP with N, and each micro-batch's sum is scaled by N / W before Megatron
-divides by N, so Megatron's integer token path is kept and the result is as split-invariant as
-N itself. ``rollout_correction: tis`` multiplies each token's term by
-``losses.truncated_is_weights`` (not part of W). Without ``loss_weights`` and TIS the code path
-is the token-mean one above, unchanged.
-
-Metrics (``policy_loss`` metrics + entropy as token-weighted ``entropy_sum`` and the loss sum)
-are merged exactly over micro-batches on the last stage (``losses.merge_metrics``), broadcast
-to the other pipeline stages, and reduced over DP (``losses.reduce_metrics``): every rank
-returns the same numbers.
-
-Micro-batches are ``packing.MicroBatch`` rows, built by ``packing.pack`` (or
-``packing.padded_micro_batch``) and passed unchanged: 1-D per-token tensors and the samples'
-boundaries as host ``cu_seqlens``. Megatron's RoPE uses positions 0..S-1 of the row
-(``position_ids`` only matter for learned absolute embeddings), so packed samples rely on RoPE
-being relative. With the local spec a row gets the block-diagonal causal mask built from
-``cu_seqlens``; with Transformer-Engine (GPU) it goes in as THD ``PackedSeqParams`` with the
-same ``cu_seqlens`` (the longest sample read on the host), because TE's causal kernel ignores
-arbitrary masks. The THD path needs a GPU with TE and has not been run yet (no GPU here).
-
-Logits dtype. A bf16 model is wrapped in Megatron's ``Float16Module``, which by default upcasts
-the last stage's output to fp32: an fp32 copy of the [S, V / TP] logits (8 bytes per logit with
-its gradient instead of 4). The forward step asks it for ``fp32_output=False`` instead, so the
-logits reach ``vocab_parallel.logprobs_and_entropy`` in bf16 and are upcast there one chunk at
-a time (bf16 -> fp32 is exact: the log-probs are the same).
-
-Routing replay (``algorithm.routing_replay: r3``, MoE): ``train_step`` and ``forward_logprobs``
-take ``routing_replay=`` a ``routing_replay.RoutingReplay``; each micro-batch's
-``routed_experts`` (the rollout engine's expert ids) are handed to the routers of the chunk
-about to run it, right before its forward, and every router is back to free routing when the
-schedule returns (also on an error). None (the default): routing is the router's own.
-
-Overlapped gradient reduction (``gpu_flags.ddp_flags`` on a GPU): the schedule gets
-``gpu_flags.schedule_sync_hooks`` (DDP's ``no_sync`` for all but the last micro-batch, as
-Megatron-LM's training loop sets them), so each bucket is reduced once, after the last
-micro-batch's backward.
+(or over W = sum_t c_t with the per-token weights c_t of ``losses.sample_loss_weights``), so the
+gradient does not depend on TP, PP, DP or on how a rank's rows are cut into micro-batches. On
+return the gradients in ``param.main_grad`` are final (DP-reduced, tied embeddings synchronised,
+scaled by 1/N) and every rank returns the same numbers. How Megatron's own averaging is
+neutralised, the weighted aggregations, the metrics' reduction, packed rows with and without
+Transformer-Engine, the logits dtype, routing replay and overlapped reduction: docs/training.md,
+"How the train step normalises".
 """
 
 from __future__ import annotations
@@ -135,7 +76,7 @@ def _packed_seq_params(mb: MicroBatch, device):
 
 def _forward_kwargs(model) -> dict:
     """``{"fp32_output": False}`` when ``model`` (or a wrapper inside it) is Megatron's
-    ``Float16Module``: logits stay in the model's dtype (module docstring); else nothing."""
+    ``Float16Module``: logits stay in the model's dtype (docs/training.md); else nothing."""
     from megatron.core.transformer.module import Float16Module
 
     while True:
@@ -244,7 +185,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
             ``models[0].hf_spec.vocab_size`` when built by ``builder.build_model``.
         zero_grad: zero the DDP gradient buffers first (set False to accumulate).
         routing_replay: a ``routing_replay.RoutingReplay``: the routers replay each
-            micro-batch's ``routed_experts`` (module docstring); None: free routing.
+            micro-batch's ``routed_experts`` (docs/training.md); None: free routing.
 
     Returns:
         ``StepResult`` (same on every rank). Gradients are in ``param.main_grad``, already

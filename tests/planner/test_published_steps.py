@@ -1,6 +1,6 @@
 """megatron_dgpo/planner/published_steps.py: the step-time model against published step times:
-issue 30's nine NeMo-RL rows on H100 (every total within 25%, every published phase within 35%
-but the two named misses), published rows no constant was fitted to, and the table in
+the nine NeMo-RL rows on H100 of ``PUBLISHED_STEPS`` (every total within 25%, every published
+phase within 35% but the two named misses), published rows no constant was fitted to, and the table in
 docs/planner.md."""
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_gpu_layout_gets_megatron_users_flags():
 
 
 def test_a_gpu_node_with_only_torch_and_megatron_core_builds_the_local_spec():
-    """The first GPU run (issue 29): a GPU node without TE, apex or Megatron's compiled kernels
+    """The first GPU run: a GPU node without TE, apex or Megatron's compiled kernels
     (``model.without_transformer_engine``). The flags were on with CUDA alone, and Megatron's
     local spec refused them: its torch norms assert ``persist_layer_norm`` and
     ``sequence_parallel`` off at build, and the fused masked softmax imports

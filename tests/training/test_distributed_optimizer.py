@@ -2,7 +2,7 @@
 GPU recipe runs it: its updates equal the plain optimizer's, and its checkpoints, written in the
 background by Megatron's persistent writer, resume bit for bit at the same layout and within
 float rounding at another DP size (``dp_reshardable``, Megatron-LM's default) or another TP
-size (``fully_reshardable``), or are refused with the reason. Issue 29: every save of the
+size (``fully_reshardable``), or are refused with the reason. Every save of the
 distributed optimizer crashed in Megatron's default sharding type, and its resume without apex
 or Transformer-Engine failed on Adam's empty per-parameter step."""
 

@@ -1,4 +1,4 @@
-"""Rollout routing replay (R3, ``algorithm.routing_replay: r3``; issue 20.4): the engine's expert
+"""Rollout routing replay (R3, ``algorithm.routing_replay: r3``): the engine's expert
 choices travel with the samples and Megatron's routers replay them.
 
 * pure: off by default, an unknown value and the transformers engine refused by the recipe, a
