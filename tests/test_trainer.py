@@ -464,11 +464,13 @@ def test_tied_embeddings_refit_keeps_the_engine_on_the_trained_policy(tmp_path):
 
     from safetensors.torch import load_file
 
-    run_dir, fixture = tmp_path / "tied", ROOT / "tests" / "convert" / "fixtures" / "bridge" / "qwen2_tied"
+    run_dir = tmp_path / "tied"
+    fixture = ROOT / "tests" / "convert" / "fixtures" / "bridge" / "qwen2_tied"
     _check(_train(run_dir, f"model.path={fixture / 'bridge'}", "model.tiny=null", "train.steps=3",
                   "checkpoint.save_every=0", "checkpoint.export_hf=false"))
     assert json.loads((run_dir / "initial_model" / "config.json").read_text())["tie_word_embeddings"]
-    got, want = (load_file(str(d / "model.safetensors")) for d in (run_dir / "initial_model", fixture / "hf"))
+    got, want = (load_file(str(d / "model.safetensors"))
+                 for d in (run_dir / "initial_model", fixture / "hf"))
     # exact: a lossless conversion of the same values
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     records = read_metrics(run_dir)

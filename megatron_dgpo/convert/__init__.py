@@ -16,11 +16,11 @@ Modules (one job each):
 
 Public API:
     hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, *, dtype=None,    HF folder -> torch_dist checkpoint
-                   format="dgpo")                                 (format="bridge": Bridge's container)
+                   format="dgpo")                                 ("bridge": Bridge's container)
     megatron_to_hf(ckpt_dir, out_dir, dtype=None)                 torch_dist checkpoint (ours or
                                                                   Bridge's) -> HF folder
     load_model(path, *, dtype=torch.float32, **overrides)         GPTModel chunks from any of them
-    find_model_checkpoint(path)                                   the model checkpoint at path, or None
+    find_model_checkpoint(path)                                   the model checkpoint at path or None
     export_hf_weights(model_chunks, *, consumer="all")            live model -> (hf_name, tensor)
     export_from_checkpoint(ckpt_dir)                              checkpoint -> (hf_name, tensor)
     write_hf_checkpoint(pairs, out_dir, *, dtype=None)            pairs -> sharded safetensors
@@ -42,4 +42,5 @@ from megatron_dgpo.models import FAMILIES, family_for, supported_architectures
 __all__ = ["FAMILIES", "family_for", "supported_architectures", "export_from_checkpoint",
            "export_hf_weights", "find_model_checkpoint", "hf_to_megatron", "load_hf_into",
            "load_model", "megatron_to_hf", "model_sharded_state_dict", "read_metadata",
-           "single_process_group", "write_metadata", "LazyHFReader", "ShardedSafetensorsWriter", "copy_side_files", "write_hf_checkpoint"]
+           "single_process_group", "write_metadata", "LazyHFReader", "ShardedSafetensorsWriter",
+           "copy_side_files", "write_hf_checkpoint"]

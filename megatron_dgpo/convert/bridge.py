@@ -124,9 +124,9 @@ def bridge_iteration(path: str) -> str | None:
     else:
         return None
     if not os.path.isfile(os.path.join(folder, RUN_CONFIG)):
-        raise FileNotFoundError(f"missing file: {os.path.join(folder, RUN_CONFIG)} (Megatron-Bridge's "
-                                f"model config; a Megatron-LM checkpoint has none: describe it with "
-                                f"megatron_dgpo.convert.write_metadata)")
+        raise FileNotFoundError(f"missing file: {os.path.join(folder, RUN_CONFIG)} (Megatron-"
+                                f"Bridge's model config; a Megatron-LM checkpoint has none: "
+                                f"describe it with megatron_dgpo.convert.write_metadata)")
     return folder
 
 
@@ -162,14 +162,14 @@ def hf_config_from_provider(model: dict, where: str = RUN_CONFIG) -> dict:
     builder cannot reproduce, or a missing field."""
     def field(name):
         if model.get(name) is None:
-            raise ValueError(f"{where}: model.{name} is missing (a Megatron-Bridge GPTModelProvider "
-                             f"field)")
+            raise ValueError(f"{where}: model.{name} is missing (a Megatron-Bridge "
+                             f"GPTModelProvider field)")
         return model[name]
 
     for name, (value, meaning) in _REQUIRED.items():
         if model.get(name, value) != value:
-            raise ValueError(f"{where}: model.{name}={model[name]!r} is not supported (this project "
-                             f"builds {meaning}: {name}={value!r})")
+            raise ValueError(f"{where}: model.{name}={model[name]!r} is not supported (this "
+                             f"project builds {meaning}: {name}={value!r})")
     activation = _target(model.get("activation_func")) or _ACTIVATION
     if activation != _ACTIVATION:
         raise ValueError(f"{where}: model.activation_func={activation!r} is not supported (silu "

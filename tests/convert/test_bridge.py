@@ -174,8 +174,8 @@ def test_dgpo_convert_writes_bridges_layout_with_bridges_names_and_config(tmp_pa
         assert differ == ({"moe_aux_loss_coeff": (0.0, 0.001)} if case == "qwen3_moe" else {})
         if case == "qwen3_moe":  # what Bridge 0.6.2's Qwen3MoEBridge.provider_bridge sets
             assert [ours[k] for k in sorted(cpu_patched)] == [True, True, "alltoall"]
-        config = _run_config(ours_iter)
-        assert config["checkpoint"]["save_optim"] is False and config["checkpoint"]["save_rng"] is False
+        checkpoint = _run_config(ours_iter)["checkpoint"]
+        assert checkpoint["save_optim"] is False and checkpoint["save_rng"] is False
         assert {ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]} == {1}
         megatron_to_hf(str(out), str(tmp_path / f"{case}_back"))
         _assert_bitwise(dict(iter_hf_tensors(str(tmp_path / f"{case}_back"))), _hf(case),
