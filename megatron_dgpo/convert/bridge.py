@@ -119,8 +119,9 @@ def bridge_iteration(path: str) -> str | None:
         raise FileNotFoundError(f"missing file: {tracker} (a Megatron-Bridge checkpoint folder "
                                 f"names its latest iteration there; it holds {iterations}: pass "
                                 f"one of them instead)")
-    elif _ITER.match(os.path.basename(os.path.normpath(path))):
-        folder = path  # an iteration folder without its run_config.yaml
+    elif (_ITER.match(os.path.basename(os.path.normpath(path)))
+          and os.path.isfile(os.path.join(path, "metadata.json"))):
+        folder = path  # a torch_dist iteration folder without its run_config.yaml
     else:
         return None
     if not os.path.isfile(os.path.join(folder, RUN_CONFIG)):

@@ -218,6 +218,8 @@ def test_wrong_or_partial_bridge_folders_are_refused_naming_what_is_missing(tmp_
     (parent / "iter_0000005" / "run_config.yaml").unlink()
     with pytest.raises(FileNotFoundError, match=r"iter_0000005/run_config\.yaml"):
         find_model_checkpoint(str(parent))
+    with pytest.raises(FileNotFoundError, match=r"iter_0000005/run_config\.yaml"):
+        load_model(str(parent / "iter_0000005"))  # an iteration folder itself
     os.remove(parent / "iter_0000000" / ".metadata")
     with pytest.raises(FileNotFoundError, match=r"iter_0000000/\.metadata"):
         find_model_checkpoint(str(parent / "iter_0000000"))
