@@ -86,8 +86,9 @@ def tp2pp2_fn(rank, world_size, dirs: dict):
     return out
 
 
-def tp2_fn(rank, world_size, dirs: dict, tokens):
-    """TP2 (PP1): logits from the TP2xPP2 checkpoints and from the TP2 x PP1 one."""
+def tp2_fn(rank, world_size, dirs: dict, tokens, bridge_dir: str):
+    """TP2 (PP1): logits from the TP2xPP2 checkpoints, from the TP2 x PP1 one, and from a
+    checkpoint Megatron-Bridge wrote (its unpadded vocabulary resharded over TP)."""
     from megatron_dgpo.convert import load_model  # the public entry point
     from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
@@ -97,6 +98,7 @@ def tp2_fn(rank, world_size, dirs: dict, tokens):
         out[case] = _full_logits(load_model(mg_dir), tokens)
     hf_dir, _ = dirs["qwen2_vocab300"]
     out["saved_tp2pp1"] = _full_logits(load_model(hf_dir + "_tp2pp1"), tokens)
+    out["bridge"] = _full_logits(load_model(bridge_dir), tokens % 160)
     destroy_parallel()
     return out
 

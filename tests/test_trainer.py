@@ -182,6 +182,30 @@ def test_checkpoint_and_hf_export(full_run):
     assert breakdown_main([str(full_run)]) == 0
 
 
+def test_load_model_reads_the_jobs_training_checkpoint(full_run):
+    """convert.load_model on the job's last training checkpoint (model, optimizer, RNG, and its
+    content metadata in the common state) reads the model alone: its weights are the HF
+    export's (megatron_to_hf of the same checkpoint, another reader), bitwise."""
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import load_file
+
+    from megatron_dgpo.convert import export_hf_weights, load_model, single_process_group
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    checkpoint = full_run / "checkpoints" / "step_000050"
+    assert "content_metadata" in dist_checkpointing.load_common_state_dict(str(checkpoint))
+    with single_process_group():
+        initialize_parallel(ParallelConfig())
+        try:
+            got = {k: v.clone() for k, v in export_hf_weights(load_model(str(checkpoint)))}
+        finally:
+            destroy_parallel()
+    want = load_file(str(full_run / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:  # exact: two readers of the same stored values
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
 def test_killed_mid_save_then_resumed_equals_uninterrupted(full_run, tmp_path):
     run_dir = tmp_path / "killed"
     killed = _run(["tests/_train_killed_during_save.py", "4", str(RECIPE), f"run_dir={run_dir}",
@@ -431,18 +455,30 @@ def _running(process) -> bool:
 def test_tied_embeddings_refit_keeps_the_engine_on_the_trained_policy(tmp_path):
     """Qwen2.5-0.5B's shape family ties the output layer to the embedding: the refit must carry
     the trained embedding into vLLM's tied lm_head. After every update the engine's sampled
-    log-probs equal the trainer's (a stale or untied head would be off by the update)."""
+    log-probs equal the trainer's (a stale or untied head would be off by the update).
+
+    The run warm-starts from a tied Qwen2 that Megatron-Bridge wrote (``model.path`` = its
+    checkpoint folder, tests/convert/fixtures/bridge/qwen2_tied): its initial policy is the HF
+    original's weights, converted once into ``initial_model``."""
     import json
 
+    from safetensors.torch import load_file
+
     run_dir = tmp_path / "tied"
-    _check(_train(run_dir, "model.tiny.tie_word_embeddings=true", "train.steps=3",
+    fixture = ROOT / "tests" / "convert" / "fixtures" / "bridge" / "qwen2_tied"
+    _check(_train(run_dir, f"model.path={fixture / 'bridge'}", "model.tiny=null", "train.steps=3",
                   "checkpoint.save_every=0", "checkpoint.export_hf=false"))
     assert json.loads((run_dir / "initial_model" / "config.json").read_text())["tie_word_embeddings"]
+    got, want = (load_file(str(d / "model.safetensors"))
+                 for d in (run_dir / "initial_model", fixture / "hf"))
+    # exact: a lossless conversion of the same values
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     records = read_metrics(run_dir)
     assert len(records) == 3
     for record in records:
         assert record["mismatch/mean_abs_diff"] < 1e-5 and record["mismatch/max_abs_diff"] < 1e-3, record
-    assert records[1]["train/grad_norm"] > 0  # the policy did move between the samples
+    # the policy did move between the samples: a refit after a real update was checked
+    assert any(record["train/grad_norm"] > 0 for record in records[:-1]), records
 
 
 @pytest.mark.slow  # two 2-step runs with up to 3 sampling rounds each: `make test-slow`

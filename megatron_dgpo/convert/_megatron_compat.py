@@ -10,8 +10,9 @@ Private or internal pieces used (and why):
     megatron.core.dist_checkpointing.strategies.torch: ``MCoreSavePlanner``,
         ``TorchDistSaveShardedStrategy``, ``_replace_state_dict_keys_with_sharded_keys``,
         ``mcore_to_pyt_state_dict``: a torch_dist save whose tensor data are produced on demand
-    ``ShardedTensor`` fields ``local_shape``, ``global_offset``, ``axis_fragmentations``,
-        ``prepend_axis_num``, ``flattened_range``: store a big tensor as several row chunks
+    ``ShardedTensor`` fields ``local_shape``, ``global_shape``, ``global_offset``,
+        ``axis_fragmentations``, ``prepend_axis_num``, ``flattened_range``, ``key``: store a big
+        tensor as several row chunks, its vocabulary rows unpadded, under another key
     torch.distributed.checkpoint.planner_helpers ``_create_read_items`` and the
         ``__create_chunk_list__`` / ``__get_tensor_shard__`` tensor protocol: read one box of a
         stored tensor without materialising the rest
@@ -113,6 +114,26 @@ def split_rows(sharded_tensor, parts: int) -> list:
         global_offset=(sh.global_offset[0] + j * step,) + sh.global_offset[1:],
         axis_fragmentations=(sh.axis_fragmentations[0] * parts,) + sh.axis_fragmentations[1:])
         for j in range(parts)]
+
+
+def trim_rows(sharded_tensor, rows: int):
+    """A whole (unsharded) ``ShardedTensor`` whose global tensor keeps its first ``rows`` rows."""
+    sh = sharded_tensor
+    if tuple(sh.local_shape) != tuple(sh.global_shape) or sh.prepend_axis_num:
+        raise ValueError(f"{sh.key}: only a whole, unsharded tensor can drop rows")
+    shape = (rows,) + tuple(sh.global_shape[1:])
+    return dataclasses.replace(sh, data=sh.data[:rows], local_shape=shape, global_shape=shape)
+
+
+def rename_keys(sharded_state_dict: dict, renamed: dict) -> None:
+    """Give the sharded tensors (and other sharded objects) of a nested sharded state dict whose
+    checkpoint key is in ``renamed`` the key ``renamed[key]``, in place: they then load from,
+    or save to, that key."""
+    for name, value in sharded_state_dict.items():
+        if isinstance(value, dict):
+            rename_keys(value, renamed)
+        elif getattr(value, "key", None) in renamed:
+            sharded_state_dict[name] = dataclasses.replace(value, key=renamed[value.key])
 
 
 def plain_row_sharded(value) -> bool:

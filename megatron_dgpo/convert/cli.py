@@ -1,11 +1,15 @@
 """``dgpo-convert``: HF <-> Megatron-Core (torch_dist) checkpoint conversion.
 
     dgpo-convert hf-to-megatron HF_DIR OUT_DIR [--tp 2 --pp 2 --ep 2] [--dtype bfloat16]
+    dgpo-convert hf-to-megatron HF_DIR OUT_DIR --format bridge     # for Megatron-Bridge
     dgpo-convert megatron-to-hf CKPT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-gb 5]
 
 hf-to-megatron with max(tp, ep) * pp > 1 spawns that many local gloo processes, or runs
 collectively when started under torchrun (world size a multiple of it). The checkpoint loads
-at any TP/PP/EP either way.
+at any TP/PP/EP either way. ``--format bridge`` writes Megatron-Bridge's container (NeMo-RL,
+verl): ``iter_0000000/`` with ``run_config.yaml``. megatron-to-hf reads this project's
+checkpoints (converted or from training) and Megatron-Bridge's (an ``iter_*`` folder or its
+parent, whose latest iteration it takes).
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="expert-parallel layout to write with (MoE models)")
     to_mg.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                        help="stored dtype (default: the HF tensors' dtype)")
-    to_hf = sub.add_parser("megatron-to-hf", help="torch_dist checkpoint -> HF folder")
+    to_mg.add_argument("--format", choices=("dgpo", "bridge"), default="dgpo",
+                       help="container: this project's (default) or Megatron-Bridge's "
+                            "(written at tp = pp = ep = 1)")
+    to_hf = sub.add_parser("megatron-to-hf", help="torch_dist checkpoint (this project's or "
+                                                  "Megatron-Bridge's) -> HF folder")
     to_hf.add_argument("ckpt_dir")
     to_hf.add_argument("out_dir")
     to_hf.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
@@ -48,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-megatron":
             hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
-                           dtype=dtype, progress=True)
+                           dtype=dtype, progress=True, format=args.format)
         else:
             megatron_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype,
                            max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True)

@@ -1,8 +1,9 @@
-"""HF folder or converted checkpoint -> this rank's live model chunks (``load_model``).
+"""HF folder or Megatron checkpoint -> this rank's live model chunks (``load_model``).
 
 An HF folder is copied tensor by tensor into each rank's TP shards and PP layers
-(``load_hf_into``); a converted checkpoint is loaded by Megatron-Core's dist_checkpointing,
-which reshards it to the current TP/PP/VPP.
+(``load_hf_into``); a model checkpoint (converted, training or Megatron-Bridge's,
+``checkpoint_format.find_model_checkpoint``) is loaded by Megatron-Core's dist_checkpointing,
+which reshards it to the current TP/PP/VPP and vocabulary padding.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import os
 
 import torch
 
-from megatron_dgpo.convert.checkpoint_format import (METADATA_FILE, model_sharded_state_dict,
-                                                     read_metadata)
+from megatron_dgpo.convert import _megatron_compat as compat
+from megatron_dgpo.convert.bridge import RUN_CONFIG, TRACKER
+from megatron_dgpo.convert.checkpoint_format import (METADATA_FILE, find_model_checkpoint,
+                                                     model_sharded_state_dict)
 from megatron_dgpo.convert.hf_source import HFSource
 from megatron_dgpo.convert.safetensors_io import read_hf_config
 from megatron_dgpo.convert.transforms import expert_shape, megatron_shape, tp_shard_boxes
@@ -62,25 +65,36 @@ def load_hf_into(chunks, hf_dir: str) -> None:
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, **overrides) -> list:
     """This rank's model chunks (``list[GPTModel]``) on the current parallel state, loaded from
-    an HF folder (config.json + safetensors) or a checkpoint written by ``hf_to_megatron``.
+    an HF folder (config.json + safetensors) or a torch_dist model checkpoint: one written by
+    ``hf_to_megatron`` or saved by training, or Megatron-Bridge's (an ``iter_*`` folder or its
+    parent, whose latest iteration is loaded).
 
-    ``overrides`` go to ``megatron_dgpo.models.builder.build_model`` (TransformerConfig fields).
-    Collective over the world when loading a torch_dist checkpoint.
+    A checkpoint's model tensors only are read, at its vocabulary padding or none (the rows
+    past the HF vocabulary are zero); its common state (this project's, Bridge's or
+    Megatron-LM's) and any optimizer or RNG state are left alone. ``overrides`` go to
+    ``megatron_dgpo.models.builder.build_model`` (TransformerConfig fields). Collective over the
+    world when loading a torch_dist checkpoint.
     """
     from megatron.core import dist_checkpointing
 
-    if os.path.isfile(os.path.join(path, METADATA_FILE)):
-        meta = read_metadata(path)
-        chunks = build_model(meta["hf_config"], dtype=dtype, **overrides)
-        state = dist_checkpointing.load(model_sharded_state_dict(chunks), path)
-        if len(chunks) == 1:
-            state = {"model0": state}
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(state[f"model{i}"], strict=True)
+    checkpoint = find_model_checkpoint(path)
+    if checkpoint is not None:
+        chunks = build_model(checkpoint.meta["hf_config"], dtype=dtype, **overrides)
+        sharded = model_sharded_state_dict(chunks)
+        per_chunk = [sharded] if len(chunks) == 1 else [sharded[f"model{i}"]
+                                                        for i in range(len(chunks))]
+        wanted = [set(keys) for keys in per_chunk]
+        compat.rename_keys(sharded, checkpoint.renamed)
+        state = dist_checkpointing.load(sharded, checkpoint.dir)
+        states = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
+        for chunk, loaded, keys in zip(chunks, states, wanted):
+            # the loaded dict holds the checkpoint's common state too: the model's keys only
+            chunk.load_state_dict({k: v for k, v in loaded.items() if k in keys}, strict=True)
         return chunks
     if os.path.isfile(os.path.join(path, "config.json")):
         chunks = build_model(read_hf_config(path), dtype=dtype, **overrides)
         load_hf_into(chunks, path)
         return chunks
     raise FileNotFoundError(f"missing files: {path} holds neither {METADATA_FILE} (a converted "
+                            f"checkpoint), {RUN_CONFIG} or {TRACKER} (a Megatron-Bridge "
                             f"checkpoint) nor config.json (an HF checkpoint)")

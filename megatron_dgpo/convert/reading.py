@@ -1,17 +1,16 @@
-"""Megatron-Core ``torch_dist`` checkpoint -> HF: read a converted (or training) checkpoint one
-(layer, tensor) box at a time with torch.distributed.checkpoint, in one process, without
-torch.distributed, and write it as sharded safetensors (``megatron_to_hf``).
+"""Megatron-Core ``torch_dist`` checkpoint -> HF: read a converted, training or Megatron-Bridge
+checkpoint one (layer, tensor) box at a time with torch.distributed.checkpoint, in one process,
+without torch.distributed, and write it as sharded safetensors (``megatron_to_hf``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import torch
 
 from megatron_dgpo.convert import _megatron_compat as compat
-from megatron_dgpo.convert.checkpoint_format import ASSETS_DIR, read_metadata
+from megatron_dgpo.convert.checkpoint_format import open_model_checkpoint
 from megatron_dgpo.convert.hf_source import iter_params
 from megatron_dgpo.convert.safetensors_io import (TensorBlocks, copy_side_files,
                                                   write_hf_checkpoint)
@@ -28,27 +27,23 @@ def _row_blocks(reader, key: str, bounds: list[int], shape: tuple[int, ...], dty
 
 def export_from_checkpoint(ckpt_dir: str, *, row_blocks: bool = False
                            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` pairs of a converted checkpoint, one Megatron tensor in memory at a time.
+    """``(hf_name, tensor)`` pairs of a model checkpoint (``checkpoint_format.
+    open_model_checkpoint``: converted, training or Megatron-Bridge's), one Megatron tensor in
+    memory at a time.
 
     Runs in one process without torch.distributed (reads with torch.distributed.checkpoint).
     With ``row_blocks``, embeddings and lm_head stored in several row chunks come as
     ``TensorBlocks`` (one stored chunk in memory at a time) for ``write_hf_checkpoint``.
     """
-    meta = read_metadata(ckpt_dir)
-    cfg = meta["hf_config"]
+    checkpoint = open_model_checkpoint(ckpt_dir)
+    cfg = checkpoint.meta["hf_config"]
     family = family_for(cfg)
-    dims = describe(cfg, padded_vocab=meta["padded_vocab_size"]).dims
-    reader = compat.checkpoint_reader(ckpt_dir)
+    dims = describe(cfg, padded_vocab=checkpoint.meta["padded_vocab_size"]).dims
+    reader = compat.checkpoint_reader(checkpoint.dir)
     stored = compat.stored_tensors(reader)
     for pm, layer in iter_params(family.active(cfg), dims.layers):
-        key = pm.key()
-        if key not in stored:
-            raise KeyError(f"tensor {key!r} is missing from the checkpoint {ckpt_dir}")
+        key = checkpoint.stored_key(pm.key())  # shapes checked by open_model_checkpoint
         shape = megatron_shape(pm, dims)
-        full = ((dims.layers,) if pm.per_layer else ()) + shape
-        if tuple(stored[key].size) != full:
-            raise ValueError(f"shape mismatch for tensor {key!r}: the checkpoint has "
-                             f"{tuple(stored[key].size)}, its config implies {full}")
         dtype = stored[key].properties.dtype
         starts = sorted({int(c.offsets[0]) for c in stored[key].chunks})
         if row_blocks and not pm.per_layer and pm.kind in ("copy", "vocab") and len(starts) > 1:
@@ -68,16 +63,17 @@ def export_from_checkpoint(ckpt_dir: str, *, row_blocks: bool = False
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, *,
                    max_shard_bytes: int = 5 * 1024**3, progress: bool = False) -> str:
-    """Convert a checkpoint written by ``hf_to_megatron`` (or saved by training) to an HF folder.
+    """Convert a checkpoint written by ``hf_to_megatron``, saved by training or written by
+    Megatron-Bridge (an ``iter_*`` folder or its parent) to an HF folder.
 
     ``dtype`` defaults to the converted HF checkpoint's dtype. Writes sharded safetensors
     (+ index), config.json (``torch_dtype`` updated when ``dtype`` is given), generation config and tokenizer files. Streams: one tensor in memory at a time.
     Runs in one process, without torch.distributed.
     """
-    meta = read_metadata(ckpt_dir)
-    cfg = dict(meta["hf_config"])
+    checkpoint = open_model_checkpoint(ckpt_dir)
+    cfg = dict(checkpoint.meta["hf_config"])
     if dtype is None:  # the source's dtype (Megatron may keep e.g. norms in float32)
-        dtype = getattr(torch, meta["dtype"])
+        dtype = getattr(torch, checkpoint.meta["dtype"])
     else:
         name = str(dtype).replace("torch.", "")
         cfg.update({key: name for key in ("torch_dtype", "dtype") if key in cfg} or
@@ -94,5 +90,5 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None
                         max_shard_bytes=max_shard_bytes, progress=bar)
     if bar is not None:
         bar.close()
-    copy_side_files(os.path.join(ckpt_dir, ASSETS_DIR), out_dir, config=cfg)
+    copy_side_files(checkpoint.assets, out_dir, config=cfg)
     return out_dir

@@ -1,4 +1,5 @@
-"""HF -> Megatron-Core: write an HF checkpoint folder as a ``torch_dist`` checkpoint, streaming.
+"""HF -> Megatron-Core: write an HF checkpoint folder as a ``torch_dist`` checkpoint, streaming,
+in this project's container or in Megatron-Bridge's (``bridge.py``).
 
 The model is built on the ``meta`` device (no weights in memory), and a save planner computes
 each checkpoint chunk when the writer asks for it, from the few HF rows it needs
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dgpo.convert import _megatron_compat as compat
+from megatron_dgpo.convert.bridge import (COMMON_STATE, CONTENT_METADATA, FIRST_ITERATION,
+                                          write_bridge_files)
 from megatron_dgpo.convert.checkpoint_format import model_sharded_state_dict, write_metadata
 from megatron_dgpo.convert.hf_source import HFSource, conversion_overrides
 from megatron_dgpo.models.builder import build_model
@@ -24,6 +27,9 @@ from megatron_dgpo.runtime.cpu import cpu_only
 from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
 _CHUNK_BYTES = 64 * 1024**2  # largest stored chunk of embeddings / lm_head written by us
+FORMATS = ("dgpo", "bridge")
+"""Containers ``hf_to_megatron`` writes: this project's (``dgpo_convert.json``) or
+Megatron-Bridge's (``iter_0000000/`` with ``run_config.yaml``)."""
 
 
 def _streaming_save_strategy(source: HFSource, progress: bool = False):
@@ -121,8 +127,16 @@ def _world(tp: int, pp: int, ep: int) -> int:
     return max(tp, ep) * pp
 
 
+def _unpadded_vocab(sharded: dict, source: HFSource) -> dict:
+    """Bridge's layout: the embedding and output layer store the HF vocabulary's rows only."""
+    vocab = {pm.key() for pm in source.params if pm.kind == "vocab"}
+    return {name: compat.trim_rows(value, source.dims.vocab)
+            if getattr(value, "key", None) in vocab else value for name, value in sharded.items()}
+
+
 def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
-                        dtype: torch.dtype | None, progress: bool = False) -> None:
+                        dtype: torch.dtype | None, progress: bool = False,
+                        format: str = "dgpo") -> None:
     """HF -> torch_dist on the current process group (world = a multiple of the layout's)."""
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -143,13 +157,21 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
         with torch.device("meta") if cpu_only() else contextlib.nullcontext():
             chunks = build_model(source.config, dtype=dtype, perform_initialization=False,
                                  **conversion_overrides(source.config))
+        sharded, extra = model_sharded_state_dict(chunks), {}
+        folder = out_dir
+        if format == "bridge":
+            folder = os.path.join(out_dir, FIRST_ITERATION)
+            sharded = {**_unpadded_vocab(sharded, source), **COMMON_STATE}
+            extra = {"content_metadata": CONTENT_METADATA}
         if dist.get_rank() == 0:
-            os.makedirs(out_dir, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
         comm.barrier()
-        dist_checkpointing.save(_split_large(model_sharded_state_dict(chunks), _CHUNK_BYTES), out_dir,
+        dist_checkpointing.save(_split_large(sharded, _CHUNK_BYTES), folder,
                                 sharded_strategy=_streaming_save_strategy(
-                                    source, progress and dist.get_rank() == 0))
-        if dist.get_rank() == 0:
+                                    source, progress and dist.get_rank() == 0), **extra)
+        if dist.get_rank() == 0 and format == "bridge":
+            write_bridge_files(out_dir, folder, source.config, dtype, hf_dir=hf_dir)
+        elif dist.get_rank() == 0:
             write_metadata(out_dir, source.config, source.dims.padded_vocab, dtype, hf_dir=hf_dir,
                            saved_tp=tp, saved_pp=pp, saved_ep=ep)
         comm.barrier()
@@ -186,7 +208,8 @@ def single_process_group():
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: int = 1,
-                   dtype: torch.dtype | None = None, progress: bool = False) -> str:
+                   dtype: torch.dtype | None = None, progress: bool = False,
+                   format: str = "dgpo") -> str:
     """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp, ep).
 
     Under an initialised ``torch.distributed`` (e.g. torchrun) this is collective over the world
@@ -195,19 +218,28 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: i
     decides which rank writes which chunk: the checkpoint loads at any TP/PP/EP (``ep``: expert
     parallelism of an MoE model, experts whole per rank). ``dtype`` defaults to the HF tensors'
     dtype.
+    ``format="bridge"`` writes Megatron-Bridge's container instead of this project's
+    (``bridge.py``: ``iter_0000000/`` with ``run_config.yaml``, the vocabulary unpadded), in one
+    process at (tp, pp, ep) = 1, which Bridge's loader reshards like any other.
     Raises before writing anything on an unsupported architecture, a missing file or tensor, or
     a tensor whose shape disagrees with config.json.
     """
+    if format not in FORMATS:
+        raise ValueError(f"hf_to_megatron: format must be one of {FORMATS}, got {format!r}")
+    if format == "bridge" and (tp, pp, ep) != (1, 1, 1):
+        raise ValueError(f"hf_to_megatron: format='bridge' writes at tp = pp = ep = 1 (Bridge "
+                         f"stores the vocabulary unpadded, which one process writes whole), got "
+                         f"tp={tp}, pp={pp}, ep={ep}; Bridge loads it at any layout")
     source = HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here
     if ep > 1 and source.dims.experts % ep:
         raise ValueError(f"hf_to_megatron: ep={ep} must divide the model's "
                          f"{source.dims.experts or 'no'} experts")
     world = _world(tp, pp, ep)
     if dist.is_initialized():
-        _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress)
+        _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress, format)
     elif world == 1:
         with single_process_group():
-            _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress)
+            _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress, format)
     else:
         import torch.multiprocessing as mp
 

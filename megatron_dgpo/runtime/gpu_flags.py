@@ -199,7 +199,7 @@ def _half(dtype) -> bool:
 def _fused_thd_refusal(platform: Platform, dtype, environ) -> str:
     """Why cuDNN fused attention cannot take this run's packed (THD) rows, or "" if it can
     (TE 2.17.1, ``nvte_get_fused_attn_backend``: THD only on sm90 and newer, cuDNN >= 9.6 with
-    GQA, >= 9.18.1 on sm120)."""
+    GQA, >= 9.7 on sm100, >= 9.18.1 on sm120)."""
     capability, cudnn = platform.compute_capability, platform.cudnn
     if environ.get("NVTE_FUSED_ATTN") == "0":
         return "NVTE_FUSED_ATTN=0 is set in the environment"
@@ -207,7 +207,8 @@ def _fused_thd_refusal(platform: Platform, dtype, environ) -> str:
         return f"it takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
     if capability is None or capability < (9, 0):
         return "cuDNN fused attention takes packed (THD) rows only on sm90 and newer"
-    wanted = (9, 18, 1) if capability == (12, 0) else FUSED_THD_CUDNN
+    wanted = ((9, 18, 1) if capability == (12, 0) else (9, 7, 0) if capability >= (10, 0)
+              else FUSED_THD_CUDNN)
     if cudnn is None or cudnn < wanted:
         found = "no cuDNN" if cudnn is None else "cuDNN " + ".".join(map(str, cudnn))
         return f"packed rows need cuDNN {'.'.join(map(str, wanted))} or newer ({found})"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_dgpo.convert import load_model
+from megatron_dgpo.convert import find_model_checkpoint, load_model, megatron_to_hf
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.models import describe
 from megatron_dgpo.runtime.config import require_choice
@@ -31,8 +31,11 @@ class ModelConfig:
     """The initial policy."""
 
     path: str = ""
-    """HF model folder (config.json + safetensors + tokenizer) of the initial policy. Relative
-    paths are resolved against the working directory. Ignored when ``tiny`` is set."""
+    """The initial policy: an HF model folder (config.json + safetensors + tokenizer), a hub
+    id, or a Megatron checkpoint (Megatron-Bridge's ``iter_*`` folder or its parent, or one
+    written by ``dgpo-convert`` or a training run), converted once to an HF folder in
+    ``<run_dir>/initial_model``. Relative paths are resolved against the working directory.
+    Ignored when ``tiny`` is set."""
     tiny: dict[str, Any] | None = None
     """Create a tiny random Qwen2 and its tokenizer at start instead of loading ``path``
     (``megatron_dgpo.tasks.tiny.make_tiny_model`` keyword arguments, e.g. {seed: 0,
@@ -85,7 +88,8 @@ class ModelConfig:
         """Raise unless the policy has a source (``path`` or ``tiny``); called by the run
         configs that need one (a bare ``ModelConfig()`` is their default)."""
         if not self.tiny and not self.path:
-            raise ValueError("model: set model.path (an HF folder) or model.tiny")
+            raise ValueError("model: set model.path (an HF folder, hub id or Megatron checkpoint) "
+                             "or model.tiny")
 
 
 def initial_model(config, run_dir, seed: int, *, make_tiny=None, download=None):
@@ -100,7 +104,12 @@ def initial_model(config, run_dir, seed: int, *, make_tiny=None, download=None):
       ``tasks.tiny.make_tiny_model``); every rank reads it there, so ``run_dir`` must be storage
       every node sees (docs/launching.md asks it of every run: all ranks write checkpoints
       into it).
-    * a folder: used as it is; every node must see it at that path.
+    * an HF folder: used as it is; every node must see it at that path.
+    * a Megatron checkpoint (``convert.find_model_checkpoint``: Megatron-Bridge's, or
+      this project's): converted once by global rank 0 to an HF folder under
+      ``<run_dir>/initial_model`` (kept for resuming), read there as a tiny model is. The
+      engines, the tokenizer and the checkpoints' side files all read an HF folder, so one
+      lossless conversion serves them all.
     * a hub id (``model.path`` is no folder): global rank 0 downloads it and fixes the commit
       it got; then one rank per node (``LOCAL_RANK`` 0, as torchrun sets it) downloads that
       commit into its node's HF cache (``HF_HOME``): a no-op on a shared cache, and
@@ -153,19 +162,27 @@ def _materialise_model(config, run_dir, seed: int, download, make_tiny):
     import shutil
     from pathlib import Path
 
-    if config.tiny is not None:
-        if make_tiny is None:
-            raise ValueError("model.tiny: initial_model was given no make_tiny to create it with")
+    def made_once(make) -> Path:  # <run_dir>/initial_model, written once, atomically
         target = run_dir / "initial_model"
         if not (target / "config.json").is_file():
             staging = run_dir / ".initial_model.incomplete"
             shutil.rmtree(staging, ignore_errors=True)
-            make_tiny(staging, **{"seed": seed, **config.tiny})
+            make(staging)
             os.replace(staging, target)
-        return target, None
+        return target
+
+    if config.tiny is not None:
+        if make_tiny is None:
+            raise ValueError("model.tiny: initial_model was given no make_tiny to create it with")
+        return made_once(lambda out: make_tiny(out, **{"seed": seed, **config.tiny})), None
     if Path(config.path).is_dir():
+        if find_model_checkpoint(config.path) is not None:
+            return made_once(lambda out: megatron_to_hf(config.path, str(out))), None
         if not (Path(config.path) / "config.json").is_file():
-            raise FileNotFoundError(f"model.path: {config.path} has no config.json")
+            raise FileNotFoundError(f"model.path: {config.path} has no config.json (an HF folder) "
+                                    f"and is no Megatron checkpoint (dgpo_convert.json, or "
+                                    f"Megatron-Bridge's run_config.yaml or "
+                                    f"latest_checkpointed_iteration.txt)")
         return Path(config.path), None
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"model.path: {config.path} is not a folder and HF_HUB_OFFLINE=1")

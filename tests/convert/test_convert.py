@@ -1,5 +1,6 @@
 """HF <-> Megatron converters: bitwise round trips at TP2 x PP2, logit parity against
-transformers at TP1 and TP2, resharding (TP2 x PP1 saved, TP1 x PP2 loaded), refusals.
+transformers at TP1 and TP2 (a Megatron-Bridge checkpoint's too), resharding (TP2 x PP1 saved,
+TP1 x PP2 loaded), refusals.
 
 Three gloo launches in all (4, 2 and 2 ranks); several checks per launch.
 """
@@ -105,7 +106,8 @@ def test_logit_parity_tp1_tp2_and_resharding(converted):
     hf_to_megatron(hf_dir, hf_dir + "_tp2pp1", tp=2, pp=1)
     assert json.load(open(os.path.join(hf_dir + "_tp2pp1", "dgpo_convert.json")))[
         "padded_vocab_size"] == 512
-    tp2 = run_ranks(fns.tp2_fn, 2, dirs, tokens)
+    bridge = os.path.join(os.path.dirname(__file__), "fixtures", "bridge", "qwen3")
+    tp2 = run_ranks(fns.tp2_fn, 2, dirs, tokens, os.path.join(bridge, "bridge"))
     tp1 = run_ranks(fns.tp1_fn, 2, dirs, tokens)
     errors = {}
     for case, model in converted["models"].items():
@@ -142,6 +144,14 @@ def test_logit_parity_tp1_tp2_and_resharding(converted):
     with torch.no_grad():
         want = converted["models"]["qwen2_vocab300"](tokens).logits
     assert _max_rel(resharded[..., :300], want) <= 1e-5
+    # Megatron-Bridge's checkpoint (160 vocabulary rows, unpadded) at TP2 (padded to 256):
+    # transformers' model of its HF original
+    qwen3 = AutoModelForCausalLM.from_pretrained(os.path.join(bridge, "hf"), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = qwen3(tokens % 160).logits
+    assert tp2[0]["bridge"].shape[-1] == 256
+    assert _max_rel(tp2[0]["bridge"][..., :160], want) <= 1e-5
 
 
 def test_refusals(converted, tmp_path):

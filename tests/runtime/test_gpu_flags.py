@@ -215,6 +215,8 @@ def test_auto_takes_cudnn_fused_on_hopper_and_flash_on_ampere():
     # Hopper without cuDNN attention (as an A100 runs): flash, its fallback
     assert _backend(H100, environ={"NVTE_FUSED_ATTN": "0"}) == "flash"
     assert _backend(replace(H100, cudnn=(9, 5, 1))) == "flash"  # GQA THD needs cuDNN 9.6
+    b200 = replace(H100, compute_capability=(10, 0), device_name="NVIDIA B200")
+    assert _backend(b200) == "fused" and _backend(replace(b200, cudnn=(9, 6, 0))) == "flash"
     assert _backend(replace(H100, **NO_FLASH)) == "fused"  # flash-attn is not needed there
     # the CPU path and the local spec take no TE backend, whatever the recipe's key says
     assert _backend(CPU, dtype=torch.float32) == "local"

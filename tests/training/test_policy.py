@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megatron_dgpo.training.policy import ModelConfig, initial_model
 from tests._rank_fns_trainer import HUB_REPO, StandInHub, stand_in_commit
@@ -48,3 +49,36 @@ def test_a_hub_id_is_refused_offline_and_a_download_must_be_a_commit_snapshot(no
     with pytest.raises(ValueError, match="not a snapshot folder named by its commit"):
         initial_model(ModelConfig(path=HUB_REPO), tmp_path / "run", 0,
                       download=lambda *args, **kwargs: str(tmp_path / "a_local_dir"))
+
+
+def test_a_megatron_bridge_checkpoint_is_converted_once_into_the_initial_hf_folder(tmp_path):
+    """model.path = a checkpoint folder Megatron-Bridge wrote (tests/convert/fixtures/bridge):
+    the run's initial policy is its HF conversion in <run_dir>/initial_model, made once: the
+    HF original's weights, a tokenizer that tokenizes as the original's. A partial folder is
+    refused naming what is missing."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    fixture = Path(__file__).parents[1] / "convert" / "fixtures" / "bridge" / "qwen2_tied"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    folder = initial_model(ModelConfig(path=str(fixture / "bridge")), run_dir, 0)
+    assert folder == run_dir / "initial_model"
+    got, want = (load_file(str(d / "model.safetensors")) for d in (folder, fixture / "hf"))
+    assert sorted(got) == sorted(want)
+    # exact: a lossless conversion of the same values
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    text = "<|im_start|>user\nRepeat the digit 3. Put it in \\boxed{}.<|im_end|>\n"
+    assert (AutoTokenizer.from_pretrained(folder).encode(text)
+            == AutoTokenizer.from_pretrained(fixture / "hf").encode(text))
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    assert initial_model(ModelConfig(path=str(fixture / "bridge")), run_dir, 0) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written  # kept, not redone
+    partial = tmp_path / "partial"
+    shutil.copytree(fixture / "bridge", partial)
+    (partial / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="latest_checkpointed_iteration.txt"):
+        initial_model(ModelConfig(path=str(partial)), tmp_path / "run2", 0)
