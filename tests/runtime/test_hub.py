@@ -92,8 +92,8 @@ def test_a_dedicated_engine_starts_from_its_own_nodes_snapshot(node_caches, tmp_
 
     started = []
     monkeypatch.setattr(server._EngineServer, "_start", lambda self, folder: started.append(folder))
-    engine = server._EngineServer(cfg=None, layout=None, link=Link(), group=None, leader=True,
-                                  engine_index=0)
+    engine = server._EngineServer(rollout=None, data=None, seed=0, layout=None, link=Link(),
+                                  group=None, leader=True, engine_index=0)
     engine.run()
     (folder,) = started
     assert folder.is_relative_to(node_caches["B"]) and folder.name == snapshot_of(trainer_folder).revision
