@@ -202,7 +202,8 @@ def test_load_model_reads_the_jobs_training_checkpoint(full_run):
             destroy_parallel()
     want = load_file(str(full_run / "hf" / "model.safetensors"))
     assert sorted(got) == sorted(want)
-    for name in want:  # exact: two readers of the same stored values
+    for name in want:
+        # exact: two readers of the same stored values
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
 
 

@@ -130,6 +130,7 @@ def test_load_model_keeps_only_the_model_keys_of_a_checkpoints_common_state(tmp_
     state, logits = _state_and_logits(str(folder), torch.float32)
     want_state, want_logits = _state_and_logits(str(tmp_path / "ours"), torch.float32)
     _assert_bitwise(state, want_state, "load_model of a described checkpoint")
+    # exact: the same weights through the same ops in one process
     assert torch.equal(logits, want_logits)
 
 
