@@ -39,6 +39,10 @@ class ParallelConfig:
     """Pipeline stages: layers split into this many consecutive groups (1F1B schedule)."""
     virtual_pipeline_parallel: int | None = None
     """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no VPP."""
+    context_parallel: int = 1
+    """Context-parallel size: every packed sequence split over this many ranks in Megatron's
+    load-balanced 2 x CP chunks (attention exchanges keys and values; nothing else crosses
+    ranks). For long responses. Data-parallel size = world / (TP x CP x PP)."""
     expert_parallel: int = 1
     """Expert-parallel size (MoE models): each MoE layer's routed experts split over this many
     ranks of a pipeline stage, tokens exchanged by the token dispatcher. Must divide the
@@ -60,7 +64,8 @@ class ParallelConfig:
     few seconds of scheduling noise; None turns it off."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel",
+                     "expert_parallel"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
@@ -237,17 +242,17 @@ def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
     """Initialise Megatron's parallel state for ``config`` and seed the model-parallel RNG.
 
     Needs ``torch.distributed`` initialised (see ``init_distributed``); the world size must be
-    a multiple of TP * PP. Call ``destroy_parallel`` before initialising again.
+    a multiple of TP * CP * PP. Call ``destroy_parallel`` before initialising again.
     """
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
     world = dist.get_world_size()
-    model_parallel = config.tensor_parallel * config.pipeline_parallel
+    model_parallel = config.tensor_parallel * config.context_parallel * config.pipeline_parallel
     if world % model_parallel:
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel * "
-                         f"pipeline_parallel = {model_parallel}")
+                         f"context_parallel * pipeline_parallel = {model_parallel}")
     expert_model_parallel = config.etp * config.expert_parallel * config.pipeline_parallel
     if world % expert_model_parallel:
         raise ValueError(f"world size {world} is not a multiple of expert_tensor_parallel * "
@@ -257,6 +262,7 @@ def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
         virtual_pipeline_model_parallel_size=config.vpp,
+        context_parallel_size=config.context_parallel,
         expert_model_parallel_size=config.expert_parallel,
         expert_tensor_parallel_size=config.expert_tensor_parallel,
         distributed_timeout_minutes=config.timeout_minutes,  # Megatron's subgroups' timeout
