@@ -12,8 +12,8 @@ prompt source, ``checkpoint`` (``checkpoint.CheckpointConfig``) to save/resume, 
 (``telemetry.LoggingConfig``) to telemetry, ``eval`` (``rollout.evaluation.EvalConfig``) to the
 evaluation on held-out problems during training. The loop's own sections are declared here,
 since the loop sits above the schema: ``algorithm`` (advantages, the loss, DAPO's filter and
-refill, routing replay) and ``train`` (the loop's sizes and seeds). ``RunConfig`` composes them
-and checks what spans sections. Every field is documented right under its declaration;
+refill, DAPO's overlong filtering and penalty, routing replay) and ``train`` (the loop's sizes
+and seeds). ``RunConfig`` composes them and checks what spans sections. Every field is documented right under its declaration;
 ``python -m megatron_dgpo.train --describe`` prints them all.
 
 Batch sizes count prompts (the paper's convention: rollout batch 512 prompts, mini-batch 32),
@@ -23,6 +23,7 @@ each prompt giving ``rollout.group_size`` responses; there are
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -42,7 +43,8 @@ from megatron_dgpo.training.policy import ModelConfig
 @dataclass
 class AlgorithmConfig(LossConfig):
     """The policy-gradient method (the loss's fields, ``losses.LossConfig``), its advantage
-    estimator, DAPO's filter and refill, routing replay."""
+    estimator, DAPO's filter and refill, DAPO's overlong filtering and soft overlong
+    punishment, routing replay."""
 
     advantage_eps: float = 1e-6
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
@@ -58,6 +60,31 @@ class AlgorithmConfig(LossConfig):
     the rounds run out (positions still degenerate then are dropped as without refill). So the
     step trains on ``rollout_batch_prompts`` informative groups while the policy sharpens. Logged:
     ``rollout/refill_rounds``, ``rollout/discarded_groups``. 0: drop without refilling."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering (NeMo-RL's ``overlong_filtering``): every sample truncated at
+    ``rollout.max_response_tokens`` (finish reason "length") gets loss weight 0 on each of its
+    tokens, so it takes no part in the loss, in N or in the loss metrics, whatever the
+    ``loss_aggregation`` (``group_token_mean`` sums the group's kept samples only). It still
+    counts in its group's reward mean and std, as in NeMo-RL: only its own term leaves the
+    loss. A mini-batch left with no token is not stepped. Logged: ``adv/overlong_filtered_frac``
+    (the share of samples filtered; ``rollout/truncated_frac`` is logged in any case).
+    False: truncated samples train like the others."""
+    overlong_penalty_window: int = 0
+    """DAPO's soft overlong punishment: the length L_cache of the window below the response
+    cap L_max = ``rollout.max_response_tokens`` over which a response's reward is penalised,
+    linearly from 0 at |y| = L_max - L_cache to -``overlong_penalty_factor`` at L_max (a
+    truncated response gets the whole penalty). The penalty is added to each sample's task
+    reward before the group advantages; the accuracy, ``rollout/reward_mean``, the
+    degenerate-group filter and the refill keep judging the task reward (verl's
+    ``filter_groups.metric: acc``), while ``adv/reward_mean`` is the penalised reward's. verl's
+    ``overlong_buffer.len``, NeMo-RL's ``overlong_buffer_length`` (DAPO: 4096 of 20480).
+    Logged: ``adv/overlong_penalty_mean``, ``adv/overlong_penalized_frac`` (the share of
+    samples with a penalty < 0). Below ``rollout.max_response_tokens``. 0: off."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty at the cap (verl's ``overlong_buffer.penalty_factor``, NeMo-RL's
+    ``overlong_buffer_penalty``): R_length = -factor (|y| - (L_max - L_cache)) / L_cache in the
+    window. A finite number > 0; 1.0 is DAPO's (the reward of a correct answer, +1, falls to 0
+    at the cap). Used only with ``overlong_penalty_window`` > 0."""
     routing_replay: Literal["off", "r3"] = "off"
     """MoE models: ``r3`` (rollout routing replay) makes the trainer route every token to the
     experts the rollout engine chose for it, in the old-log-prob and the training forwards
@@ -77,6 +104,15 @@ class AlgorithmConfig(LossConfig):
         if isinstance(self.refill_rounds, bool) or not isinstance(self.refill_rounds, int) \
                 or self.refill_rounds < 0:
             raise ValueError(f"refill_rounds must be an integer >= 0, got {self.refill_rounds!r}")
+        window = self.overlong_penalty_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"overlong_penalty_window must be an integer >= 0 (0: off), got "
+                             f"{window!r}")
+        factor = self.overlong_penalty_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and factor > 0):
+            raise ValueError(f"overlong_penalty_factor must be a finite number > 0, got "
+                             f"{factor!r}")
         if self.refill_rounds and not self.drop_degenerate_groups:
             raise ValueError("refill_rounds refills the groups drop_degenerate_groups drops: "
                              "set drop_degenerate_groups: true as well, or refill_rounds: 0")
@@ -167,6 +203,11 @@ class RunConfig:
                 if on:
                     raise ValueError(f"{what} does not run on dedicated engines yet: use "
                                      f"rollout.placement: colocated for it")
+        if self.algorithm.overlong_penalty_window >= self.rollout.max_response_tokens:
+            raise ValueError(f"algorithm.overlong_penalty_window "
+                             f"({self.algorithm.overlong_penalty_window}) must be below "
+                             f"rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
+                             f"the penalty window sits below the response cap")
         if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
             raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
                              f"exceed rollout.max_response_tokens "

@@ -20,9 +20,8 @@ import contextlib
 import torch
 
 from megatron_dgpo import telemetry
-from megatron_dgpo.algorithm.advantages import (drop_degenerate_groups, group_advantages,
-                                                reduce_group_stats)
-from megatron_dgpo.algorithm.losses import merge_metrics, sample_loss_weights
+from megatron_dgpo.algorithm.advantages import reduce_group_stats
+from megatron_dgpo.algorithm.losses import merge_metrics
 from megatron_dgpo.algorithm.mismatch import mismatch_metrics
 from megatron_dgpo.convert import export_hf_groups
 from megatron_dgpo.recipe import RunConfig
@@ -146,17 +145,19 @@ class RLStep:
 
     def _advantages(self, batch) -> dict[str, float]:
         """The batch's group advantages and per-sample aggregation weights, computed over whole
-        groups before packing splits them (0 for the groups DAPO's filter drops; None by
-        default: token_mean, no filter). Returns the replica's group statistics."""
-        algorithm, group = self.cfg.algorithm, self.cfg.rollout.group_size
-        batch.advantages, adv_stats = group_advantages(
-            torch.tensor(batch.rewards), group, eps=algorithm.advantage_eps,
-            unbiased=algorithm.advantage_unbiased_std)
-        kept = (drop_degenerate_groups(batch.rewards, group)
-                if algorithm.drop_degenerate_groups else None)
-        batch.loss_weights = sample_loss_weights([len(r) for r in batch.response_tokens], group,
-                                                 algorithm.loss_aggregation, kept and kept.keep)
-        return {**adv_stats.as_dict(), **(kept.as_dict() if kept else {})}
+        groups before packing splits them (0 for the groups DAPO's filter drops and, with the
+        overlong filter, for truncated samples; None by default: token_mean, no filter), the
+        overlong penalty added to the rewards first (``Experience.assign_advantages``).
+        Returns the replica's group statistics."""
+        algorithm = self.cfg.algorithm
+        return batch.assign_advantages(
+            self.cfg.rollout.group_size, aggregation=algorithm.loss_aggregation,
+            eps=algorithm.advantage_eps, unbiased=algorithm.advantage_unbiased_std,
+            drop_degenerate=algorithm.drop_degenerate_groups,
+            overlong_filter=algorithm.overlong_filter,
+            overlong_penalty_window=algorithm.overlong_penalty_window,
+            overlong_penalty_factor=algorithm.overlong_penalty_factor,
+            max_response_tokens=self.cfg.rollout.max_response_tokens)
 
     def _old_logprobs(self, rows: list) -> dict[str, float]:
         """pi_old of every packed row (forward only), and the rollout/trainer mismatch."""

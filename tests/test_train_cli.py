@@ -27,6 +27,14 @@ RECIPE = "recipes/tiny_cpu.yaml"
     ("train.seed=8388608", "train: seed must be in [0, 2**23)"),
     ("algorithm.refill_rounds=2", "refill_rounds refills the groups drop_degenerate_groups drops"),
     ("algorithm.refill_rounds=-1", "refill_rounds must be an integer >= 0"),
+    ("algorithm.overlong_filter=maybe", "algorithm.overlong_filter: expected true or false"),
+    ("algorithm.overlong_penalty_window=-1", "algorithm: overlong_penalty_window must be an "
+     "integer >= 0 (0: off), got -1"),
+    ("algorithm.overlong_penalty_window=4", "algorithm.overlong_penalty_window (4) must be below "
+     "rollout.max_response_tokens (4)"),
+    ("algorithm.overlong_penalty_factor=0", "algorithm: overlong_penalty_factor must be a finite "
+     "number > 0, got 0"),
+    ("algorithm.overlong_penalty_factor=.inf", "overlong_penalty_factor must be a finite number"),
     ("eval.evry=2", "unknown key 'eval.evry'; did you mean 'eval.every'?"),
     ("eval.every=-1", "eval: every must be an integer >= 0"),
     ("eval.every=2", "eval: benchmarks must name at least one benchmark or held-out file"),
@@ -107,3 +115,13 @@ def test_eval_is_off_by_default_and_due_on_its_schedule():
     assert [s for s in range(1, 8) if no_end.due(s, 7)] == [3, 6]
     end_only = EvalConfig(at_end=True, benchmarks=["x.jsonl"])
     assert end_only.enabled and [s for s in range(1, 8) if end_only.due(s, 7)] == [7]
+
+
+def test_overlong_options_are_off_by_default_and_load():
+    algorithm = load_recipe(RECIPE).algorithm
+    assert (algorithm.overlong_filter, algorithm.overlong_penalty_window) == (False, 0)
+    algorithm = load_recipe(RECIPE, ["algorithm.overlong_filter=true",
+                                     "algorithm.overlong_penalty_window=3",
+                                     "algorithm.overlong_penalty_factor=0.5"]).algorithm
+    assert (algorithm.overlong_filter, algorithm.overlong_penalty_window,
+            algorithm.overlong_penalty_factor) == (True, 3, 0.5)

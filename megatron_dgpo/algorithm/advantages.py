@@ -107,6 +107,29 @@ def drop_degenerate_groups(rewards, group_size: int) -> KeptGroups:
                       num_dropped=int(degenerate.sum()))
 
 
+def overlong_penalty(response_lengths, max_tokens: int, window: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13) [N] float64, added to each
+    sample's task reward before its group's advantages are formed. With L_max = ``max_tokens``
+    (the rollout's response cap), L_cache = ``window`` and |y| a response's length in tokens:
+
+        R_length(y) = 0                                  |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
+                      -1                                 |y| > L_max
+
+    times ``factor`` (verl's ``overlong_buffer.penalty_factor``; NeMo-RL's
+    ``overlong_buffer_penalty``): linear from 0 to -factor over the last ``window`` tokens
+    below the cap. A response cut at the cap has |y| = L_max and gets -factor. Needs
+    1 <= window < max_tokens and a finite factor >= 0 (the recipe checks both)."""
+    if not 0 < window < max_tokens:
+        raise ValueError(f"overlong penalty window {window} must lie in [1, {max_tokens}) "
+                         f"(the response cap)")
+    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
+    excess = (lengths - (max_tokens - window)).clamp(min=0.0, max=float(window))
+    # (L_max - L_cache - |y|) / L_cache with integers exact in float64; + 0.0: no -0.0
+    return -(excess / window) * float(factor) + 0.0
+
+
 def reduce_group_stats(stats: dict[str, float], group=None) -> dict[str, float]:
     """Per-replica group statistics (``AdvantageStats.as_dict()``, with ``KeptGroups.as_dict()``'s)
     made batch-wide over ``group`` (the DP group): ``*num_*`` counts are summed; every other

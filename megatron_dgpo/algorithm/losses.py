@@ -362,7 +362,10 @@ def sample_loss_weights(response_lengths: Tensor, group_size: int, aggregation: 
     since sum_t c_t = sum_i L_i c_i is the number of tokens, groups or samples. T_g and L_i
     come from the whole group / sample, so the weights do not depend on how samples are later
     cut into micro-batches or spread over DP ranks. ``keep`` [B] bool: samples left out of the
-    update (the degenerate-group filter) get c_i = 0, which removes them from the normaliser.
+    update (the degenerate-group filter, whole groups; the overlong filter, single samples) get
+    c_i = 0, which removes them from the normaliser, and the loss is the one of the kept samples
+    alone: T_g sums the kept samples of group g only, and a group with none left counts for
+    nothing (c = 0 on all of it), so the normaliser is the kept tokens, groups or samples.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of "
@@ -375,19 +378,19 @@ def sample_loss_weights(response_lengths: Tensor, group_size: int, aggregation: 
         raise ValueError("every response needs at least one token to be weighted")
     if aggregation == "token_mean" and keep is None:
         return None
+    if keep is None:
+        keep = torch.ones_like(lengths, dtype=torch.bool)
+    keep = torch.as_tensor(keep, dtype=torch.bool)
+    if keep.shape != lengths.shape:
+        raise ValueError(f"keep has shape {tuple(keep.shape)}, expected {tuple(lengths.shape)}")
     if aggregation == "token_mean":
         weights = torch.ones_like(lengths)
-    elif aggregation == "group_token_mean":
-        totals = lengths.view(-1, group_size).sum(dim=1)
-        weights = (1.0 / totals).repeat_interleave(group_size)
+    elif aggregation == "group_token_mean":  # T_g over the group's kept samples (> 0 if any)
+        totals = torch.where(keep, lengths, 0.0).view(-1, group_size).sum(dim=1)
+        weights = (1.0 / totals.clamp(min=1.0)).repeat_interleave(group_size)
     else:
         weights = 1.0 / lengths
-    if keep is not None:
-        keep = torch.as_tensor(keep, dtype=torch.bool)
-        if keep.shape != lengths.shape:
-            raise ValueError(f"keep has shape {tuple(keep.shape)}, expected {tuple(lengths.shape)}")
-        weights = torch.where(keep, weights, 0.0)
-    return weights
+    return torch.where(keep, weights, 0.0)
 
 
 def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 import torch
 
-from megatron_dgpo.algorithm.advantages import group_advantages
+from megatron_dgpo.algorithm.advantages import group_advantages, overlong_penalty
 
 
 def _reference(rewards, G, eps, unbiased):
@@ -68,3 +69,35 @@ def test_drop_degenerate_groups_keeps_informative_groups_only():
     assert drop_degenerate_groups([1.0, -1.0], 1).num_dropped == 2  # G = 1: no signal
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         drop_degenerate_groups(rewards, 4)
+
+
+def _dapo_length_reward(y: int, l_max: int, l_cache: int) -> float:
+    """R_length of DAPO (Yu et al. 2025, Eq. 13), written from the paper, in Python floats."""
+    if y <= l_max - l_cache:
+        return 0.0
+    if y <= l_max:
+        return ((l_max - l_cache) - y) / l_cache
+    return -1.0
+
+
+@pytest.mark.parametrize("l_max, l_cache, factor", [(20480, 4096, 1.0), (16, 5, 0.5), (3, 1, 2.0)])
+def test_overlong_penalty_matches_dapo_at_and_around_each_boundary(l_max, l_cache, factor):
+    start = l_max - l_cache
+    lengths = sorted({1, start - 1, start, start + 1, (start + l_max) // 2, l_max - 1, l_max,
+                      l_max + 1, l_max + 7} - {0})
+    got = overlong_penalty(lengths, l_max, l_cache, factor)
+    want = [_dapo_length_reward(y, l_max, l_cache) * factor for y in lengths]
+    assert got.dtype == torch.float64
+    # exact: the same IEEE operations on integer-valued doubles as the reference (one
+    # subtraction of integers, one division, one product with the factor)
+    assert got.tolist() == want
+    assert got[lengths.index(start)].item() == 0.0  # exact: the window's edge, and not -0.0
+    assert math.copysign(1.0, got[lengths.index(start)].item()) == 1.0
+    assert got[lengths.index(l_max)].item() == -factor  # exact: the cap, (-l_cache / l_cache) * f
+    assert got[lengths.index(start + 1)].item() == pytest.approx(-factor / l_cache, rel=1e-15)
+
+
+def test_overlong_penalty_refuses_a_window_outside_the_cap():
+    for window in (0, 16, 17):
+        with pytest.raises(ValueError, match=r"must lie in \[1, 16\)"):
+            overlong_penalty([3], 16, window)

@@ -356,6 +356,64 @@ def test_each_aggregation_gradient_is_its_formula(aggregation, method):
             groups if aggregation == "group_token_mean" else len(lengths), rel=1e-14)
 
 
+@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
+def test_filtered_samples_get_zero_weight_and_the_loss_is_the_kept_samples_alone(aggregation):
+    """The overlong filter's ``keep`` (single samples: one of group 0, the whole of group 1):
+    weight 0 on exactly those samples, and the gradient is each aggregation's formula over the
+    kept samples only (T_g, #groups and #samples counting what is kept)."""
+    G, groups = 4, 3
+    logp, old, adv, sample, lengths = _grouped_batch(G, groups)
+    filtered = {1, 4, 5, 6, 7}
+    keep = torch.tensor([i not in filtered for i in range(G * groups)])
+    sample_w = losses.sample_loss_weights(lengths, G, aggregation, keep)
+    # exact: 0 is written for the filtered, 1 / k > 0 for the kept
+    assert [i for i, c in enumerate(sample_w.tolist()) if c == 0] == sorted(filtered)
+    weights = sample_w[sample]
+    valid = weights > 0  # what train_step's _valid_and_weights keeps
+    logp.requires_grad_(True)
+    loss, metrics = policy_loss("dgpo", logp, old, adv, valid, **kwargs(),
+                                num_tokens=weights.sum(), weights=weights)
+    loss.backward()
+    kept = [i for i in range(G * groups) if i not in filtered]
+    group_tokens = {g: sum(int(lengths[i]) for i in kept if i // G == g) for g in range(groups)}
+    kept_groups = sum(1 for t in group_tokens.values() if t)
+    kept_tokens = sum(int(lengths[i]) for i in kept)
+    w = (logp.detach() - old).exp()
+    want = np.zeros(len(logp))
+    for t in range(len(logp)):
+        i = int(sample[t])
+        if i in filtered:
+            continue
+        f = reference_F("dgpo", w[t].item(), adv[t].item(), 1, 2)
+        denominator = {"token_mean": kept_tokens,
+                       "group_token_mean": group_tokens[i // G] * kept_groups,
+                       "seq_mean_token_mean": int(lengths[i]) * len(kept)}[aggregation]
+        want[t] = -f * adv[t].item() / denominator
+    np.testing.assert_allclose(logp.grad.numpy(), want, rtol=1e-12, atol=1e-15)
+    assert not logp.grad[torch.isin(sample, torch.tensor(sorted(filtered)))].any()
+    assert metrics["tokens_count"].item() == kept_tokens  # exact: a count of tokens
+
+
+@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
+def test_a_fully_filtered_mini_batch_has_no_token_and_no_gradient(aggregation):
+    """Every sample truncated: every weight 0, no valid token, a loss of 0 with a zero (not NaN)
+    gradient at the scale train_step uses when N = 0 (it then skips the optimizer step)."""
+    G, groups = 4, 2
+    logp, old, adv, sample, lengths = _grouped_batch(G, groups)
+    none_kept = torch.zeros(G * groups, dtype=torch.bool)
+    sample_w = losses.sample_loss_weights(lengths, G, aggregation, none_kept)
+    assert not sample_w.any()
+    weights = sample_w[sample]
+    valid = weights > 0
+    assert not valid.any()
+    logp.requires_grad_(True)
+    loss, _ = policy_loss("dgpo", logp, old, adv, valid, **kwargs(), num_tokens=1.0,
+                          weights=weights)
+    loss.backward()
+    assert loss.item() == 0.0  # exact: a sum of no terms
+    assert not logp.grad.any() and torch.isfinite(logp.grad).all()
+
+
 def test_sample_loss_weights_keep_and_errors():
     lengths = torch.tensor([2, 3, 5, 4])
     assert losses.sample_loss_weights(lengths, 2, "token_mean") is None

@@ -172,3 +172,116 @@ def test_replace_groups_swaps_whole_groups_and_keeps_the_rest():
     assert out.rewards == [100.0, 101.0, 2.0, 3.0, 102.0, 103.0]
     assert out.prompt_tokens[4] == [100, 1] and out.truncated == [False, True] * 3
     assert old.response_tokens[0] == [0, 0]  # a copy: the original is unchanged
+
+
+# Three groups of four under a cap of 8 tokens: group 1 is all truncated (a fully filtered
+# group), group 0 has one truncated sample, group 2 none.
+CAP, WINDOW, G = 8, 3, 4
+OVERLONG_LENGTHS = [8, 5, 2, 7, 8, 8, 8, 8, 1, 3, 6, 4]
+OVERLONG_REWARDS = [1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0]
+
+
+def _overlong_batch() -> Experience:
+    gen = torch.Generator().manual_seed(5)
+    return Experience(prompt_tokens=[[1, 2]] * len(OVERLONG_LENGTHS),
+                      response_tokens=[[3 + (i + t) % 20 for t in range(n)]
+                                       for i, n in enumerate(OVERLONG_LENGTHS)],
+                      rollout_logprobs=[(-torch.rand(n, generator=gen, dtype=torch.float64))
+                                        .tolist() for n in OVERLONG_LENGTHS],
+                      rewards=list(OVERLONG_REWARDS),
+                      truncated=[n == CAP for n in OVERLONG_LENGTHS])
+
+
+def _packed_loss(batch: Experience, logp_seed: int = 0):
+    """The step's loss over the trainer's packed rows as train_step forms it (its valid mask
+    and weights, normalised by the mini-batch's weight sum), with the gradient of every row's
+    log-probs."""
+    from megatron_dgpo.algorithm.losses import LossHyperparams, policy_loss
+    from megatron_dgpo.training.train_step import _valid_and_weights
+
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)]
+    (indices,) = plan_updates(0, len(batch) // G, G, 1, lengths)
+    rows = pack_update(batch, indices, budget=24, pad_multiple=1)
+    gen = torch.Generator().manual_seed(logp_seed)
+    logps, total, weight_sum, terms = [], 0.0, 0.0, []
+    for row in rows:
+        row.old_logprobs = torch.where(row.loss_mask, row.rollout_logprobs.double() - 0.05, 0.0)
+        valid, weights = _valid_and_weights(row)
+        weights = torch.ones_like(row.old_logprobs) if weights is None else weights
+        weight_sum += float(torch.where(valid, weights, 0.0).sum())
+        logp = (row.old_logprobs + 0.3 * torch.randn(len(row.tokens), generator=gen,
+                                                     dtype=torch.float64)).requires_grad_(True)
+        logps.append(logp)
+        terms.append((row, logp, valid, weights))
+    for row, logp, valid, weights in terms:
+        loss, _ = policy_loss("dgpo", logp, row.old_logprobs, row.advantages.double(), valid,
+                              LossHyperparams(), num_tokens=weight_sum, weights=weights)
+        total = total + loss
+    total.backward()
+    for row in rows:  # the rows name samples by their place in the packed list
+        row.sample_indices = [indices[k] for k in row.sample_indices]
+    return rows, logps, total.detach()
+
+
+def _grads_of(batch, rows, logps, samples):
+    """The gradient on the response targets of the batch's ``samples`` in the packed rows."""
+    out = []
+    for row, logp in zip(rows, logps):
+        ends = row.cu_seqlens.tolist()
+        for k, i in enumerate(row.sample_indices):
+            start = ends[k] + len(batch.prompt_tokens[i]) - 1
+            if i in samples:
+                out.append(logp.grad[start:start + len(batch.response_tokens[i])])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "group_token_mean", "seq_mean_token_mean"])
+def test_a_truncated_sample_contributes_nothing_to_the_loss_through_the_trainers_path(
+        aggregation):
+    """Experience.assign_advantages (the trainer's _advantages) -> plan_updates -> pack_update
+    -> train_step's valid mask and weights -> policy_loss: with the overlong filter the
+    truncated samples' tokens get no gradient and their log-probs, old log-probs and
+    advantages can be anything without changing the loss; without it they do train. The
+    penalty enters the rewards before the group advantages."""
+    from megatron_dgpo.algorithm.advantages import group_advantages
+
+    truncated = {i for i, n in enumerate(OVERLONG_LENGTHS) if n == CAP}
+    batch = _overlong_batch()
+    stats = batch.assign_advantages(G, aggregation=aggregation, overlong_filter=True,
+                                    overlong_penalty_window=WINDOW, max_response_tokens=CAP)
+    # R_length by hand: 0 up to 5 tokens, then -1/3, -2/3, -1 at 6, 7, 8 tokens
+    by_hand = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: -1 / 3, 7: -2 / 3, 8: -1.0}
+    penalty = [by_hand[n] for n in OVERLONG_LENGTHS]
+    shaped = torch.tensor(OVERLONG_REWARDS, dtype=torch.float64) + torch.tensor(
+        penalty, dtype=torch.float64)
+    torch.testing.assert_close(batch.advantages, group_advantages(shaped, G)[0], rtol=1e-6,
+                               atol=1e-6)
+    assert batch.rewards == OVERLONG_REWARDS  # the task rewards stay as graded
+    assert stats["adv/overlong_filtered_frac"] == len(truncated) / len(OVERLONG_LENGTHS)
+    assert stats["adv/overlong_penalized_frac"] == 7 / 12
+    assert stats["adv/overlong_penalty_mean"] == pytest.approx(sum(penalty) / 12, rel=1e-15)
+    assert stats["adv/reward_mean"] == pytest.approx(float(shaped.mean()), rel=1e-15)
+    # exact: 0 is written for exactly the truncated samples
+    zero = [i for i, c in enumerate(batch.loss_weights.tolist()) if c == 0]
+    assert zero == sorted(truncated)
+
+    rows, logps, loss = _packed_loss(batch)
+    assert not _grads_of(batch, rows, logps, truncated).any()
+    assert _grads_of(batch, rows, logps, set(range(len(batch))) - truncated).abs().min() > 0
+
+    changed = _overlong_batch()
+    for i in truncated:  # whatever the truncated samples hold, the loss is the same
+        changed.rollout_logprobs[i] = [-5.0] * len(changed.rollout_logprobs[i])
+    changed.assign_advantages(G, aggregation=aggregation, overlong_filter=True,
+                              overlong_penalty_window=WINDOW, max_response_tokens=CAP)
+    changed.advantages[sorted(truncated)] = 7.0
+    rows_changed, _, loss_changed = _packed_loss(changed)
+    assert rows_changed[0].sample_indices == rows[0].sample_indices  # exact: integers
+    # exact: the same kept terms in the same order; the filtered ones are masked to 0 either way
+    assert loss_changed.item() == loss.item()
+
+    unfiltered = _overlong_batch()  # the filter off: the same samples do train
+    unfiltered.assign_advantages(G, aggregation=aggregation, overlong_penalty_window=WINDOW,
+                                 max_response_tokens=CAP)
+    rows_off, logps_off, _ = _packed_loss(unfiltered)
+    assert _grads_of(unfiltered, rows_off, logps_off, {0}).abs().min() > 0
