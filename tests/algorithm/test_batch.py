@@ -1,6 +1,7 @@
 """A batch's step metrics where their data lives: ``Experience.rollout_metrics`` against hand
-counts, and, with ``advantages.reduce_group_stats``, reduced over two DP replicas like the
-numbers of one process holding the whole batch."""
+counts, and, with ``Experience.assign_advantages``'s group statistics and
+``advantages.reduce_group_stats``, reduced over two DP replicas like the numbers of one process
+holding the whole batch."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def _batch(lo: int = 0, hi: int = len(REWARDS)) -> Experience:
                       rewards=REWARDS[lo:hi], truncated=[n == 7 for n in LENGTHS[lo:hi]])
 
 
+OVERLONG = dict(drop_degenerate=True, overlong_filter=True, overlong_penalty_window=3,
+                max_response_tokens=7)
+"""Every group statistic on: the degenerate-group filter, the overlong filter and penalty (the
+replicas' halves hold different penalties: 5 and 7 tokens, 6)."""
+
+
 def test_rollout_metrics_count_the_batch():
     metrics = _batch().rollout_metrics(G)
     assert metrics == {
@@ -40,18 +47,21 @@ def _replica_fn(rank, world_size):
     """Replica ``rank``'s half of the batch: its metrics and group statistics, reduced."""
     share = len(REWARDS) // world_size
     lo, hi = rank * share, (rank + 1) * share
-    _, stats = group_advantages(torch.tensor(REWARDS[lo:hi]), G)
+    batch = _batch(lo, hi)
+    stats = batch.assign_advantages(G, **OVERLONG)
     group = torch.distributed.group.WORLD
-    return (_batch(lo, hi).rollout_metrics(G, group),
-            reduce_group_stats(stats.as_dict(), group))
+    return batch.rollout_metrics(G, group), reduce_group_stats(stats, group)
 
 
 def test_two_replicas_report_the_numbers_of_one():
     from tests.distributed import run_ranks
 
     whole = _batch().rollout_metrics(G)
-    _, stats = group_advantages(torch.tensor(REWARDS), G)
-    want_stats = stats.as_dict()
+    want_stats = _batch().assign_advantages(G, **OVERLONG)
+    assert want_stats.keys() == {*group_advantages(torch.tensor(REWARDS), G)[1].as_dict(),
+                                 "adv/num_dropped_groups", "adv/overlong_filtered_frac",
+                                 "adv/overlong_penalty_mean", "adv/overlong_penalized_frac"}
+    assert want_stats["adv/overlong_penalized_frac"] == 3 / 8  # 5, 7 and 6 tokens past 4
     assert reduce_group_stats(want_stats) == want_stats  # one replica: as it is
     for metrics, group_stats in run_ranks(_replica_fn, 2):
         assert metrics.keys() == whole.keys() and group_stats.keys() == want_stats.keys()
