@@ -4,7 +4,9 @@ Each engine's leader grades its share of a step's prompts into a piece; a DAPO r
 degenerate groups by fresh ones (``replace_groups``); the pieces of a DP replica are joined
 in batch-position order on every rank of its model-parallel group (``gather``: samples never
 cross replicas); the trainer turns each sample into a ``packing.Sample`` (``sample``) and
-reports the batch-wide rollout metrics (``rollout_metrics``). Both the rollout and the trainer
+reports the batch-wide rollout metrics (``rollout_metrics``); before packing, the trainer
+fills its advantages and loss weights from whole groups (``assign_advantages``: DAPO's
+overlong penalty and filter, the degenerate-group filter). Both the rollout and the trainer
 hold it, so it sits below both.
 """
 
@@ -27,9 +29,9 @@ class Experience:
 
     prompt_tokens[i]: [P_i] ids; response_tokens[i]: [R_i] ids; rollout_logprobs[i]: [R_i] the
     engine's log-probs of those tokens; rewards: [N]; truncated: [N] bool (finish "length").
-    advantages ([N]) are filled by the trainer (per group, so on the replica that holds it),
-    and so are loss_weights ([N] float64 per-sample aggregation weights,
-    ``losses.sample_loss_weights``; None: all 1). routed_experts[i] ([P_i + R_i - 1, layers,
+    advantages ([N]) are filled by the trainer (per group, so on the replica that holds it;
+    ``assign_advantages``), and so are loss_weights ([N] float64 per-sample aggregation
+    weights, ``losses.sample_loss_weights``, 0 for a sample left out; None: all 1). routed_experts[i] ([P_i + R_i - 1, layers,
     topk] int16, routing replay): the engine's global expert ids per input position (prompt and
     response but the last token) and layer; None when the engine recorded none.
     policy_version: the trainer step whose weights the engine sampled with (0: the initial
