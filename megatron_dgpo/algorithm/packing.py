@@ -11,7 +11,9 @@ position is trained to predict the next sample's first token.
 Shapes: a sample is 1-D ``tokens`` [L_i] with ``response_start`` (index of its first response
 token) and per-response-token tensors [L_i - response_start]; a packed row, the ``MicroBatch``
 that goes unchanged into ``train_step``, is [S] with S = sum of the padded lengths and carries
-its boundaries as host ``cu_seqlens``.
+its boundaries as host ``cu_seqlens``. Rows stay whole on the host; under context parallelism
+each rank's forward takes ``MicroBatch.cp_shard`` (Megatron's zigzag THD split,
+``cp_zigzag_indices``), samples padded to a multiple of 2 x CP x TP.
 
 Routing replay (``algorithm.routing_replay: r3``, ``megatron_dgpo.training.routing_replay``): a sample
 may carry the rollout engine's expert choices, ``routed_experts`` [L - 1, layers, topk] (the

@@ -31,6 +31,10 @@ Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
         explicit ``sequence_parallel`` override skips that refusal (the converter's models at
         TP > 1 on CPU, which never run forward)
 
+Context parallelism: ``context_parallel_size`` from Megatron's parallel state; on a GPU
+``cp_comm_type="p2p"`` (Megatron-LM's default, TE's ring attention); on CPU the local attention
+takes it through ``runtime/cpu.py``'s patch 15.
+
 The model is built with ``parallel_output=True``: the last pipeline stage returns logits
 [B, S, V_padded / TP], this rank's contiguous vocab shard. Padded columns (global index >=
 ``hf vocab_size``) are not part of the distribution: pass ``vocab_size`` to

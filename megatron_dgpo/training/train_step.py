@@ -14,10 +14,13 @@ valid tokens of the WHOLE mini-batch, every micro-batch of every data-parallel r
 (or over W = sum_t c_t with the per-token weights c_t of ``losses.sample_loss_weights``), so the
 gradient does not depend on TP, PP, DP or on how a rank's rows are cut into micro-batches. On
 return the gradients in ``param.main_grad`` are final (DP-reduced, tied embeddings synchronised,
-scaled by 1/N) and every rank returns the same numbers. How Megatron's own averaging is
+scaled by 1/N) and every rank returns the same numbers. Context parallelism: every rank of a
+CP group passes the same whole rows; each runs its ``MicroBatch.cp_shard`` (THD), N, W and the
+metrics are counted over DP x CP, ``forward_logprobs`` gathers whole rows back. How
+Megatron's own averaging is
 neutralised, the weighted aggregations, the metrics' reduction, packed rows with and without
 Transformer-Engine, the logits dtype, routing replay and overlapped reduction: docs/training.md,
-"How the train step normalises".
+"How the train step normalises" (and "Context parallelism").
 """
 
 from __future__ import annotations
