@@ -22,7 +22,8 @@ CASES = {  # name -> (aggregation, groups left out (all-zero loss weights), TIS)
     "group_token_mean": ("group_token_mean", (), False),
     "seq_mean_token_mean_drop": ("seq_mean_token_mean", (2,), False),
 }
-LAYOUTS = {2: ((1, 2),), 4: ((2, 2), (1, 2))}  # world -> (TP, CP); DP = world / (TP CP)
+LAYOUTS = {2: ((1, 1, 2),), 4: ((2, 1, 2), (1, 1, 2), (1, 2, 2))}
+"""world -> (TP, PP, CP) layouts; DP = world / (TP PP CP)."""
 
 
 def samples(case: str):
@@ -67,26 +68,28 @@ def _loss_config(case: str):
                       rollout_correction_cap=TIS_CAP)
 
 
-def _build(tp: int, cp: int):
+def _build(tp: int, pp: int, cp: int):
     from megatron_dgpo.models.builder import build_model
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
     from megatron_dgpo.training.policy import wrap_ddp
 
-    initialize_parallel(ParallelConfig(tensor_parallel=tp, context_parallel=cp), seed=5)
+    initialize_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp,
+                                       context_parallel=cp), seed=5)
     chunks = build_model(TINY_QWEN2)
     load_full_state(chunks, hf_to_megatron_full(hf_model(TINY_QWEN2).state_dict(), TINY_QWEN2))
     return wrap_ddp(chunks)
 
 
-def run_layout(tp: int, cp: int) -> dict:
+def run_layout(tp: int, pp: int, cp: int) -> dict:
     """Log-probs and entropy of every row (whole rows, from ``forward_logprobs``), and per case
-    the loss, token count, summary and every gradient; the supervised step's loss and grads."""
+    the loss, token count, summary and every gradient of this rank's stage; the supervised
+    step's loss and grads."""
     from megatron.core import parallel_state as ps
 
     from megatron_dgpo.runtime.parallel import destroy_parallel
     from megatron_dgpo.training.train_step import forward_logprobs, sft_step, train_step
 
-    models = _build(tp, cp)
+    models = _build(tp, pp, cp)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     vocab = TINY_QWEN2["vocab_size"]
     mine = rows("token_mean", dp_rank, dp_size)
@@ -104,9 +107,9 @@ def run_layout(tp: int, cp: int) -> dict:
 
 def reference_fn(rank, world_size):
     """CP = 1 on one rank (the local attention's block-diagonal mask)."""
-    return run_layout(1, 1)
+    return run_layout(1, 1, 1)
 
 
 def layouts_fn(rank, world_size):
     """Every layout of ``LAYOUTS[world_size]``, in order."""
-    return [dict(layout=(tp, cp), **run_layout(tp, cp)) for tp, cp in LAYOUTS[world_size]]
+    return [dict(layout=layout, **run_layout(*layout)) for layout in LAYOUTS[world_size]]
