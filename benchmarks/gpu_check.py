@@ -88,6 +88,12 @@ Checks (one GPU, a world of one rank, TP = PP = DP = 1, but the 2-GPU torchrun r
   continue to step 5, the final checkpoint and the HF export are written.
 * ``tiny_gpu_run`` (needs nothing): the same recipe for its 5 steps uninterrupted: 5 metric
   lines, the last checkpoint published by the async saver, the HF export.
+* ``context_parallel`` (needs TE and 2 GPUs): the trainer's bf16 policy under torchrun on 2
+  GPUs, once at CP = 1 (DP = 2, both ranks the same packed row) and once at
+  ``parallel.context_parallel`` = 2 (TE's context-parallel attention, ``cp_comm_type`` p2p, the
+  row's zigzag THD shards): ``forward_logprobs`` (whole rows) and one ``train_step``'s loss and
+  gradients of the CP run agree with the CP = 1 run (bf16: log-probs within 5e-2, loss within
+  1e-2 relative, every gradient within 5e-2 of its largest entry).
 * ``tiny_gpu_tp2``, ``tiny_gpu_dp2`` (need 2 GPUs): the same under torchrun on 2 GPUs at
   TP = 2 and at DP = 2 (NCCL groups: where a CPU tensor in a reduction or a pickled CUDA tensor
   in a broadcast object would fail).
@@ -299,7 +305,8 @@ def _micro_batch(lengths, vocab: int, seed: int, models=None):
             "advantages": torch.randint(0, 2, (n - start,), generator=gen).float() * 2 - 1,
             "old_logprobs": torch.zeros(n - start)}))
     (row,) = pack(samples, budget=10**9,
-                  pad_multiple=pad_multiple(ps.get_tensor_model_parallel_world_size()))
+                  pad_multiple=pad_multiple(ps.get_tensor_model_parallel_world_size(),
+                                            ps.get_context_parallel_world_size()))
     if models is not None:
         ((logp, _),) = forward_logprobs(models, [row])
         row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
@@ -912,6 +919,64 @@ def check_tiny_gpu(name: str) -> Row:
                     stderr_tail=(proc.stderr or "")[-2000:]))
 
 
+CP_GOAL = "CP=2 vs CP=1 (bf16): logp <= 5e-2, loss <= 1e-2 rel, grads <= 5e-2 of max"
+
+
+def _context_parallel_worker(out: str) -> int:
+    """One rank of ``check_context_parallel`` (under torchrun, 2 ranks): the same packed row at
+    CP = 1 and CP = 2; rank 0 writes the differences to ``out`` (JSON)."""
+    from megatron_dgpo.algorithm.losses import LossConfig
+    from megatron_dgpo.models.builder import unwrap_model
+    from megatron_dgpo.runtime.parallel import (ParallelConfig, destroy_parallel,
+                                                init_distributed, initialize_parallel)
+    from megatron_dgpo.training.train_step import forward_logprobs, train_step
+
+    init_distributed()
+    runs, row = {}, None
+    for cp in (2, 1):  # the row is built (padded to 2 CP, old log-probs) at CP = 2, then reused
+        initialize_parallel(ParallelConfig(context_parallel=cp), seed=3)
+        models = _policy(SMALL_QWEN2, seed=3, use_distributed_optimizer=False)
+        if row is None:
+            row = _micro_batch(PACKED_LENGTHS, SMALL_QWEN2["vocab_size"], seed=1, models=models)
+        ((logp, _),) = forward_logprobs(models, [row])
+        result = train_step(models, [row], LossConfig())
+        grads = {n: p.main_grad.float().cpu().clone()
+                 for n, p in unwrap_model(models[0]).named_parameters()}
+        runs[cp] = dict(logp=torch.where(row.loss_mask, logp, 0.0), loss=result.loss, grads=grads)
+        destroy_parallel()
+    one, two = runs[1], runs[2]
+    numbers = dict(
+        logp_max_abs=float((one["logp"] - two["logp"]).abs().max()),
+        loss_rel=abs(one["loss"] - two["loss"]) / max(abs(one["loss"]), 1e-6),
+        grad_max_rel=max(float((one["grads"][n] - g).abs().max()
+                               / one["grads"][n].abs().max().clamp(min=1e-12))
+                         for n, g in two["grads"].items()))
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(numbers))
+    return 0
+
+
+def check_context_parallel() -> Row:
+    from megatron_dgpo.runtime.parallel import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cp.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port()), str(Path(__file__).resolve()),
+             "--context-parallel-worker", str(out)],
+            cwd=ROOT, env=_trainer_env(), capture_output=True, text=True, timeout=600)
+        numbers = json.loads(out.read_text()) if out.is_file() else {}
+    if proc.returncode != 0 or not numbers:
+        return Row("context_parallel", False, f"rc {proc.returncode}: {_tail(proc.stderr)}",
+                   CP_GOAL, dict(stderr_tail=(proc.stderr or "")[-2000:]))
+    ok = (numbers["logp_max_abs"] <= 5e-2 and numbers["loss_rel"] <= 1e-2
+          and numbers["grad_max_rel"] <= 5e-2)
+    return Row("context_parallel", ok,
+               f"max|d logp| {numbers['logp_max_abs']:.2e}, loss {numbers['loss_rel']:.2e} rel, "
+               f"grads {numbers['grad_max_rel']:.2e} of max", CP_GOAL, numbers)
+
+
 def _stop_after_first_step(cmd: list[str], run: Path, log: Path) -> tuple[int, float]:
     """Start the trainer, SIGTERM it once its first metrics line is written (the trainer
     finishes the step in flight, saves it, exits ``EXIT_STOPPED``). Returns (exit status,
@@ -989,6 +1054,7 @@ CHECKS = (
     ("seeded_sampling_v152064", check_seeded_sampling_v152064),  # vLLM enters the process here
     ("vllm_colocated", check_vllm_colocated),  # after the others: vLLM stays in the process
     ("trainer_refuses_unfused", check_trainer_refuses_unfused),
+    ("context_parallel", check_context_parallel),
     ("tiny_gpu_stop_resume", check_tiny_gpu_stop_resume),
     *((name, partial(check_tiny_gpu, name)) for name in TINY_GPU_LAYOUTS),
 )
@@ -1005,6 +1071,7 @@ NEEDS = {  # what each check needs beyond torch, megatron-core and one CUDA GPU 
     "seeded_sampling_v152064": ("vLLM",),
     "vllm_colocated": ("vLLM",),
     "tiny_gpu_stop_resume": (),
+    "context_parallel": ("TE", "2 GPUs"),
     "tiny_gpu_run": (),
     "tiny_gpu_tp2": ("2 GPUs",),
     "tiny_gpu_dp2": ("2 GPUs",),
@@ -1125,11 +1192,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for gpu_check.md and gpu_check.json")
     parser.add_argument("--only", nargs="*", choices=[name for name, _ in CHECKS],
                         help="run only these checks")
+    parser.add_argument("--context-parallel-worker", metavar="OUT",
+                        help=argparse.SUPPRESS)  # one rank of check_context_parallel
     parser.add_argument("--profile", choices=sorted(PROFILES),
                         help="choose attention as this GPU generation must (a100: TE's cuDNN "
                              "attention off, NVTE_FUSED_ATTN=0)")
     args = parser.parse_args(argv)
     os.environ.update(PROFILES.get(args.profile, {}))  # the trainers started here inherit it
+    if args.context_parallel_worker:
+        return _context_parallel_worker(args.context_parallel_worker)
     from megatron_dgpo.runtime import gpu_flags
 
     try:  # a GPU node whose CUDA does not start is a failed check, not a CPU machine

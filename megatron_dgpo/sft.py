@@ -138,7 +138,8 @@ def _sft_step(cfg: SFTRunConfig, run: TrainingRun, samples: list, step: int) -> 
     order = prompt_order(len(samples), config.seed, (step - 1) * config.batch_samples,
                          config.batch_samples)
     mine = [samples[i] for i in order[run.dp_rank::run.dp_size]]
-    rows = pack(mine, config.micro_batch_tokens, pad_multiple(cfg.parallel.tensor_parallel))
+    rows = pack(mine, config.micro_batch_tokens, pad_multiple(cfg.parallel.tensor_parallel,
+                                                          cfg.parallel.context_parallel))
     loss, num_tokens = sft_step(run.models, rows)
     stepped, grad_norm = step_if_finite(run.optimizer, run.models, loss)
     run.state.step, run.state.skipped_updates = step, run.state.skipped_updates + (not stepped)

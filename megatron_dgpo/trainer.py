@@ -99,7 +99,8 @@ class RLStep:
             plan = plan_updates(rollout.replica_prompts.start, len(rollout.replica_prompts), group,
                                 num_updates, lengths)
             updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
-                                   pad_multiple=pad_multiple(cfg.parallel.tensor_parallel))
+                                   pad_multiple=pad_multiple(cfg.parallel.tensor_parallel,
+                                                              cfg.parallel.context_parallel))
                        for indices in plan]
             mismatch = self._old_logprobs([row for rows in updates for row in rows])
 

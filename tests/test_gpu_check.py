@@ -41,7 +41,7 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
 
 def test_every_check_is_its_own_function_and_declares_its_needs(gpu_check):
     names = [name for name, _ in gpu_check.CHECKS]
-    assert len(set(names)) == len(names) == 14
+    assert len(set(names)) == len(names) == 15
     assert len({fn for _, fn in gpu_check.CHECKS}) == len(names)
     # a function per check, or the tiny-run function bound to its layout's name
     assert all(name in getattr(fn, "__name__", "") or fn.args == (name,) for name, fn in gpu_check.CHECKS)

@@ -11,7 +11,9 @@ position is trained to predict the next sample's first token.
 Shapes: a sample is 1-D ``tokens`` [L_i] with ``response_start`` (index of its first response
 token) and per-response-token tensors [L_i - response_start]; a packed row, the ``MicroBatch``
 that goes unchanged into ``train_step``, is [S] with S = sum of the padded lengths and carries
-its boundaries as host ``cu_seqlens``.
+its boundaries as host ``cu_seqlens``. Rows stay whole on the host; under context parallelism
+each rank's forward takes ``MicroBatch.cp_shard`` (Megatron's zigzag THD split,
+``cp_zigzag_indices``), samples padded to a multiple of 2 x CP x TP.
 
 Routing replay (``algorithm.routing_replay: r3``, ``megatron_dgpo.training.routing_replay``): a sample
 may carry the rollout engine's expert choices, ``routed_experts`` [L - 1, layers, topk] (the
@@ -82,6 +84,11 @@ class MicroBatch:
     routed_experts: Tensor | None = None
     """[S, layers, topk] int16 on the host: the engine's expert ids per input position and
     layer, replayed by ``routing_replay.RoutingReplay`` (module docstring); None without replay."""
+    cp_rank: int = 0
+    cp_size: int = 1
+    """A context-parallel shard (``cp_shard``) when ``cp_size`` > 1: the per-token tensors are
+    rank ``cp_rank``'s [S / cp_size] positions (``cp_zigzag_indices``), ``cu_seqlens`` stays
+    the whole row's."""
 
     def __post_init__(self):
         if self.tokens.dim() != 1:
@@ -95,9 +102,10 @@ class MicroBatch:
                                                 or len(self.routed_experts) != len(self.tokens)):
             raise ValueError(f"MicroBatch.routed_experts must be [S, layers, topk] with S = "
                              f"{len(self.tokens)}, got {tuple(self.routed_experts.shape)}")
-        if self.cu_seqlens.device.type != "cpu" or int(self.cu_seqlens[-1]) != len(self.tokens):
+        row = len(self.tokens) * self.cp_size
+        if self.cu_seqlens.device.type != "cpu" or int(self.cu_seqlens[-1]) != row:
             raise ValueError(f"MicroBatch.cu_seqlens must be a host tensor ending at "
-                             f"{len(self.tokens)}, got {self.cu_seqlens.tolist()}")
+                             f"{row}, got {self.cu_seqlens.tolist()}")
 
     def to(self, device) -> MicroBatch:
         """The tensors on ``device``; ``cu_seqlens`` and ``routed_experts`` stay on the host (the
@@ -108,8 +116,29 @@ class MicroBatch:
                 moved[name] = moved[name].to(device)
         return MicroBatch(**moved)
 
+    def cp_shard(self, rank: int, size: int) -> MicroBatch:
+        """Context-parallel rank ``rank``'s part of this (whole) row: every per-token field at
+        ``cp_zigzag_indices(cu_seqlens, rank, size)``, ``cu_seqlens`` the row's (Megatron's
+        THD ``PackedSeqParams`` take the global boundaries). ``targets`` were shifted on the
+        whole row before the split, so no position needs its neighbour from another rank: no
+        boundary patch. ``size`` 1: the row itself."""
+        if size == 1:
+            return self
+        if self.cp_size != 1:
+            raise ValueError("MicroBatch.cp_shard: already a context-parallel shard")
+        index = cp_zigzag_indices(self.cu_seqlens, rank, size)
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("tokens", "position_ids", "targets", "loss_mask", "routed_experts") \
+                + LOSS_FIELDS:
+            if moved[name] is not None:
+                moved[name] = moved[name][index.to(moved[name].device)]
+        return MicroBatch(**{**moved, "cp_rank": rank, "cp_size": size})
+
     def attention_mask(self) -> Tensor:
         """[1, 1, S, S] bool block-diagonal causal mask, True = masked (Megatron convention)."""
+        if self.cp_size != 1:
+            raise ValueError("MicroBatch.attention_mask: a context-parallel shard runs as THD "
+                             "(PackedSeqParams), not with a dense mask")
         return block_causal_mask(self.cu_seqlens, device=self.tokens.device)
 
     def max_seqlen(self) -> int:
@@ -168,6 +197,31 @@ def pad_rows(samples: list[Sample], rows_per_batch: int) -> list[MicroBatch]:
         longest = max(len(samples[i].tokens) for i in group)
         batches.append(_build_row([samples[i] for i in group], group, longest))
     return batches
+
+
+def cp_zigzag_indices(cu_seqlens: Tensor, rank: int, size: int) -> Tensor:
+    """[S / size] int64: the row positions context-parallel rank ``rank`` of ``size`` holds, in
+    Megatron's load-balanced THD layout. Each sample (padded width w, a multiple of 2 size, from
+    the host ``cu_seqlens``) is cut into 2 size chunks of w / (2 size); rank r holds chunks r and
+    2 size - 1 - r, in that order, samples in row order (Transformer-Engine's
+    ``thd_get_partitioned_indices``, Megatron's ``_get_thd_freqs_on_this_cp_rank`` for RoPE).
+    ``size`` 1: every position."""
+    if not 0 <= rank < size:
+        raise ValueError(f"context-parallel rank {rank} outside [0, {size})")
+    bounds = [int(b) for b in cu_seqlens]
+    if size == 1:
+        return torch.arange(bounds[-1])
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        width = end - start
+        if width % (2 * size):
+            raise ValueError(f"a packed sample of width {width} does not split into 2 x "
+                             f"context_parallel = {2 * size} chunks: pad samples to "
+                             f"gpu_flags.pad_multiple(tp, cp)")
+        chunk = width // (2 * size)
+        for part in (rank, 2 * size - 1 - rank):
+            pieces.append(torch.arange(start + part * chunk, start + (part + 1) * chunk))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
 def block_causal_mask(cu_seqlens: Tensor, device=None) -> Tensor:

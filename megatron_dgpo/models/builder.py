@@ -31,6 +31,10 @@ Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
         explicit ``sequence_parallel`` override skips that refusal (the converter's models at
         TP > 1 on CPU, which never run forward)
 
+Context parallelism: ``context_parallel_size`` from Megatron's parallel state; on a GPU
+``cp_comm_type="p2p"`` (Megatron-LM's default, TE's ring attention); on CPU the local attention
+takes it through ``runtime/cpu.py``'s patch 15.
+
 The model is built with ``parallel_output=True``: the last pipeline stage returns logits
 [B, S, V_padded / TP], this rank's contiguous vocab shard. Padded columns (global index >=
 ``hf vocab_size``) are not part of the distribution: pass ``vocab_size`` to
@@ -128,10 +132,13 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
     tp = overrides.get("tensor_model_parallel_size")
     pp = overrides.get("pipeline_model_parallel_size")
     vpp = overrides.get("virtual_pipeline_model_parallel_size")
+    cp = overrides.get("context_parallel_size")
     if parallel_state.model_parallel_is_initialized():
         tp = tp or parallel_state.get_tensor_model_parallel_world_size()
         pp = pp or parallel_state.get_pipeline_model_parallel_world_size()
         vpp = vpp or parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        cp = cp or parallel_state.get_context_parallel_world_size()
+    cp = cp or 1
 
     dtype = overrides.get("params_dtype", torch.float32)
     moe = moe_kwargs(desc, platform, tp=tp or 1, pp=pp or 1, **overrides) if dims.moe else {}
@@ -155,6 +162,7 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         tensor_model_parallel_size=tp or 1,
         pipeline_model_parallel_size=pp or 1,
         virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -166,6 +174,8 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
         attention_backend=_default_attention_backend(platform),
         **transformer_flags(platform, tp or 1),
     )
+    if cp > 1 and platform.cuda:
+        kwargs["cp_comm_type"] = "p2p"  # Megatron-LM's default: TE's ring attention
     kwargs.update(moe)
     kwargs.update(overrides)
     return kwargs

@@ -91,6 +91,32 @@ def all_gather_(shards: list[torch.Tensor], shard: torch.Tensor, group=None) -> 
     return shards
 
 
+class _AllGatherWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group, ctx.rank, ctx.length = group, dist.get_rank(group), tensor.shape[0]
+        shards = [torch.empty_like(tensor) for _ in range(size(group))]
+        dist.all_gather(shards, tensor.contiguous(), group=group)
+        return torch.cat(shards)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's loss reads every rank's shard
+        return grad[ctx.rank * ctx.length:(ctx.rank + 1) * ctx.length], None
+
+
+def all_gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0 in rank order, differentiable: the
+    gradient of each rank's part returns to its owner, summed over the ranks (an all-reduce of
+    the whole gradient, then this rank's slice: exact, and gloo has no reduce-scatter). All
+    ranks pass the same shape. Context-parallel attention's keys and values."""
+    if size(group) == 1:
+        return tensor
+    _check_device(tensor, group)
+    return _AllGatherWithGrad.apply(tensor, group)
+
+
 def broadcast_(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """In place: ``tensor`` of global rank ``src`` on every rank of ``group``."""
     if size(group) > 1:

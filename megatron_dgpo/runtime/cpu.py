@@ -7,7 +7,7 @@ clusters run Megatron-Core untouched. Nothing that works on a CPU-only torch cha
 behaviour; every patch is idempotent, process-wide and never undone.
 ``seed_model_parallel_rng`` seeds the CPU RNG tracker that replaces Megatron's CUDA one. The
 patches, numbered as the code's comments name them (the distributed optimizer's are 11 and 12,
-the async save's writer 13): docs/install.md, "Megatron-Core on CPU".
+the async save's writer 13, the local attention under context parallelism 15): docs/install.md, "Megatron-Core on CPU".
 """
 
 from __future__ import annotations
@@ -258,6 +258,101 @@ _tensor_cuda_is_identity = _tensor_method_during("cuda", lambda original: lambda
 _cuda_type_names = _tensor_method_during("type", _cuda_named)
 
 
+def _local_attention_init_with_cp(init):
+    """``DotProductAttention.__init__`` that builds under context parallelism (Megatron asserts
+    CP = 1 there): the assertion sees CP = 1, the config keeps its size."""
+
+    @functools.wraps(init)
+    def wrapper(self, config, *args, **kwargs):
+        size = config.context_parallel_size
+        config.context_parallel_size = 1
+        try:
+            init(self, config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = size
+
+    wrapper._dgpo_cpu_compat = True
+    return wrapper
+
+
+def _local_attention_forward_thd(forward):
+    """``DotProductAttention.forward`` that takes THD ``packed_seq_params`` (patch 15)."""
+
+    @functools.wraps(forward)
+    def wrapper(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                           attention_bias=attention_bias, packed_seq_params=None)
+        if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
+            raise NotImplementedError("cpu.py: the local attention takes packed rows as THD "
+                                      "PackedSeqParams without attention bias")
+        return thd_attention(self, query, key, value, packed_seq_params.cu_seqlens_q)
+
+    wrapper._dgpo_cpu_compat = True
+    return wrapper
+
+
+def thd_attention(module, query, key, value, cu_seqlens) -> torch.Tensor:
+    """Exact (dense, not fast) causal attention of one packed THD row under context
+    parallelism: ``query`` [t, heads, d], ``key`` / ``value`` [t, groups, d] hold this CP
+    rank's t = S / CP positions (``packing.cp_zigzag_indices``; RoPE already applied by
+    Megatron), ``cu_seqlens`` the whole row's boundaries. Keys and values are all-gathered over
+    the CP group (their gradients return to their owners), put in row order, and each query
+    attends the keys of its own sample at positions <= its own. Returns [t, heads * d]."""
+    from megatron.core import tensor_parallel
+
+    # the CP group Megatron's attention hands its core attention, the one its THD RoPE splits by
+    group = module.pg_collection.cp
+    rank, size = group.rank(), group.size()
+    bounds = cu_seqlens.detach().cpu()
+    if size > 1:
+        layout = torch.cat([_cp_positions(bounds, r, size) for r in range(size)])
+        row_order = torch.argsort(layout).to(key.device)
+        key = comm.all_gather_with_grad(key, group)[row_order]
+        value = comm.all_gather_with_grad(value, group)[row_order]
+    positions = _cp_positions(bounds, rank, size).to(query.device)  # the queries'
+    widths = (bounds[1:] - bounds[:-1]).long()
+    sample = torch.repeat_interleave(torch.arange(len(widths)), widths).to(query.device)
+    keys = torch.arange(int(bounds[-1]), device=query.device)
+    allowed = (sample[positions][:, None] == sample[None, :]) & (keys[None, :] <= positions[:, None])
+    repeat = query.shape[1] // key.shape[1]  # grouped-query attention
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    dtype = torch.float32 if module.config.attention_softmax_in_fp32 else query.dtype
+    scores = torch.einsum("qhd,khd->hqk", query, key).to(dtype) * module.softmax_scale
+    probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        probs = module.attention_dropout(probs.to(query.dtype))
+    context = torch.einsum("hqk,khd->qhd", probs, value)
+    return context.reshape(context.shape[0], -1)
+
+
+def _cp_positions(bounds: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The row positions CP rank ``rank`` holds, as Megatron's THD RoPE reads them
+    (``_get_thd_freqs_on_this_cp_rank`` applied to the positions themselves), so that the mask
+    and the rotary phases agree by construction (``packing.cp_zigzag_indices`` is the host
+    side's; a test checks the two agree)."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    everything = torch.arange(int(bounds[-1]))
+    if size == 1:
+        return everything
+    starts, ends = bounds[:-1].tolist(), bounds[1:].tolist()
+    return torch.cat([_get_thd_freqs_on_this_cp_rank(rank, size, everything[:(end - start) // size],
+                                                     everything, start)
+                      for start, end in zip(starts, ends)])
+
+
+def _apply_context_parallel_attention_compat() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if not getattr(DotProductAttention.__init__, "_dgpo_cpu_compat", False):
+        DotProductAttention.__init__ = _local_attention_init_with_cp(DotProductAttention.__init__)
+    if not getattr(DotProductAttention.forward, "_dgpo_cpu_compat", False):
+        DotProductAttention.forward = _local_attention_forward_thd(DotProductAttention.forward)
+
+
 def apply_cpu_compat() -> bool:
     """Apply the patches above once, only without a GPU. Returns True if they are active."""
     global _APPLIED
@@ -288,6 +383,7 @@ def apply_cpu_compat() -> bool:
     _apply_distributed_optimizer_compat()
     _apply_async_save_compat()
     _apply_grad_sync_compat()
+    _apply_context_parallel_attention_compat()  # patch 15
     _APPLIED = True
     return True
 

@@ -165,13 +165,26 @@ def flash_attention_status(flash_attn: str | None, capability: tuple[int, int] |
 INSTALL_HELP = "docs/install.md, 'GPU clusters: the pinned GPU stack'"
 
 
-def require_gpu_stack(platform: Platform, *, without_transformer_engine: bool = False) -> None:
+def require_gpu_stack(platform: Platform, *, without_transformer_engine: bool = False,
+                      context_parallel: int = 1) -> None:
     """Refuse a GPU run without Transformer-Engine, with the fix in the message: without it
     Megatron's local layer spec builds a dense [S, S] attention mask per layer (about 10 GB of
     scores per layer at S = 16384 and TP = 4: an out-of-memory error on the first long row) and
     RoPE takes the unfused path with a host sync per layer. ``model.without_transformer_engine``
     opts out (short rows). Nothing to check on CPU (the local spec is the CPU path). Which
-    attention backend TE then runs is ``attention_backend``'s."""
+    attention backend TE then runs is ``attention_backend``'s. Context parallelism
+    (``context_parallel`` > 1) on a GPU runs in TE's attention only: refused without it, the
+    opt-out included (the CPU runs it in ``cpu.py``'s patch 15)."""
+    if platform.cuda and context_parallel > 1 and (without_transformer_engine
+                                                   or not platform.transformer_engine):
+        why = ("model.without_transformer_engine=true builds Megatron's local attention"
+               if without_transformer_engine else
+               f"Transformer-Engine does not import ({platform.transformer_engine_error or 'not found'})")
+        raise RuntimeError(
+            f"parallel.context_parallel={context_parallel} needs Transformer-Engine's attention on "
+            f"a GPU (Megatron-Core runs context parallelism nowhere else), and {why}: install the "
+            f"pinned GPU stack ({INSTALL_HELP}) and leave model.without_transformer_engine false, "
+            f"or set parallel.context_parallel=1")
     if platform.cuda and not platform.transformer_engine and not without_transformer_engine:
         raise RuntimeError(
             "Transformer-Engine is required on a GPU run and does not import "

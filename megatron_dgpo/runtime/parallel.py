@@ -291,3 +291,58 @@ def engine_group(engine_tp: int):
         if start <= rank < start + engine_tp:
             mine = group
     return mine
+
+
+# Megatron's groups, read through these accessors only (Megatron's parallel state initialised).
+
+def data_parallel_group(with_context_parallel: bool = False):
+    """This rank's data-parallel group; with ``with_context_parallel`` the DP x CP group (what
+    Megatron's DDP reduces gradients over and ``finalize_model_grads`` counts tokens over)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
+
+
+def context_parallel_group():
+    """This rank's context-parallel group (the ranks holding the other chunks of its rows)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+def context_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_rank()
+
+
+def context_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size()
+
+
+def pipeline_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def pipeline_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def is_last_pipeline_stage() -> bool:
+    """True on the last pipeline stage (whatever the virtual stage)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def pipeline_last_rank() -> int:
+    """The global rank of this pipeline's last stage."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_last_rank()

@@ -21,6 +21,7 @@ from megatron_dgpo.runtime.config import require_choice
 from megatron_dgpo.runtime.gpu_flags import (ATTENTION_BACKENDS, Platform, attention_backend,
                                              ddp_flags, require_gpu_stack)
 from megatron_dgpo.runtime.hub import HUB_FILES, snapshot_of
+from megatron_dgpo.runtime.parallel import context_parallel_size
 from megatron_dgpo.training.routing_replay import ROUTING_REPLAYS, clear_instances
 
 log = logging.getLogger(__name__)
@@ -337,7 +338,8 @@ def build_policy(config, hf_dir, *, use_distributed_optimizer: bool,
     first, so it holds this policy's routers only."""
     dtype = dtype_named(config.dtype)
     platform = Platform.detect()
-    require_gpu_stack(platform, without_transformer_engine=config.without_transformer_engine)
+    require_gpu_stack(platform, without_transformer_engine=config.without_transformer_engine,
+                      context_parallel=context_parallel_size())
     attention = attention_overrides(config, platform, dtype)
     if config.without_transformer_engine:
         platform = replace(platform, transformer_engine=False)

@@ -14,10 +14,13 @@ valid tokens of the WHOLE mini-batch, every micro-batch of every data-parallel r
 (or over W = sum_t c_t with the per-token weights c_t of ``losses.sample_loss_weights``), so the
 gradient does not depend on TP, PP, DP or on how a rank's rows are cut into micro-batches. On
 return the gradients in ``param.main_grad`` are final (DP-reduced, tied embeddings synchronised,
-scaled by 1/N) and every rank returns the same numbers. How Megatron's own averaging is
+scaled by 1/N) and every rank returns the same numbers. Context parallelism: every rank of a
+CP group passes the same whole rows; each runs its ``MicroBatch.cp_shard`` (THD), N, W and the
+metrics are counted over DP x CP, ``forward_logprobs`` gathers whole rows back. How
+Megatron's own averaging is
 neutralised, the weighted aggregations, the metrics' reduction, packed rows with and without
 Transformer-Engine, the logits dtype, routing replay and overlapped reduction: docs/training.md,
-"How the train step normalises".
+"How the train step normalises" (and "Context parallelism").
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ from torch import Tensor
 from megatron_dgpo.algorithm.losses import (LossConfig, LossMetrics, merge_metrics, policy_loss,
                                             reduce_metrics, summarize_metrics,
                                             truncated_is_weights)
-from megatron_dgpo.algorithm.packing import MicroBatch
+from megatron_dgpo.algorithm.packing import MicroBatch, cp_zigzag_indices
 from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
 from megatron_dgpo.models.builder import unwrap_model
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.gpu_flags import schedule_sync_hooks
+from megatron_dgpo.runtime.parallel import (context_parallel_group, context_parallel_rank,
+                                            context_parallel_size, data_parallel_group,
+                                            is_last_pipeline_stage, pipeline_last_rank,
+                                            pipeline_parallel_group, pipeline_parallel_size)
 
 
 @dataclass
@@ -61,7 +68,8 @@ class StepResult:
 
 def _packed_seq_params(mb: MicroBatch, device):
     """THD ``PackedSeqParams`` of one packed micro-batch, from its host ``cu_seqlens`` (the
-    longest sample is read on the host: no device sync).
+    longest sample is read on the host: no device sync); for a context-parallel shard the
+    whole row's (Megatron splits each sequence by them).
 
     Transformer-Engine's fused attention ignores arbitrary masks (its causal kernel would let a
     sample see the previous one); with cu_seqlens each sample is its own causal sequence.
@@ -92,27 +100,31 @@ def _device(models) -> torch.device:
 
 
 def _pp_info():
-    from megatron.core import parallel_state as ps
+    return (pipeline_parallel_group(), pipeline_parallel_size(), is_last_pipeline_stage(),
+            pipeline_last_rank())
 
-    return (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size(),
-            ps.is_pipeline_last_stage(ignore_virtual=True),
-            ps.get_pipeline_model_parallel_last_rank())
+
+def _local(mb: MicroBatch) -> MicroBatch:
+    """This context-parallel rank's shard of the whole row ``mb`` (the row itself at CP 1)."""
+    return mb.cp_shard(context_parallel_rank(), context_parallel_size())
 
 
 def _run_schedule(models, micro_batches, loss_fn, forward_only: bool, routing_replay=None):
     """Megatron's forward-backward over ``micro_batches`` with ``loss_fn(mb, output)``; with
-    ``routing_replay`` each micro-batch's recorded routing is set before its forward."""
+    ``routing_replay`` each micro-batch's recorded routing is set before its forward. Under
+    context parallelism the model and ``loss_fn`` see this CP rank's shard of each row (THD)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         raise ValueError("micro_batches is empty")
     device = _device(models)
 
-    thd = unwrap_model(models[0]).transformer_engine
+    cp = context_parallel_size()
+    thd = unwrap_model(models[0]).transformer_engine or cp > 1  # CPU: cpu.py patch 15
     extra = _forward_kwargs(models[0])
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator).to(device)
+        mb = _local(next(data_iterator)).to(device)
         if routing_replay is not None:
             routing_replay.set(model, mb)
         if thd:
@@ -129,7 +141,7 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool, routing_re
             data_iterator=iterators if len(models) > 1 else iterators[0],
             model=models if len(models) > 1 else models[0],
             num_microbatches=len(micro_batches),
-            seq_length=max(len(mb.tokens) for mb in micro_batches),
+            seq_length=max(len(mb.tokens) for mb in micro_batches) // cp,
             micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -139,9 +151,9 @@ def _run_schedule(models, micro_batches, loss_fn, forward_only: bool, routing_re
 
 
 def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group()
+    """DP x CP: each CP rank counts and measures its own tokens, Megatron's DDP reduces the
+    gradients and ``finalize_model_grads`` the token count over this group."""
+    return data_parallel_group(with_context_parallel=True)
 
 
 def _check_micro_batch(mb: MicroBatch, index: int, need_loss_inputs: bool,
@@ -205,7 +217,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
     # divides the gradients by N, so each micro-batch's loss sum is scaled by N / W.
     counts = [0.0, 0.0]
     for mb in micro_batches:
-        valid, weights = _valid_and_weights(mb)
+        valid, weights = _valid_and_weights(_local(mb))
         counts[0] += float(valid.sum())
         if weighted:
             counts[1] += float(torch.where(valid, weights, 0.0).sum())
@@ -318,8 +330,8 @@ def sft_step(models: list, micro_batches: list[MicroBatch], *, vocab_size: int |
     _check_models(models)
     vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
     device = _device(models)
-    num_tokens = int(_count_over_dp([float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))],
-                                    device)[0])
+    num_tokens = int(_count_over_dp([float(sum(int(_local(mb).loss_mask.sum())
+                                               for mb in micro_batches))], device)[0])
     if not num_tokens:
         raise ValueError("sft_step: the batch has no response token (every loss_mask is False)")
     seen = _prepare_backward(models, num_tokens, zero_grad)
@@ -398,7 +410,7 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
     def loss_fn(mb: MicroBatch, logits: Tensor):
         logp, entropy = logprobs_and_entropy(logits, mb.targets[None], temperature=temperature,
                                              chunk_size=chunk_size, vocab_size=vocab_size)
-        outputs.append((logp[0].detach().cpu(), entropy[0].detach().cpu()))
+        outputs.append(torch.stack([logp[0].detach().float(), entropy[0].detach().float()]))
         zero = torch.zeros((), device=logits.device)
         return zero, torch.zeros((), dtype=torch.int, device=logits.device), {}
 
@@ -413,17 +425,31 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
         for m, mode in zip(models, was_training):
             m.train(mode)
 
+    if context_parallel_size() > 1:
+        outputs = [_whole_row(both, mb) for both, mb in zip(outputs, micro_batches)]
     pp_group, pp_size, last, last_rank = _pp_info()
-    if pp_size == 1:
-        return outputs
+    if pp_size == 1 or (not all_stages and last):
+        return [(both[0].cpu(), both[1].cpu()) for both in outputs]
     if not all_stages:
-        return outputs if last else None
+        return None
     device = _device(models)
     result = []
     for i, mb in enumerate(micro_batches):
-        both = (torch.stack(outputs[i]).to(device) if last
+        both = (outputs[i].to(device) if last
                 else torch.empty(2, *mb.tokens.shape, dtype=torch.float32, device=device))
         comm.broadcast_(both, src=last_rank, group=pp_group)
         both = both.cpu()
         result.append((both[0], both[1]))
     return result
+
+
+def _whole_row(local: Tensor, mb: MicroBatch) -> Tensor:
+    """[2, S] log-probs and entropy of the whole row ``mb`` from every CP rank's [2, S / CP]
+    (``local`` this rank's): all-gathered over the CP group, put back in row order."""
+    group, size = context_parallel_group(), context_parallel_size()
+    local = local.to(comm.device_of(group)).contiguous()
+    shards = comm.all_gather_([torch.empty_like(local) for _ in range(size)], local, group)
+    whole = torch.empty(2, len(mb.tokens), dtype=local.dtype, device=local.device)
+    for rank, shard in enumerate(shards):
+        whole[:, cp_zigzag_indices(mb.cu_seqlens, rank, size).to(local.device)] = shard
+    return whole

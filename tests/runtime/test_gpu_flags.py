@@ -322,3 +322,23 @@ def test_the_trainer_refuses_before_reading_a_weight_and_megatron_pins_the_choic
     LanguageModule._set_attention_backend(type("Stub", (), {"config": config})())
     assert {k: os.environ[k] for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")} \
         == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
+
+
+def test_context_parallel_on_a_gpu_needs_transformer_engine():
+    """CP runs in TE's attention only on a GPU: refused without TE and with the opt-out, with
+    the setting and the fix named; the CPU path (cpu.py patch 15) and a TE node pass. A GPU
+    layout gets Megatron-LM's cp_comm_type p2p, the CPU none."""
+    from megatron_dgpo.runtime.gpu_flags import require_gpu_stack
+
+    no_te = Platform(cuda=True, transformer_engine_error="not found")
+    for platform, opt_out in ((no_te, False), (no_te, True), (GPU, True)):
+        with pytest.raises(RuntimeError, match="(?s)parallel.context_parallel=2.*Transformer-Engine"
+                                               ".*docs/install.md.*parallel.context_parallel=1"):
+            require_gpu_stack(platform, without_transformer_engine=opt_out, context_parallel=2)
+    require_gpu_stack(GPU, context_parallel=2)
+    require_gpu_stack(CPU, context_parallel=4)
+    gpu = transformer_kwargs(TINY_QWEN2, platform=GPU, context_parallel_size=2)
+    assert gpu["context_parallel_size"] == 2 and gpu["cp_comm_type"] == "p2p"
+    cpu = transformer_kwargs(TINY_QWEN2, platform=CPU, context_parallel_size=2)
+    assert cpu["context_parallel_size"] == 2 and "cp_comm_type" not in cpu
+    assert transformer_kwargs(TINY_QWEN2, platform=GPU)["context_parallel_size"] == 1
