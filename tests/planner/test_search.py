@@ -1,5 +1,6 @@
 """megatron_dgpo/planner/search.py: the paper's 14B recipe on 8 x 80 GB and the layout picked,
-DP dividing the dedicated engines, MoE candidates' expert parallelism, and the step-time
+DP dividing the dedicated engines, MoE candidates' expert parallelism, CP layouts searched and
+priced for 32k responses, and the step-time
 estimate of the 14B recipes (as benchmarks/bench_async.py prints it)."""
 
 from __future__ import annotations
@@ -189,3 +190,39 @@ def test_shipped_recipes_plan_as_before_on_the_image(recipe):
         assert (work.attention, refusal) == (backend, "")
         after = make_plan(model, cluster, work).as_dict()["layouts"]
         assert after == before and all(row["attention_scores_gib"] == 0 for row in after)
+
+
+def test_cp_layouts_are_searched_and_priced_for_32k_responses():
+    """Qwen3-32B with 32k-token responses on 8 x 8 A100-80GB (the 32k recipes' rows and
+    engines, no recompute): CP layouts are candidates, a CP layout holds less than CP 1 at the same
+    TP x PP (activations and logits over c, weights and gradients whole, the optimizer over
+    D c), nothing without CP leaves headroom, so the step-time model picks among all, and the
+    pick's CP is printed."""
+    from megatron_dgpo.planner.steptime import HARDWARE, StepShape
+
+    model = PUBLISHED["Qwen/Qwen3-32B"]
+    cluster = Cluster(gpus_per_node=8, nodes=8, gpu_memory_gb=80)
+    work = Workload(micro_batch_tokens=34816, responses_per_update=256, max_sequence=34816,
+                    recompute=False, rollout_tp=8, gpu_memory_utilization=0.7,
+                    offload_training_state=True)
+    layouts = candidate_layouts(model, cluster, work)
+    assert {lay.cp for lay in layouts} == {1, 2, 4, 8}
+    by_layout = {(e.layout.tp, e.layout.pp, e.layout.cp): e
+                 for e in (estimate(model, cluster, lay, work) for lay in layouts)}
+    cp1, cp2 = by_layout[(8, 1, 1)], by_layout[(8, 1, 2)]
+    assert cp2.total < cp1.total and cp2.activations < cp1.activations
+    assert (cp2.weights, cp2.grads) == (cp1.weights, cp1.grads)
+    assert cp2.optimizer == cp1.optimizer  # D c = 4 x 2 = 8, as D = 8 at CP 1
+    assert "CP" in cp2.communicators and "DP x CP" in cp2.communicators
+
+    shape = StepShape(prompts=512, group_size=8, max_response_tokens=32768,
+                      mean_prompt_tokens=200, mean_response_tokens=16384, updates=16,
+                      micro_batch_tokens=34816)
+    plan = make_plan(model, cluster, work, recipe_tp=8, shape=shape, hw=HARDWARE["a100"])
+    assert not any(e.fits_with(0.1) for e in plan.estimates if e.layout.cp == 1)
+    assert plan.pick.layout.cp > 1 and plan.pick.fits_with(0.1)
+    assert plan.layout_step_s and str(plan.pick.layout) in plan.layout_step_s
+    assert "By the step-time model" in plan.explanation
+    from megatron_dgpo.planner.report import format_table
+
+    assert f"parallel.context_parallel={plan.pick.layout.cp}" in format_table(plan, 0.1)
