@@ -226,3 +226,45 @@ def test_cp_layouts_are_searched_and_priced_for_32k_responses():
     from megatron_dgpo.planner.report import format_table
 
     assert f"parallel.context_parallel={plan.pick.layout.cp}" in format_table(plan, 0.1)
+
+
+def _recipe_plan(recipe: str, overrides: list[str], nodes: int, max_cp: int = 8):
+    """``dgpo-plan``'s pick and colocated step on 8 x 80 GB A100 nodes, without its console."""
+    from megatron_dgpo.planner.catalogue import architecture_for
+    from megatron_dgpo.planner.search import estimate_step_times, plan_attention
+    from megatron_dgpo.planner.steptime import HARDWARE, StepShape
+
+    run, hw = load_recipe(os.path.join(ROOT, "recipes", recipe), overrides), HARDWARE["a100"]
+    work = plan_attention(Workload.from_recipe(run), hw)[0]
+    shape = StepShape.from_recipe(run)
+    plan = make_plan(architecture_for(run), Cluster(8, nodes, 80), work, max_cp=max_cp,
+                     shape=shape, hw=hw)
+    return plan, estimate_step_times(plan, shape, hw)[0]
+
+
+def test_docs_cp_figures_are_the_codes():
+    """docs/planner.md#context-parallelism's Qwen3-32B at 32k on 64 A100s, before CP (c = 1, as
+    ``--max-cp 1``) and after, and benchmarks/README.md's table of the 32k recipes."""
+    doc = " ".join((open(os.path.join(ROOT, "docs", "planner.md")).read()).split())
+    bench = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
+    qwen = ["model.path=Qwen/Qwen3-32B", "rollout.max_response_tokens=32768",
+            "train.micro_batch_tokens=34816"]
+    no_offload = qwen + ["train.offload_training_state=false"]
+    before, before_step = _recipe_plan("qwen3_8b.yaml", no_offload, 8, max_cp=1)
+    after, after_step = _recipe_plan("qwen3_8b.yaml", no_offload, 8)
+    assert f"{before.pick.layout} at {before.pick.total / GIB:.1f} of 80 GiB" in doc
+    assert not before.pick.fits_with(0.1) and after.pick.layout.cp > 1
+    assert (f"picks {after.pick.layout} at {after.pick.total / GIB:.1f} GiB, "
+            f"{after_step.step_s:.0f} s per step against {before.pick.layout}'s "
+            f"{before_step.step_s:.0f} s") in doc
+    cp, cp_step = _recipe_plan("dgpo_32b.yaml", qwen + ["model.recompute_activations=false"], 8)
+    full, full_step = _recipe_plan("dgpo_32b.yaml", qwen, 8)
+    assert (f"{cp.pick.layout} fits at {cp.pick.total / GIB:.1f} GiB, {cp_step.step_s:.0f} s per "
+            f"step against {full_step.step_s:.0f} s for {full.pick.layout} with full recompute "
+            f"({full.pick.total / GIB:.1f} GiB)") in doc
+    for name in ("qwen3_8b_32k", "dgpo_14b_32k", "dgpo_32b_32k"):
+        plan, step = _recipe_plan(f"{name}.yaml", [], 4)
+        cells = (f"| {name} | {plan.pick.layout} | off | {plan.pick.total / GIB:.1f} | "
+                 f"{step.step_s:.0f} ({step.generation_s:.0f} / {step.training_s:.0f} / "
+                 f"{step.refit_s:.0f}) |")
+        assert cells in bench, cells
