@@ -230,12 +230,12 @@ class Plan:
             layout_step_s=dict(self.layout_step_s))
 
 
-CP_WHEN = ("Context parallelism is weighed only where no layout without it leaves headroom: "
-           "the step-time model prices CP's K/V ring at a few percent, but the one published "
-           "CP run (NeMo-RL's Llama-3.3-70B at 16k, CP 4) trained 3x slower than the model "
-           "predicts (docs/planner.md#published-step-times), so a layout that fits without CP "
-           "is not traded for one with it.")
-"""Why ``make_plan`` keeps CP 1 where it can."""
+CP_WHEN = ("Layouts with CP are not weighed: one without it leaves headroom (the one "
+           "published CP run trained 3x slower than the step-time model predicts; "
+           "docs/planner.md#context-parallelism).")
+"""Why ``make_plan`` keeps CP 1 where a layout without CP leaves headroom: the step-time model
+prices CP's K/V ring at a few percent, but the one published CP run (NeMo-RL's Llama-3.3-70B
+at 16k, CP 4) trained at a third of the model's rate."""
 
 STEP_TIME_TIE = 0.01
 """``by_step_time``: layouts within 1% of the fastest count as equally fast (the memory
@@ -321,6 +321,8 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
     if pick is not None:
         if cp_weighed and shape is not None and hw is not None:
             by_step_time(plan, headroom, shape, hw)
+        elif not cp_weighed and any(e.layout.cp > 1 for e in estimates):
+            plan.explanation += " " + CP_WHEN
         return plan
     plan.hint = _no_fit_text(model, cluster, estimates, engines=dedicated_engines(cluster, work))
     if not work.recompute and estimates:
