@@ -319,6 +319,12 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
     plan = Plan(model, cluster, work, estimates, pick, why, own,
                 engine=dedicated_engine_estimate(model, cluster, work))
     if pick is not None:
+        plain = [e for e in estimates if e.layout.cp == 1]
+        if cp_weighed and plain and any(e.layout.cp > 1 for e in estimates):
+            least = min(plain, key=lambda e: e.total)
+            plan.explanation += (f" No layout without CP leaves {headroom:.0%} headroom (the "
+                                 f"least, {least.layout}, needs {least.total / GIB:.1f} GiB), "
+                                 f"so CP layouts are weighed too.")
         if cp_weighed and shape is not None and hw is not None:
             by_step_time(plan, headroom, shape, hw)
         elif not cp_weighed and any(e.layout.cp > 1 for e in estimates):
