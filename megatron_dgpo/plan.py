@@ -1,15 +1,16 @@
-"""``dgpo-plan``: which TP x PP x DP (x EP for MoE) layout fits a recipe's model on a cluster,
+"""``dgpo-plan``: which TP x PP x CP x DP (x EP for MoE) layout fits a recipe's model on a cluster,
 and how long a step takes with generation colocated or on dedicated engines.
 
     dgpo-plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 1 \\
         --gpu-memory-gb 80 [key=value overrides] [--json]
 
 (``python -m megatron_dgpo.plan`` is the same). For every layout the trainer can run (TP within
-a node, TP | heads, KV groups and FFN width, PP | layers, DP = world / (TP PP); for an MoE model
-EP | experts and EP x expert TP | the ranks of a stage; no context parallelism, which the
-trainer does not have) it estimates the peak memory of one GPU, term by term
+a node, TP | heads, KV groups and FFN width, PP | layers, CP in 1, 2, 4, 8 (``--max-cp``),
+DP = world / (TP PP CP); for an MoE model EP | experts and EP x expert TP | the ranks of a
+stage) it estimates the peak memory of one GPU, term by term
 (``megatron_dgpo.planner.peak``), prints them all in a table, marks which fit and picks one,
-saying why (``megatron_dgpo.planner.search``). With ``rollout.placement: dedicated`` the
+saying why (``megatron_dgpo.planner.search``: the fastest by the step-time model among those
+that leave headroom). With ``rollout.placement: dedicated`` the
 trainer is planned on the GPUs left after ``rollout.num_gpus`` and the engines' own GPU is
 estimated beside it. For vLLM rollout it then estimates a step's time
 (``megatron_dgpo.planner.steptime``) colocated, on dedicated engines and one-step-off, and the
@@ -68,7 +69,7 @@ def _float_in(flag, low, high, what):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="dgpo-plan",
-        description="Per-GPU memory of every TP x PP x DP layout of a recipe on a "
+        description="Per-GPU memory of every TP x PP x CP x DP layout of a recipe on a "
                     "cluster, and the layout to use (formulas: docs/planner.md).")
     ap.add_argument("recipe", help="recipe YAML (as for dgpo-train)")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides")
@@ -97,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--expert-tensor-parallel", type=_positive_int("--expert-tensor-parallel"),
                     help="MoE: plan only this expert tensor-parallel size (default: search 1 "
                          "and the layout's TP)")
+    ap.add_argument("--max-cp", type=int, choices=[1, 2, 4, 8], default=8,
+                    help="the largest context-parallel size searched (default 8; 1: no CP)")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
                     help="GPU type (default a100, the paper's): the step-time estimate's peaks "
                          "and the generation that decides the attention backend of the "
@@ -159,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hw = HARDWARE[args.hardware]
     work, basis, refusal = plan_attention(work, hw, args.flash_attn)
+    shape = (StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
+                                   mean_response_fraction=args.mean_response_fraction)
+             if run.rollout.engine == "vllm" else None)
     if refusal:
         plan = refused_plan(model, cluster, work, refusal, basis=basis)
     else:
@@ -167,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
                          recipe_pp=run.parallel.pipeline_parallel,
                          recipe_ep=run.parallel.expert_parallel, recipe_etp=run.parallel.etp,
                          expert_parallel=args.expert_parallel,
-                         expert_tensor_parallel=args.expert_tensor_parallel)
+                         expert_tensor_parallel=args.expert_tensor_parallel,
+                         recipe_cp=run.parallel.context_parallel, max_cp=args.max_cp,
+                         shape=shape, hw=hw)
         plan.attention_basis = basis
-    if run.rollout.engine == "vllm" and plan.pick is not None:
-        shape = StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
-                                      mean_response_fraction=args.mean_response_fraction)
+    if shape is not None and plan.pick is not None:
+        if plan.required_overrides:
+            shape = replace(shape, recompute=plan.workload.recompute)
         plan.step_times = estimate_step_times(plan, shape, hw)
         plan.balanced = balanced_rollout_gpus(plan, shape, hw, headroom=args.headroom)
         plan.step_time_basis = (f"{hw.name}, mean prompt {shape.mean_prompt_tokens:.0f} + "
@@ -181,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         print(format_table(plan, args.headroom))
-        own_mp = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+        own_mp = (run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+                  * run.parallel.context_parallel)
         own_dp = cluster.world // own_mp
         if not refusal and cluster.world % own_mp == 0 \
                 and dedicated_split_problem(cluster, work, own_dp):
             print(f"the recipe's own layout TP{run.parallel.tensor_parallel} "
-                  f"PP{run.parallel.pipeline_parallel} has {own_dp} DP replicas, which cannot "
+                  f"PP{run.parallel.pipeline_parallel}"
+                  + (f" CP{run.parallel.context_parallel}" if run.parallel.context_parallel > 1
+                     else "") + f" has {own_dp} DP replicas, which cannot "
                   f"share {dedicated_engines(cluster, work)} dedicated engines evenly: the "
                   f"trainer would refuse it")
         if args.explain and plan.pick is not None:

@@ -41,7 +41,7 @@ def _sig3(x: float) -> str:
 
 def test_the_five_recipes_exist():
     assert sorted(p.stem for p in RECIPES.glob("dgpo_*.yaml")
-                  if not p.stem.endswith("_async")) == sorted(PAPER)
+                  if not p.stem.endswith(("_async", "_32k"))) == sorted(PAPER)
 
 
 def test_async_14b_recipe_is_the_14b_run_with_dedicated_engines_one_step_off(capsys):
@@ -272,3 +272,52 @@ def test_moe_model_keys_are_checked_and_reach_only_moe_models():
     tc, _ = transformer_config_from_hf(TINY_QWEN3_MOE, **moe)
     assert (tc.moe_token_dispatcher_type, tc.moe_aux_loss_coeff) == ("allgather", 0.01)
     assert tc.moe_router_load_balancing_type == "aux_loss"
+
+
+# recipes with 32k-token responses: name -> parent
+LONG = {"qwen3_8b_32k": "qwen3_8b", "dgpo_14b_32k": "dgpo_14b", "dgpo_32b_32k": "dgpo_32b"}
+
+
+@pytest.mark.parametrize("name", sorted(LONG))
+def test_32k_recipe_is_its_parent_with_the_planners_layout(name):
+    """recipes/*_32k.yaml: the parent with 32768-token responses, rows that hold them, and
+    dgpo-plan's pick at the header's node count on 8 x 80 GB A100s: its TP x PP x CP with
+    10% headroom, and its recompute setting the faster of the two by the step-time model."""
+    from megatron_dgpo.planner.catalogue import architecture_for
+    from megatron_dgpo.planner.inputs import Cluster, Workload
+    from megatron_dgpo.planner.search import estimate_step_times, make_plan, plan_attention
+    from megatron_dgpo.planner.steptime import HARDWARE, StepShape
+
+    cfg = load_recipe(_path(name))
+    par, text = cfg.parallel, _path(name).read_text()
+    assert f"RECIPE=recipes/{name}.yaml sbatch" in text.split("\n\n")[0]
+    assert cfg.rollout.max_response_tokens == 32768
+    assert cfg.train.micro_batch_tokens >= cfg.rollout.max_prompt_tokens + 32768
+    parent = load_recipe(_path(LONG[name]), [
+        f"run_dir={cfg.run_dir}", "rollout.max_response_tokens=32768",
+        f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens}",
+        f"train.micro_batch_tokens={cfg.train.micro_batch_tokens}",
+        f"model.recompute_activations={str(cfg.model.recompute_activations).lower()}",
+        f"parallel.tensor_parallel={par.tensor_parallel}",
+        f"parallel.pipeline_parallel={par.pipeline_parallel}",
+        f"parallel.context_parallel={par.context_parallel}"])
+    assert parent == cfg, "everything but the lengths, the layout and recompute is the parent's"
+
+    nodes = int(re.search(r"sbatch --nodes=(\d+)", text).group(1))
+    hw = HARDWARE["a100"]
+    cluster = Cluster(GPUS_PER_NODE, nodes, 80)
+    model = architecture_for(cfg)
+
+    def step(recompute: bool):
+        work = replace(plan_attention(Workload.from_recipe(cfg), hw)[0], recompute=recompute)
+        shape = replace(StepShape.from_recipe(cfg), recompute=recompute)
+        plan = make_plan(model, cluster, work, shape=shape, hw=hw)
+        return plan, estimate_step_times(plan, shape, hw)[0].step_s
+
+    plan, seconds = step(cfg.model.recompute_activations)
+    lay = plan.pick.layout
+    assert plan.pick.fits_with(0.1) and not plan.required_overrides
+    assert (lay.tp, lay.pp, lay.cp) == (par.tensor_parallel, par.pipeline_parallel,
+                                        par.context_parallel)
+    other, other_seconds = step(not cfg.model.recompute_activations)
+    assert other.pick is None or other_seconds >= seconds

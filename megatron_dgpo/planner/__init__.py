@@ -1,4 +1,4 @@
-"""The planner behind ``dgpo-plan``: which TP x PP x DP (x EP) layout of a recipe fits a
+"""The planner behind ``dgpo-plan``: which TP x PP x CP x DP (x EP) layout of a recipe fits a
 cluster's GPUs, and how long a step takes where generation runs. Pure Python (no torch).
 
 Its modules, bottom to top (each imports only those listed before it):
@@ -22,8 +22,9 @@ D DP, s the tokens of one packed micro-batch row (``train.micro_batch_tokens``),
 element of the training dtype (2 for bf16). Mixture of experts (Qwen3-MoE): E routed experts
 per layer, k experts per token, f_e one expert's SwiGLU width, e EP (expert parallel), u ETP
 (expert tensor parallel), D_e = world / (p e u) the expert data-parallel size. Memory is in
-bytes (GIB = 2^30, the unit ``nvidia-smi`` uses). CP (c) is kept in the formulas for what-if
-estimates only: the trainer has no context parallelism, so ``dgpo-plan`` searches c = 1.
+bytes (GIB = 2^30, the unit ``nvidia-smi`` uses). CP (c, ``parallel.context_parallel``)
+divides each row's tokens and shards the optimizer with DP; ``dgpo-plan`` weighs it where no
+layout without it leaves headroom.
 ``docs/planner.md`` collects the formulas with their assumptions and the published figures
 they were checked against.
 """

@@ -190,8 +190,8 @@ class Workload:
 class Layout:
     """TP x PP x CP x DP; Megatron's rank order puts TP innermost (within a node).
 
-    ``cp`` > 1 is for what-if estimates only: the trainer has no context parallelism, so
-    ``dgpo-plan`` never proposes it."""
+    ``cp``: ``parallel.context_parallel`` (Megatron's order tp-cp-ep-dp-pp: CP between TP and
+    DP)."""
 
     tp: int
     pp: int

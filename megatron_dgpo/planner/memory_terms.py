@@ -359,7 +359,9 @@ def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engi
     """The NCCL communicators one trainer GPU holds for the whole job (NCCL creates a
     communicator at a group's first collective and keeps it):
 
-        TP [t > 1]  DP [D > 1: gradient reduce-scatter, parameter all-gather]
+        TP [t > 1]  DP [D > 1: gradient reduce-scatter, parameter all-gather; with CP c > 1 the
+        distributed optimizer's group is DP x CP, D c > 1]  CP [c > 1: the attention's K/V
+        ring, Transformer-Engine's p2p exchange]
         PP [p > 1: stage-to-stage send/recv]  model-parallel [t p > 1: gradient-norm and loss
         reductions]  embedding [p > 1 and tied: tied-weight gradient sync]  world [D t p > 1:
         ``comm.any_rank`` at every step boundary, step metrics]  vLLM TP [an engine of
@@ -371,13 +373,15 @@ def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engi
     parameter all-gather]; Megatron makes them groups of their own even where their ranks are
     those of TP or DP, so each is a communicator of its own.
     """
-    t, p, d = layout.tp, layout.pp, layout.dp
-    named = [("TP", t > 1), ("DP", d > 1), ("PP", p > 1), ("model-parallel", t * p > 1),
-             ("embedding", p > 1 and tied), ("world", t * p * d > 1),
+    t, p, d, c = layout.tp, layout.pp, layout.dp, layout.cp
+    dp_group = ("DP x CP", d * c > 1) if c > 1 else ("DP", d > 1)
+    named = [("TP", t > 1), dp_group, ("CP", c > 1), ("PP", p > 1),
+             ("model-parallel", t * p > 1), ("embedding", p > 1 and tied),
+             ("world", t * p * c * d > 1),
              ("vLLM TP", has_engine and engine_tp > 1), ("refit link", refit_link)]
     if layout.moe:  # Megatron's expert grid: EP (token all-to-all), expert TP, expert DP
         u, e = layout.expert_tp, layout.ep
-        named[3:3] = [("EP", e > 1), ("expert-TP", u > 1), ("expert-DP", layout.expert_dp > 1)]
+        named[4:4] = [("EP", e > 1), ("expert-TP", u > 1), ("expert-DP", layout.expert_dp > 1)]
     return [name for name, used in named if used]
 
 

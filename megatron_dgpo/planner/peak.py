@@ -143,7 +143,9 @@ def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Worklo
     (``stage_expert_params``) have their optimizer state sharded over D_e, not D, and the
     dispatcher's buffers (``dispatcher_bytes``) join training's terms. The activations follow
     ``work.attention`` (``activation_bytes``: [s, s] tensors with the unfused and local
-    backends)."""
+    backends). With CP c a rank holds s / c tokens of every row (activations, dispatch, logits
+and the log-prob kernel's work; log-probs are CP-local) but all of its stage's weights and
+gradients; the distributed optimizer shards over D c."""
     desc = model.description
     if desc.dims.moe != layout.moe:
         raise ValueError(f"layout {layout} is {'an MoE' if layout.moe else 'a dense'} layout "
@@ -202,9 +204,6 @@ def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Worklo
 
     # ties go to the earlier stage (the one with vLLM and the most micro-batches in flight)
     peak = max((stage_estimate(k) for k in range(p)), key=lambda e: e.total)
-    if c > 1:
-        peak.notes.append("CP > 1 needs context parallelism in the trainer (not yet a "
-                          "parallel.* field)")
     return peak
 
 

@@ -48,6 +48,7 @@ class PublishedStep:
     fitted: bool
     """Used to fit a constant above (else held out: a check of the model)."""
     train_cp: int = 1
+    """Context parallelism (``steptime.cp_exchange_terms`` prices its K/V ring)."""
     rollout_gpus: int = 0
     """Dedicated engines' GPUs (one-step-off rows: NeMo-RL's async GRPO, half the nodes)."""
     max_sequence: int = 4096
@@ -113,6 +114,9 @@ engine TPs and models of the same performance pages."""
 
 PUBLISHED_MEAN_PROMPT = 128.0
 PUBLISHED_GPU_GIB = 80.0
+PUBLISHED_GPUS_PER_NODE = 8
+"""NeMo-RL's H100 performance runs: 8 GPUs per node (their recipes' ``cluster.gpus_per_node``),
+which decides whether TP x CP (the K/V ring) and DP x CP (the gradient reduce) cross nodes."""
 
 
 def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[str, float]:
@@ -133,7 +137,8 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
     gen = generation_terms(desc, shape, hw, engines=engine_gpus // row.engine_tp,
                            engine_tp=row.engine_tp, kv_cache_bytes_per_engine_gpu=kv)
     train = training_terms(desc, shape, hw, gpus=trainer_gpus, tp=row.train_tp,
-                           pp=row.train_pp, cp=row.train_cp)
+                           pp=row.train_pp, cp=row.train_cp,
+                           gpus_per_node=PUBLISHED_GPUS_PER_NODE)
     refit = refit_terms(desc, shape, hw, dedicated=bool(row.rollout_gpus))
     if row.rollout_gpus:
         step = max(gen["total"], train["total"]) + refit["total"]

@@ -26,7 +26,8 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
     e = e or plan.pick
     desc, work, lay = plan.model.description, plan.workload, e.layout
     dims = desc.dims
-    t, p, d = lay.tp, lay.pp, lay.dp
+    t, p, d, c = lay.tp, lay.pp, lay.dp, lay.cp
+    shards = d * c  # the distributed optimizer's DP x CP group
     n = stage_params(desc, t, p, _stage_index(e), lay.ep, lay.expert_tp)
     n_e = e.expert_params
     rows = padded_vocab(dims.vocab, t)
@@ -41,19 +42,21 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
                 f"{lay.ep}, ETP {lay.expert_tp})" if lay.moe else ")"),
              f"  grads        4 N = {gib(e.grads)}   (fp32 main_grad for every local "
              f"parameter: grad_reduce_in_fp32)",
-             (f"  optimizer    12 (N - N_e) / {d if work.distributed_optimizer else 1} + "
+             (f"  optimizer    12 (N - N_e) / {shards if work.distributed_optimizer else 1} + "
               f"12 N_e / {lay.expert_dp if work.distributed_optimizer else 1} = "
               if lay.moe else
-              f"  optimizer    12 N / {d if work.distributed_optimizer else 1} = ")
+              f"  optimizer    12 N / {shards if work.distributed_optimizer else 1} = ")
              + f"{gib(e.optimizer)}   (fp32 master + Adam m, v"
              + ((", the dense parameters sharded over DP, the experts over expert DP = "
                  "world / (PP EP ETP) by the distributed optimizer)" if lay.moe else
-                 ", sharded over DP by the distributed optimizer)")
+                 ", sharded over DP x CP by the distributed optimizer)")
                 if work.distributed_optimizer else ", not sharded)"),
-             f"  activations  m (L / p) s E b / t"
+             f"  activations  m (L / p) (s / c) E b / t"
              + (" + [s, s] attention tensors" if work.attention in SCORE_BACKENDS else "")
              + f" = {gib(e.activations)}   (s = "
-             f"{work.micro_batch_tokens} tokens, E = "
+             f"{work.micro_batch_tokens} tokens"
+             + (f", s / c = {-(-work.micro_batch_tokens // c)} per CP rank" if c > 1 else "")
+             + ", E = "
              f"{activation_elements_per_token_layer(desc, lay.expert_tp):,} elements per "
              f"token and layer"
              + (f" incl. the routed copies' k (ETP h + 3 f_e) = {dims.topk} x ({lay.expert_tp} x "
@@ -68,7 +71,7 @@ def explain(plan: Plan, e: Estimate | None = None) -> str:
               f"{lay.ep}, ETP {lay.expert_tp}; megatron/core/transformer/moe/"
               f"token_dispatcher.py)" if lay.moe else
               f"  dispatch     0 = {gib(0)}   (dense model: no token dispatcher)"),
-             f"  logits       2 s (V_pad / t) b + 2 chunk (V_pad / t) 4 = {gib(e.logits)}   "
+             f"  logits       2 (s / c) (V_pad / t) b + 2 chunk (V_pad / t) 4 = {gib(e.logits)}   "
              + ("(last stage: the logits the log-prob kernel saves and their gradient, plus "
                 "its float32 chunks; no third copy: the logits leave Float16Module in bf16 and "
                 "packed rows are one sequence, so GPTModel's transpose copies nothing "
@@ -150,7 +153,16 @@ def explain_step_time(times: list[StepTime]) -> str:
             lines.append(f"  training     {tr['total']:.1f} s = update {tr['update_s']:.1f} + "
                          f"log-probs {tr['logprobs_s']:.1f}   (mfu {tr['mfu']:.3f} x pipeline "
                          f"{tr['pipeline_efficiency']:.2f} x TP communication "
-                         f"{tr['tp_efficiency']:.2f})")
+                         f"{tr['tp_efficiency']:.2f} x CP communication "
+                         f"{tr.get('cp_efficiency', 1.0):.2f})")
+            if tr.get("cp_comm_ms"):
+                lines.append(f"    CP ring    per layer and row: K/V {tr['cp_comm_ms']:.2f} ms over "
+                             f"{tr['cp_link']} against attention {tr['cp_attention_ms']:.2f} ms "
+                             f"(overlapped; the rest exposed)")
+            if tr.get("grad_reduce_s"):
+                lines.append(f"    DP x CP    gradient reduce + parameter gather "
+                             f"{tr['grad_reduce_s']:.2f} s per update, "
+                             f"{tr['grad_reduce_exposed_s']:.2f} s exposed beyond backward")
         if r:
             lines.append(f"  refit        {r['total']:.1f} s = fixed {r['fixed_s']:.1f} + bytes "
                          f"{r['bytes_s']:.1f} + tensors {r['tensors_s']:.1f}"
@@ -208,6 +220,7 @@ def format_table(plan: Plan, headroom: float) -> str:
         lines.append("pick: " + plan.explanation)
         lay = plan.pick.layout
         lines.append(f"set: parallel.tensor_parallel={lay.tp} parallel.pipeline_parallel={lay.pp}"
+                     f" parallel.context_parallel={lay.cp}"
                      + (f" parallel.expert_parallel={lay.ep} parallel.expert_tensor_parallel="
                         f"{lay.expert_tp}" if lay.moe else "")
                      + "".join(f" {o}" for o in plan.required_overrides))

@@ -1,6 +1,6 @@
-"""``dgpo-plan``'s search: every TP x PP x DP (x EP for MoE) layout the trainer can run on a
+"""``dgpo-plan``'s search: every TP x PP x CP x DP (x EP for MoE) layout the trainer can run on a
 cluster (``candidate_layouts``), each estimated (``peak.estimate``), the one to pick and why
-(``choose``, ``make_plan``: a ``Plan``); then the step time of the plan's placements
+(``choose``, then ``by_step_time`` among those that leave headroom; ``make_plan``: a ``Plan``); then the step time of the plan's placements
 (``estimate_step_times``) and the dedicated GPUs that balance one-step-off
 (``balanced_rollout_gpus``)."""
 
@@ -19,13 +19,20 @@ from megatron_dgpo.planner.peak import (EngineEstimate, Estimate, dedicated_engi
                                         estimate)
 from megatron_dgpo.planner.steptime import HARDWARE, Hardware, StepShape, StepTime, step_times
 
+CP_SIZES = (1, 2, 4, 8)
+"""Context-parallel sizes searched (``dgpo-plan --max-cp`` caps them): Megatron splits each
+packed sequence into 2 c chunks, and c beyond a node's 8 GPUs is not a layout anyone runs."""
+
 
 def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
                       expert_parallel: int | None = None,
-                      expert_tensor_parallel: int | None = None) -> list[Layout]:
+                      expert_tensor_parallel: int | None = None,
+                      max_cp: int = max(CP_SIZES)) -> list[Layout]:
     """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f (a dense
-    model's MLP); p | L; t p | world; c = 1 (the trainer has no context parallelism); and
-    D = world / (t p) <= responses per update (every DP rank gets at least one response).
+    model's MLP); p | L; c in ``CP_SIZES`` up to ``max_cp`` (``parallel.context_parallel``),
+    c = 1 with the unfused and local attention backends (neither has context parallelism);
+    t c p | world; and D = world / (t c p) <= responses per update (every DP rank gets at
+    least one response). A colocated engine with c > 1 must lie in one TP group (t_r | t).
 
     An MoE model's layouts add EP e and expert TP u (``expert_parallel`` /
     ``expert_tensor_parallel`` fix them, else they are searched): e | E, u | f_e, u e | world
@@ -37,6 +44,7 @@ def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
     D = 1. Dedicated engines (``cluster.rollout_gpus`` of them, ``rollout_gpus / t_r``
     engines) are shared out evenly over the DP replicas: D | engines."""
     dims, out = model.description.dims, []
+    cps = [c for c in CP_SIZES if c <= max_cp and (c == 1 or work.attention not in SCORE_BACKENDS)]
     for t in range(1, cluster.gpus_per_node + 1):
         if cluster.gpus_per_node % t or dims.heads % t or dims.kv_heads % t \
                 or (not dims.moe and dims.ffn % t):
@@ -46,30 +54,36 @@ def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
                 continue
             if dims.moe and work.moe_dispatcher == "allgather" and p > 1:
                 continue
-            d = cluster.world // (t * p)
-            if d > work.responses_per_update or not _engine_fits(work, t, p, d):
-                continue
-            if dedicated_split_problem(cluster, work, d):
-                continue
-            if not dims.moe:
-                out.append(Layout(t, p, 1, d))
-                continue
-            per_stage = cluster.world // p
-            etps = [expert_tensor_parallel] if expert_tensor_parallel else sorted({1, t})
-            eps = [expert_parallel] if expert_parallel else range(1, dims.experts + 1)
-            out += [Layout(t, p, 1, d, e, u) for u in etps for e in eps
-                    if dims.experts % e == 0 and dims.moe_ffn % u == 0
-                    and per_stage % (u * e) == 0]
+            for c in cps:
+                if cluster.world % (t * p * c):
+                    continue
+                d = cluster.world // (t * p * c)
+                if d > work.responses_per_update or not _engine_fits(work, t, p, d, c):
+                    continue
+                if dedicated_split_problem(cluster, work, d):
+                    continue
+                if not dims.moe:
+                    out.append(Layout(t, p, c, d))
+                    continue
+                per_stage = cluster.world // p
+                etps = [expert_tensor_parallel] if expert_tensor_parallel else sorted({1, t})
+                eps = [expert_parallel] if expert_parallel else range(1, dims.experts + 1)
+                out += [Layout(t, p, c, d, e, u) for u in etps for e in eps
+                        if dims.experts % e == 0 and dims.moe_ffn % u == 0
+                        and per_stage % (u * e) == 0]
     return out
 
 
-def _engine_fits(work: Workload, t: int, p: int, d: int) -> bool:
+def _engine_fits(work: Workload, t: int, p: int, d: int, c: int = 1) -> bool:
     """Whether colocated engines of ``rollout.tensor_parallel_size`` GPUs each lie in one DP
-    replica's TP x PP ranks (Megatron orders ranks TP innermost, PP outermost)."""
+    replica's TP x PP ranks (Megatron orders ranks TP innermost, PP outermost); with CP
+    (between TP and DP in Megatron's order) in one TP group: t_r | t."""
     t_r = work.rollout_tp
-    if t_r is None or not work.colocated_rollout or work.rollout_placement != "colocated":
+    if not work.colocated_rollout or work.rollout_placement != "colocated":
         return True
-    return t % t_r == 0 or (d == 1 and (t * p) % t_r == 0)
+    if t_r is None:  # the trainer's default: TP x PP (one engine per replica) or TP
+        return c == 1 or p == 1 or d > 1
+    return t % t_r == 0 or (c == 1 and d == 1 and (t * p) % t_r == 0)
 
 
 def preference(e: Estimate) -> tuple:
@@ -175,6 +189,9 @@ class Plan:
     (``balanced_rollout_gpus``)."""
     step_time_basis: str = ""
     """The hardware and lengths behind ``step_times``."""
+    layout_step_s: dict = field(default_factory=dict)
+    """``by_step_time``: the step-time model's seconds per step of each layout that leaves
+    headroom, by its ``str`` (empty when no step shape was given)."""
     attention_basis: str = ""
     """The GPU and FlashAttention the attention backend (``workload.attention``) was decided
     on (``memory_terms.attention_basis``); empty when the workload's backend was set by hand."""
@@ -209,36 +226,118 @@ class Plan:
             dedicated_engine=self.engine.as_dict() if self.engine else None,
             step_times=[t.as_dict() for t in self.step_times],
             balanced_one_step_off=self.balanced.as_dict() if self.balanced else None,
-            step_time_basis=self.step_time_basis, attention=self.attention)
+            step_time_basis=self.step_time_basis, attention=self.attention,
+            layout_step_s=dict(self.layout_step_s))
+
+
+CP_WHEN = ("Layouts with CP are not weighed: one without it leaves headroom (the one "
+           "published CP run trained 3x slower than the step-time model predicts; "
+           "docs/planner.md#context-parallelism).")
+"""Why ``make_plan`` keeps CP 1 where a layout without CP leaves headroom: the step-time model
+prices CP's K/V ring at a few percent, but the one published CP run (NeMo-RL's Llama-3.3-70B
+at 16k, CP 4) trained at a third of the model's rate."""
+
+STEP_TIME_TIE = 0.01
+"""``by_step_time``: layouts within 1% of the fastest count as equally fast (the memory
+preference decides among them): the step-time model is not that precise."""
+
+
+def layout_step_seconds(model: PlannedModel, cluster: Cluster, work: Workload, e: Estimate,
+                        shape: StepShape, hw: Hardware) -> float:
+    """The step-time model's seconds per step with ``e``'s layout: the colocated step
+    (generation on engines of the layout's resolved TP, training at its TP x PP x CP), or with
+    dedicated engines the synchronous one (their generation does not depend on the layout)."""
+    plan = Plan(model, cluster, work, [e], e, "", None,
+                engine=dedicated_engine_estimate(model, cluster, work))
+    times = estimate_step_times(plan, shape, hw)
+    return (times[1] if cluster.rollout_gpus and len(times) > 1 else times[0]).step_s
+
+
+def by_step_time(plan: Plan, headroom: float, shape: StepShape, hw: Hardware) -> None:
+    """Re-choose ``plan.pick`` by the step-time model: among the layouts that leave
+    ``headroom`` (all that fit when none does), the fastest (``layout_step_seconds``);
+    within ``STEP_TIME_TIE`` of it, the memory preference (``preference``). The explanation
+    says what the step-time model weighed, CP layouts included."""
+    pool = [e for e in plan.estimates if e.fits_with(headroom)] or \
+        [e for e in plan.estimates if e.fits]
+    if plan.pick is None or not pool:
+        return
+    seconds = {id(e): layout_step_seconds(plan.model, plan.cluster, plan.workload, e, shape, hw)
+               for e in pool}
+    plan.layout_step_s = {str(e.layout): seconds[id(e)] for e in pool}
+    fastest = min(seconds.values())
+    pick = min((e for e in pool if seconds[id(e)] <= (1 + STEP_TIME_TIE) * fastest),
+               key=preference)
+    first = plan.pick
+    text = (f"By the step-time model ({hw.name}, docs/planner.md#step-time) {pick.layout} "
+            f"takes {seconds[id(pick)]:.0f} s per step")
+    if pick is not first:
+        plan.pick = pick
+        plan.explanation = (f"{pick.layout} peaks at {pick.total / GIB:.1f} of "
+                            f"{pick.gpu_bytes / GIB:.0f} GiB on the {pick.stage} pipeline stage "
+                            f"GPU. {text}, the fastest of the {len(pool)} layouts that fit "
+                            f"(the memory rule's {first.layout}, {first.total / GIB:.1f} GiB, "
+                            f"takes {seconds[id(first)]:.0f} s). By memory alone: "
+                            + plan.explanation)
+        return
+    others = sorted((e for e in pool if e is not pick and e.layout.cp != pick.layout.cp),
+                    key=lambda e: seconds[id(e)])
+    if others:
+        best = others[0]
+        text += (f"; the fastest with other context parallelism, {best.layout} "
+                 f"({best.total / GIB:.1f} GiB), {seconds[id(best)]:.0f} s")
+    plan.explanation += " " + text + "."
 
 
 def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom: float = 0.1,
               recipe_tp: int = 1, recipe_pp: int = 1, recipe_ep: int = 1,
               recipe_etp: int | None = None, expert_parallel: int | None = None,
-              expert_tensor_parallel: int | None = None) -> Plan:
-    """Estimate every candidate layout and choose one (``choose``). When nothing fits and the
+              expert_tensor_parallel: int | None = None, recipe_cp: int = 1,
+              max_cp: int = max(CP_SIZES), shape: StepShape | None = None,
+              hw: Hardware | None = None) -> Plan:
+    """Estimate every candidate layout and choose one: ``choose`` among the layouts with CP 1;
+    where none of them leaves headroom (``CP_WHEN``), among all, CP included, and with a step
+    ``shape`` and ``hw`` then by the step-time model (``by_step_time``). When nothing fits and the
     recipe does not recompute activations, plan again with full recompute: if a layout fits
     then, that plan is returned with ``required_overrides`` naming the switch.
     ``expert_parallel`` / ``expert_tensor_parallel`` fix an MoE model's EP / expert TP (None:
-    searched); ``recipe_*`` name the recipe's own layout (``recipe_etp`` None = its TP)."""
+    searched); ``max_cp`` caps the CP sizes searched; ``recipe_*`` name the recipe's own
+    layout (``recipe_etp`` None = its TP)."""
     layouts = candidate_layouts(model, cluster, work, expert_parallel=expert_parallel,
-                                expert_tensor_parallel=expert_tensor_parallel)
+                                expert_tensor_parallel=expert_tensor_parallel, max_cp=max_cp)
     estimates = [estimate(model, cluster, lay, work) for lay in layouts]
-    pick, why = choose(estimates, headroom)
+    # CP only where no layout without it leaves headroom (``CP_WHEN``)
+    pick, why = choose([e for e in estimates if e.layout.cp == 1], headroom)
+    cp_weighed = pick is None or not pick.fits_with(headroom)
+    if cp_weighed:
+        pick, why = choose(estimates, headroom)
     moe = model.description.dims.moe
-    recipe = (recipe_tp, recipe_pp) + ((recipe_ep, recipe_etp or recipe_tp) if moe else ())
-    own = next((e for e in estimates if (e.layout.tp, e.layout.pp) + (
+    recipe = (recipe_tp, recipe_pp, recipe_cp) + (
+        (recipe_ep, recipe_etp or recipe_tp) if moe else ())
+    own = next((e for e in estimates if (e.layout.tp, e.layout.pp, e.layout.cp) + (
         (e.layout.ep, e.layout.expert_tp) if moe else ()) == recipe), None)
     plan = Plan(model, cluster, work, estimates, pick, why, own,
                 engine=dedicated_engine_estimate(model, cluster, work))
     if pick is not None:
+        plain = [e for e in estimates if e.layout.cp == 1]
+        if cp_weighed and plain and any(e.layout.cp > 1 for e in estimates):
+            least = min(plain, key=lambda e: e.total)
+            plan.explanation += (f" No layout without CP leaves {headroom:.0%} headroom (the "
+                                 f"least, {least.layout}, needs {least.total / GIB:.1f} GiB), "
+                                 f"so CP layouts are weighed too.")
+        if cp_weighed and shape is not None and hw is not None:
+            by_step_time(plan, headroom, shape, hw)
+        elif not cp_weighed and any(e.layout.cp > 1 for e in estimates):
+            plan.explanation += " " + CP_WHEN
         return plan
     plan.hint = _no_fit_text(model, cluster, estimates, engines=dedicated_engines(cluster, work))
     if not work.recompute and estimates:
         retry = make_plan(model, cluster, replace(work, recompute=True), headroom=headroom,
                           recipe_tp=recipe_tp, recipe_pp=recipe_pp, recipe_ep=recipe_ep,
                           recipe_etp=recipe_etp, expert_parallel=expert_parallel,
-                          expert_tensor_parallel=expert_tensor_parallel)
+                          expert_tensor_parallel=expert_tensor_parallel, recipe_cp=recipe_cp,
+                          max_cp=max_cp, hw=hw,
+                          shape=None if shape is None else replace(shape, recompute=True))
         if retry.pick is not None:
             retry.required_overrides = ["model.recompute_activations=true"]
             retry.as_configured = plan.hint
@@ -294,7 +393,7 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[Step
     """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
     dedicated engines, on the plan's ``rollout_gpus`` (synchronous and one-step-off). The
     colocated refit moves the pick's gradients and optimizer state to the host and back when
-    ``train.offload_training_state``. The trainer's TP x PP is the pick's (its TP
+    ``train.offload_training_state``. The trainer's TP x PP x CP is the pick's (its TP and CP
     communication and pipeline bubble)."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
@@ -302,12 +401,13 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[Step
     colocated_kv = max(reserve - weights, 0)
     offloaded = (plan.pick.grads + plan.pick.optimizer
                  if plan.pick is not None and work.offload_training_state else 0)
-    layout = (plan.pick.layout.tp, plan.pick.layout.pp) if plan.pick is not None else (1, 1)
+    lay = plan.pick.layout if plan.pick is not None else None
+    layout = (lay.tp, lay.pp, lay.cp) if lay is not None else (1, 1, 1)
     return step_times(model.description, replace(shape, offloaded_state_bytes_per_gpu=offloaded),
                       hw, world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
                       kv_cache_bytes_per_engine_gpu=plan.engine.kv_cache if plan.engine
                       else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv,
-                      train_layout=layout)
+                      train_layout=layout, gpus_per_node=cluster.gpus_per_node)
 
 
 def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
@@ -349,7 +449,8 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
                              planned_platform(hw.name, hw.compute_capability))
     cluster = replace(cluster, rollout_gpus=run.rollout.num_gpus)
     plan = make_plan(architecture_for(run, hf_config), cluster, work, headroom=headroom,
-                     recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel)
+                     recipe_tp=run.parallel.tensor_parallel, recipe_pp=run.parallel.pipeline_parallel,
+                     recipe_cp=run.parallel.context_parallel)
     shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
                                   mean_response_fraction=mean_response_fraction)
     colocated, synchronous, one_step_off = estimate_step_times(plan, shape, hw)

@@ -272,12 +272,69 @@ def generation_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *
                             kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
 
 
+def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float,
+                      mean_sequence: float, tp: int, cp: int, gpus_per_node: int = 8,
+                      mfu: float | None = None, dtype_bytes: int = 2) -> dict[str, float]:
+    """Context parallelism's K/V ring (Transformer-Engine's ``cp_comm_type="p2p"``) for one
+    layer's forward of one packed row of s = ``row_tokens`` tokens on one rank, seconds:
+
+        comm     (c - 1) / c  s  2 (g d / t) b / B          the row's K and V of this TP rank's
+                                                            g / t KV heads, (c - 1) chunks of
+                                                            s / c tokens received in the ring
+        attn     s  2 a d  S / (t c) / (F mfu)              the attention's own FLOPs on this
+                                                            rank (S the mean sequence: packed
+                                                            sequences attend within themselves)
+        layer    s  (2 N / L + 2 a d S) / (t c) / (F mfu)   the whole layer on this rank
+        exposed  max(0, comm - attn)                        assumption: each ring step's
+                                                            send/recv overlaps the attention of
+                                                            the chunk already there, nothing else
+        cp_efficiency = 1 / (1 + exposed / layer)
+
+    B is B_nvlink while the t c ranks of a TP x CP group fit in a node (Megatron orders ranks
+    TP, then CP), else B_net (the ring's slowest hop crosses nodes). Backward sends K and V
+    again and returns dK and dV: twice the bytes against twice the FLOPs, the same ratio, so
+    one efficiency serves the whole pass. Nothing else crosses CP ranks (log-probs and the
+    loss are CP-local)."""
+    d = desc.dims
+    mfu = mfu if mfu is not None else (hw.moe_train_mfu if d.moe else hw.train_mfu)
+    flops = hw.peak_tflops * 1e12 * mfu
+    link = (hw.nvlink_gb_per_s if tp * cp <= gpus_per_node else hw.network_gb_per_s) * 1e9
+    comm = (cp - 1) / cp * row_tokens * 2 * d.kv_dim / tp * dtype_bytes / link if cp > 1 else 0.0
+    attn = row_tokens * 2 * d.q_dim * mean_sequence / (tp * cp) / flops
+    layer = row_tokens * (2 * active_params(desc) / d.layers
+                          + 2 * d.q_dim * mean_sequence) / (tp * cp) / flops
+    exposed = max(0.0, comm - attn)
+    return dict(comm_s=comm, attention_s=attn, layer_s=layer, exposed_s=exposed,
+                link="nvlink" if tp * cp <= gpus_per_node else "network",
+                cp_efficiency=1 / (1 + exposed / layer))
+
+
+def grad_reduce_terms(desc: ModelDescription, hw: Hardware, *, gpus: int, tp: int, pp: int,
+                      cp: int, gpus_per_node: int, backward_s: float) -> dict[str, float]:
+    """One optimizer update's gradient reduce-scatter (fp32) and parameter all-gather (bf16)
+    over the D c ranks of the distributed optimizer (DP x CP: CP ranks hold the same weights),
+    seconds: (4 + 2) (N_all / (t p)) (D c - 1) / (D c) / B, B = B_nvlink while a stage's
+    t c D = world / p ranks fit in a node, else B_net. Assumption: Megatron's
+    ``overlap_grad_reduce`` / ``overlap_param_gather`` (the trainer's GPU flags) hide it behind
+    the update's backward and forward, so only ``exposed_s`` = max(0, comm - ``backward_s``)
+    counts."""
+    replicas = max(1, gpus // (tp * pp))  # D c
+    if replicas == 1:
+        return dict(comm_s=0.0, exposed_s=0.0)
+    link = (hw.nvlink_gb_per_s if gpus // pp <= gpus_per_node else hw.network_gb_per_s) * 1e9
+    comm = 6 * param_count(desc) / (tp * pp) * (replicas - 1) / replicas / link
+    return dict(comm_s=comm, exposed_s=max(0.0, comm - backward_s))
+
+
 def training_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gpus: int,
-                   tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, float]:
-    """The trainer's phases on ``gpus`` GPUs laid out TP ``tp`` x PP ``pp`` (x CP ``cp``):
-    ``update_s`` (forward, backward, recomputed forward), ``logprobs_s`` (the old log-probs'
-    forward, plus the reference model's when ``shape.reference_forward``), the efficiency
-    factors, and ``total``."""
+                   tp: int = 1, pp: int = 1, cp: int = 1,
+                   gpus_per_node: int = 8) -> dict[str, float]:
+    """The trainer's phases on ``gpus`` GPUs laid out TP ``tp`` x PP ``pp`` x CP ``cp``:
+    ``update_s`` (forward, backward, recomputed forward, and the exposed part of the DP x CP
+    gradient reduce, ``grad_reduce_terms``), ``logprobs_s`` (the old log-probs' forward, plus
+    the reference model's when ``shape.reference_forward``), the efficiency factors (the
+    pipeline bubble, TP's and CP's communication, ``cp_exchange_terms``), and ``total``.
+    Attention and MLP FLOPs divide over all t c p D GPUs alike."""
     seq = shape.mean_prompt_tokens + shape.mean_response_tokens
     tokens = shape.prompts * shape.group_size * seq
     n = active_params(desc)
@@ -296,18 +353,30 @@ def training_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gp
         tp_eff = 1 / (1 + comm / compute)
     else:
         tp_eff = 1.0
-    rate = gpus * hw.peak_tflops * 1e12 * mfu * pipe * tp_eff
-    update = tokens * (3 + int(shape.recompute)) * per_pass / rate
+    ring = cp_exchange_terms(desc, hw, row_tokens=shape.micro_batch_tokens or seq,
+                             mean_sequence=seq, tp=tp, cp=cp, gpus_per_node=gpus_per_node,
+                             mfu=mfu)
+    rate = gpus * hw.peak_tflops * 1e12 * mfu * pipe * tp_eff * ring["cp_efficiency"]
+    passes = 3 + int(shape.recompute)
+    compute_s = tokens * passes * per_pass / rate
+    reduce = grad_reduce_terms(desc, hw, gpus=gpus, tp=tp, pp=pp, cp=cp,
+                               gpus_per_node=gpus_per_node,
+                               backward_s=compute_s * 2 / passes / shape.updates)
+    update = compute_s + shape.updates * reduce["exposed_s"]
     logprobs = tokens * (1 + int(shape.reference_forward)) * per_pass / rate
     return dict(update_s=update, logprobs_s=logprobs, mfu=mfu, pipeline_efficiency=pipe,
-                tp_efficiency=tp_eff, total=update + logprobs)
+                tp_efficiency=tp_eff, cp_efficiency=ring["cp_efficiency"],
+                cp_comm_ms=ring["comm_s"] * 1e3, cp_attention_ms=ring["attention_s"] * 1e3,
+                cp_link=ring["link"], grad_reduce_s=reduce["comm_s"],
+                grad_reduce_exposed_s=reduce["exposed_s"], total=update + logprobs)
 
 
 def training_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gpus: int,
-                     tp: int = 1, pp: int = 1, cp: int = 1) -> float:
+                     tp: int = 1, pp: int = 1, cp: int = 1, gpus_per_node: int = 8) -> float:
     """Forward + backward (+ recompute) of every token, and the old log-probs' forward, on
     ``gpus`` trainer GPUs (``training_terms``)."""
-    return training_terms(desc, shape, hw, gpus=gpus, tp=tp, pp=pp, cp=cp)["total"]
+    return training_terms(desc, shape, hw, gpus=gpus, tp=tp, pp=pp, cp=cp,
+                          gpus_per_node=gpus_per_node)["total"]
 
 
 def refit_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *,
@@ -388,29 +457,33 @@ class StepTime:
 def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world: int,
                rollout_gpus: int, engine_tp: int, kv_cache_bytes_per_engine_gpu: float,
                colocated_kv_cache_bytes_per_gpu: float | None = None,
-               train_layout: tuple[int, int] = (1, 1),
-               dedicated_train_layout: tuple[int, int] | None = None) -> list[StepTime]:
+               train_layout: tuple[int, ...] = (1, 1),
+               dedicated_train_layout: tuple[int, ...] | None = None,
+               gpus_per_node: int = 8) -> list[StepTime]:
     """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
     0) dedicated engines on ``rollout_gpus`` of them, synchronous and one-step-off.
     ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
-    one's). ``train_layout``: the trainer's (TP, PP) on all GPUs, ``dedicated_train_layout``
-    on the GPUs the engines leave (default the same)."""
+    one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP, CP) on all GPUs,
+    ``dedicated_train_layout`` on the GPUs the engines leave (default the same);
+    ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
-    tp, pp = train_layout
+    tp, pp, cp = (tuple(train_layout) + (1,))[:3]
     gen = generation_terms(desc, shape, hw, engines=world // engine_tp, engine_tp=engine_tp,
                            kv_cache_bytes_per_engine_gpu=colocated_kv)
-    train = training_terms(desc, shape, hw, gpus=world, tp=tp, pp=pp)
+    train = training_terms(desc, shape, hw, gpus=world, tp=tp, pp=pp, cp=cp,
+                           gpus_per_node=gpus_per_node)
     refit = refit_terms(desc, shape, hw, dedicated=False)
     out = [StepTime("colocated", world, 0, gen["total"], train["total"], refit["total"],
                     dict(generation=gen, training=train, refit=refit))]
     if rollout_gpus:
         trainer = world - rollout_gpus
-        tp, pp = dedicated_train_layout or train_layout
+        tp, pp, cp = (tuple(dedicated_train_layout or train_layout) + (1,))[:3]
         gen = generation_terms(desc, shape, hw, engines=rollout_gpus // engine_tp,
                                engine_tp=engine_tp,
                                kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
-        train = training_terms(desc, shape, hw, gpus=trainer, tp=tp, pp=pp)
+        train = training_terms(desc, shape, hw, gpus=trainer, tp=tp, pp=pp, cp=cp,
+                               gpus_per_node=gpus_per_node)
         refit = refit_terms(desc, shape, hw, dedicated=True)
         out += [StepTime(mode, trainer, rollout_gpus, gen["total"], train["total"],
                          refit["total"], dict(generation=gen, training=train, refit=refit))

@@ -39,12 +39,12 @@ def test_memory_terms_by_hand():
     assert first.optimizer == 12 * first_params // (2 * 2)  # sharded over DP x CP
     assert first.activations == in_flight * 2 * tokens * act_token_layer
     assert first.logits == 0 and first.vllm == vllm
-    # NCCL: TP, DP, PP, model-parallel (grad norm), world; SMALL is untied, so no embedding
-    # group; the engine has 1 GPU, so no vLLM TP group. 32 channels x (4 MiB Simple + 4.69 MiB
-    # LL128 + 0.5 MiB LL) each
-    assert first.communicators == ["TP", "DP", "PP", "model-parallel", "world"]
+    # NCCL: TP, DP x CP (the distributed optimizer's group with CP), CP (the K/V ring), PP,
+    # model-parallel (grad norm), world; SMALL is untied, so no embedding group; the engine has
+    # 1 GPU, so no vLLM TP group. 32 channels x (4 MiB Simple + 4.69 MiB LL128 + 0.5 MiB LL) each
+    assert first.communicators == ["TP", "DP x CP", "CP", "PP", "model-parallel", "world"]
     channel = 4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
-    assert first.nccl == 5 * 32 * channel
+    assert first.nccl == 6 * 32 * channel
     assert first.cache == int(0.1 * first.activations)  # the allocator's slack
     assert first.graphs == 0  # an awake engine's graphs are inside its reserve
     assert first.total == (2 + 4) * first_params + 12 * first_params // 4 \
@@ -80,7 +80,7 @@ def test_memory_terms_by_hand():
     assert last.activations == 1 * 2 * tokens * act_token_layer  # one micro-batch in flight
     assert last.logits == logits + workspace and last.vllm == 0
     assert last.cache == int(0.1 * (last.activations + logits + workspace)) and last.graphs == 0
-    assert last.total == 8_832_960 + last.cache + 5 * 32 * channel
+    assert last.total == 8_832_960 + last.cache + 6 * 32 * channel  # the six groups above
 
     # full recompute: each layer's input (h per token) for 2 micro-batches x 2 layers, plus one
     # layer's whole activations while it is recomputed

@@ -18,12 +18,13 @@ KNOWN_MISSES = {("Llama-3.3-70B, 16k, 128 GPUs TP4 PP4 CP4", "training"),
                 ("Llama-3.3-70B, 16k, 128 GPUs TP4 PP4 CP4", "logprobs")}
 """Published phases the model misses by more than 35%: NeMo-RL's 16k-token, CP 4 training and
 log-probs run at a third of the 4k rows' efficiency (log-probs slower than training), which
-FLOPs do not explain and the planner never needs (the trainer has no context parallelism)."""
+FLOPs do not explain, nor CP's K/V ring as the model prices it (5%; docs/planner.md)."""
 
 HELD_OUT_MISSES = {"Qwen3-30B-A3B, 16 + 16 one-step-off", "Qwen3-235B-A22B, 128 GPUs, vLLM TP16"}
-"""Held-out rows outside 25%: NeMo-RL v0.5's MoE training on 16 GPUs is faster than its own
-32-GPU colocated row implies (1.7x), and a vLLM engine of TP 16 spans two nodes, whose
-all-reduces the model does not charge (0.70)."""
+"""Held-out rows outside 25% (docs/planner.md#published-step-times): NeMo-RL v0.5's MoE
+training on 16 GPUs needs an MFU of at least 0.115 where v0.3's implies 0.048 and one constant
+(0.065) serves both (1.71), and a vLLM engine of TP 16 spans two nodes, whose all-reduces the
+model does not charge (0.70: 16 ms per decode step missing)."""
 
 
 def _ratios(row):

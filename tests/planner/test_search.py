@@ -1,5 +1,6 @@
 """megatron_dgpo/planner/search.py: the paper's 14B recipe on 8 x 80 GB and the layout picked,
-DP dividing the dedicated engines, MoE candidates' expert parallelism, and the step-time
+DP dividing the dedicated engines, MoE candidates' expert parallelism, CP layouts searched and
+priced for 32k responses, and the step-time
 estimate of the 14B recipes (as benchmarks/bench_async.py prints it)."""
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def test_14b_recipe_fits_8x80gb_with_the_proposed_layout(capsys):
         assert len(row["nccl_communicators"]) * 32 * 9.1875 / 1024 == pytest.approx(g["nccl"])
         assert row["fits"] == (row["gib"]["total"] <= 80)
     assert data["params"] == param_count(arch.description)
-    # only layouts the trainer can run: no context parallelism
-    assert {row["layout"]["cp"] for row in data["layouts"]} == {1}
+    # context parallelism is searched too: with the recipe's engines of 4 GPUs inside a TP
+    # group (TP 4 or 8) a node leaves room for CP 2
+    assert {row["layout"]["cp"] for row in data["layouts"]} == {1, 2}
 
 
 def test_dp_must_divide_the_dedicated_engines():
@@ -188,3 +190,81 @@ def test_shipped_recipes_plan_as_before_on_the_image(recipe):
         assert (work.attention, refusal) == (backend, "")
         after = make_plan(model, cluster, work).as_dict()["layouts"]
         assert after == before and all(row["attention_scores_gib"] == 0 for row in after)
+
+
+def test_cp_layouts_are_searched_and_priced_for_32k_responses():
+    """Qwen3-32B with 32k-token responses on 8 x 8 A100-80GB (the 32k recipes' rows and
+    engines, no recompute): CP layouts are candidates, a CP layout holds less than CP 1 at the same
+    TP x PP (activations and logits over c, weights and gradients whole, the optimizer over
+    D c), nothing without CP leaves headroom, so the step-time model picks among all, and the
+    pick's CP is printed."""
+    from megatron_dgpo.planner.steptime import HARDWARE, StepShape
+
+    model = PUBLISHED["Qwen/Qwen3-32B"]
+    cluster = Cluster(gpus_per_node=8, nodes=8, gpu_memory_gb=80)
+    work = Workload(micro_batch_tokens=34816, responses_per_update=256, max_sequence=34816,
+                    recompute=False, rollout_tp=8, gpu_memory_utilization=0.7,
+                    offload_training_state=True)
+    layouts = candidate_layouts(model, cluster, work)
+    assert {lay.cp for lay in layouts} == {1, 2, 4, 8}
+    by_layout = {(e.layout.tp, e.layout.pp, e.layout.cp): e
+                 for e in (estimate(model, cluster, lay, work) for lay in layouts)}
+    cp1, cp2 = by_layout[(8, 1, 1)], by_layout[(8, 1, 2)]
+    assert cp2.total < cp1.total and cp2.activations < cp1.activations
+    assert (cp2.weights, cp2.grads) == (cp1.weights, cp1.grads)
+    assert cp2.optimizer == cp1.optimizer  # D c = 4 x 2 = 8, as D = 8 at CP 1
+    assert "CP" in cp2.communicators and "DP x CP" in cp2.communicators
+
+    shape = StepShape(prompts=512, group_size=8, max_response_tokens=32768,
+                      mean_prompt_tokens=200, mean_response_tokens=16384, updates=16,
+                      micro_batch_tokens=34816)
+    plan = make_plan(model, cluster, work, recipe_tp=8, shape=shape, hw=HARDWARE["a100"])
+    assert not any(e.fits_with(0.1) for e in plan.estimates if e.layout.cp == 1)
+    assert plan.pick.layout.cp > 1 and plan.pick.fits_with(0.1)
+    assert plan.layout_step_s and str(plan.pick.layout) in plan.layout_step_s
+    assert "By the step-time model" in plan.explanation
+    from megatron_dgpo.planner.report import format_table
+
+    assert f"parallel.context_parallel={plan.pick.layout.cp}" in format_table(plan, 0.1)
+
+
+def _recipe_plan(recipe: str, overrides: list[str], nodes: int, max_cp: int = 8):
+    """``dgpo-plan``'s pick and colocated step on 8 x 80 GB A100 nodes, without its console."""
+    from megatron_dgpo.planner.catalogue import architecture_for
+    from megatron_dgpo.planner.search import estimate_step_times, plan_attention
+    from megatron_dgpo.planner.steptime import HARDWARE, StepShape
+
+    run, hw = load_recipe(os.path.join(ROOT, "recipes", recipe), overrides), HARDWARE["a100"]
+    work = plan_attention(Workload.from_recipe(run), hw)[0]
+    shape = StepShape.from_recipe(run)
+    plan = make_plan(architecture_for(run), Cluster(8, nodes, 80), work, max_cp=max_cp,
+                     shape=shape, hw=hw)
+    return plan, estimate_step_times(plan, shape, hw)[0]
+
+
+def test_docs_cp_figures_are_the_codes():
+    """docs/planner.md#context-parallelism's Qwen3-32B at 32k on 64 A100s, before CP (c = 1, as
+    ``--max-cp 1``) and after, and benchmarks/README.md's table of the 32k recipes."""
+    doc = " ".join((open(os.path.join(ROOT, "docs", "planner.md")).read()).split())
+    bench = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
+    qwen = ["model.path=Qwen/Qwen3-32B", "rollout.max_response_tokens=32768",
+            "train.micro_batch_tokens=34816"]
+    no_offload = qwen + ["train.offload_training_state=false"]
+    before, before_step = _recipe_plan("qwen3_8b.yaml", no_offload, 8, max_cp=1)
+    after, after_step = _recipe_plan("qwen3_8b.yaml", no_offload, 8)
+    assert f"{before.pick.layout} at {before.pick.total / GIB:.1f} of 80 GiB" in doc
+    assert not before.pick.fits_with(0.1) and after.pick.layout.cp > 1
+    assert (f"picks {after.pick.layout} at {after.pick.total / GIB:.1f} GiB, "
+            f"{after_step.step_s:.0f} s per step against {before.pick.layout}'s "
+            f"{before_step.step_s:.0f} s") in doc
+    cp, cp_step = _recipe_plan("dgpo_32b.yaml", qwen + ["model.recompute_activations=false"], 8)
+    full, full_step = _recipe_plan("dgpo_32b.yaml", qwen, 8)
+    assert (f"{cp.pick.layout} fits at {cp.pick.total / GIB:.1f} GiB, {cp_step.step_s:.0f} s per "
+            f"step against {full_step.step_s:.0f} s for {full.pick.layout} with full recompute "
+            f"({full.pick.total / GIB:.1f} GiB)") in doc
+    for name in ("qwen3_8b_32k", "dgpo_14b_32k", "dgpo_32b_32k"):
+        plan, step = _recipe_plan(f"{name}.yaml", [], 4)
+        cells = (f"| {name} | {plan.pick.layout} | off | {plan.pick.total / GIB:.1f} | "
+                 f"{step.step_s:.0f} ({step.generation_s:.0f} / {step.training_s:.0f} / "
+                 f"{step.refit_s:.0f}) |")
+        assert cells in bench, cells

@@ -173,3 +173,46 @@ def test_seeded_sampling_term_and_its_switch():
     per_step = seeded["bulk_step_s"] - batched["bulk_step_s"]
     assert per_step == pytest.approx(seeded["concurrent"] * (8.9e-3 - 0.88e-3) / 1024
                                      * desc.dims.vocab / 152064)
+
+
+def test_cp_ring_by_hand_and_where_it_crosses_nodes():
+    """``cp_exchange_terms`` on round hardware: (c - 1) / c of a row's K and V of this TP rank's
+    KV heads per layer, over NVLink while t c fits a node, else the network; only what the
+    attention's own FLOPs do not hide slows the layer. Grows with c; 0 at c = 1."""
+    from megatron_dgpo.planner.steptime import cp_exchange_terms
+
+    desc = PUBLISHED["Qwen/Qwen3-32B"].description  # g d = 8 x 128, a d = 64 x 128, L = 64
+    row, seq = 32768, 16384.0
+    terms = {c: cp_exchange_terms(desc, ROUND, row_tokens=row, mean_sequence=seq, tp=4, cp=c)
+             for c in (1, 2, 4)}
+    assert terms[1]["comm_s"] == 0 and terms[1]["cp_efficiency"] == 1
+    # c = 2 at TP 4: half the row's K and V of 2 KV heads, bf16, over NVLink (t c = 8)
+    assert terms[2]["comm_s"] == pytest.approx(0.5 * row * 2 * 1024 / 4 * 2 / 100e9)
+    assert terms[2]["link"] == "nvlink" and terms[4]["link"] == "network"
+    flops = 100e12 * 0.5
+    assert terms[2]["attention_s"] == pytest.approx(row * 2 * 8192 * seq / 8 / flops)
+    comms = [terms[c]["comm_s"] for c in (1, 2, 4)]
+    assert comms == sorted(comms) and comms[0] < comms[1] < comms[2]
+    # at TP 4 x CP 4 the ring crosses nodes (10 GB/s): the exposed part costs efficiency
+    exposed = max(0.0, terms[4]["comm_s"] - terms[4]["attention_s"])
+    assert terms[4]["cp_efficiency"] == pytest.approx(1 / (1 + exposed / terms[4]["layer_s"]))
+    assert terms[4]["cp_efficiency"] <= terms[2]["cp_efficiency"] <= 1
+
+
+def test_training_with_cp_divides_the_work_and_charges_the_ring():
+    """The same GPUs at TP 4 x CP 2 and TP 8 x CP 1: FLOPs divide over all of them either
+    way; CP's ring over NVLink is cheaper than TP 8's all-gathers for a GQA model; the DP x CP
+    gradient reduce hides behind backward."""
+    from megatron_dgpo.planner.steptime import training_terms
+
+    desc = PUBLISHED["Qwen/Qwen3-32B"].description
+    shape = StepShape(prompts=512, group_size=8, max_response_tokens=32768,
+                      mean_prompt_tokens=200, mean_response_tokens=16384, updates=16,
+                      micro_batch_tokens=34816)
+    hw = HARDWARE["a100"]
+    cp2 = training_terms(desc, shape, hw, gpus=64, tp=4, pp=1, cp=2)
+    tp8 = training_terms(desc, shape, hw, gpus=64, tp=8, pp=1, cp=1)
+    assert 0 < cp2["cp_comm_ms"] and cp2["cp_link"] == "nvlink"
+    assert 0.9 < cp2["cp_efficiency"] <= 1 and tp8["cp_efficiency"] == 1
+    assert cp2["total"] < tp8["total"]
+    assert cp2["grad_reduce_s"] > 0 and cp2["grad_reduce_exposed_s"] == 0
