@@ -280,7 +280,8 @@ LONG = {"qwen3_8b_32k": "qwen3_8b", "dgpo_14b_32k": "dgpo_14b", "dgpo_32b_32k": 
 
 @pytest.mark.parametrize("name", sorted(LONG))
 def test_32k_recipe_is_its_parent_with_the_planners_layout(name):
-    """recipes/*_32k.yaml: the parent with 32768-token responses, rows that hold them, and
+    """recipes/*_32k.yaml: the parent with 32768-token responses, rows that hold them, DAPO's
+    soft overlong punishment over the last 4096 tokens, and
     dgpo-plan's pick at the header's node count on 8 x 80 GB A100s: its TP x PP x CP with
     10% headroom, and its recompute setting the faster of the two by the step-time model."""
     from megatron_dgpo.planner.catalogue import architecture_for
@@ -300,8 +301,10 @@ def test_32k_recipe_is_its_parent_with_the_planners_layout(name):
         f"model.recompute_activations={str(cfg.model.recompute_activations).lower()}",
         f"parallel.tensor_parallel={par.tensor_parallel}",
         f"parallel.pipeline_parallel={par.pipeline_parallel}",
-        f"parallel.context_parallel={par.context_parallel}"])
-    assert parent == cfg, "everything but the lengths, the layout and recompute is the parent's"
+        f"parallel.context_parallel={par.context_parallel}",
+        "algorithm.overlong_penalty_window=4096"])
+    assert parent == cfg, ("everything but the lengths, the layout, recompute and DAPO's overlong "
+                           "penalty is the parent's")
 
     nodes = int(re.search(r"sbatch --nodes=(\d+)", text).group(1))
     hw = HARDWARE["a100"]
