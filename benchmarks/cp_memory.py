@@ -11,6 +11,10 @@ once, parameters left out, per rank; the table shows the largest rank's and its 
 CP = 1. At CP = 1 the row runs the local attention with its block-diagonal mask; at CP > 1
 ``cpu.py``'s patch 15, which keeps the all-gathered keys and values (the whole row's) for
 backward: the rest falls as 1 / CP.
+
+Beside it, the planner's prediction for the 32k-response recipes (``recipes/*_32k.yaml`` on
+their header's nodes of 8 x 80 GB A100s): the activations + logits of the peak GPU at the
+recipe's TP x PP with CP = 1, 2, 4, and the ratio to CP = 1 (``planner.peak.estimate``).
 """
 
 from __future__ import annotations
@@ -96,6 +100,40 @@ def measure(cp: int, lengths: list[int]) -> dict[int, list[int]]:
     return {n: [r[n] for r in ranks] for n in lengths}
 
 
+def planner_rows(cps: list[int]) -> list[str]:
+    """Markdown rows: each 32k recipe's predicted activations + logits (GiB, the peak GPU) at
+    its TP x PP and each CP size of ``cps`` that divides its GPUs."""
+    import re
+
+    from megatron_dgpo.planner.catalogue import architecture_for
+    from megatron_dgpo.planner.inputs import GIB, Cluster, Layout, Workload
+    from megatron_dgpo.planner.peak import estimate
+    from megatron_dgpo.planner.search import plan_attention
+    from megatron_dgpo.planner.steptime import HARDWARE
+    from megatron_dgpo.recipe import load_recipe
+
+    rows = []
+    for path in sorted(Path(__file__).resolve().parents[1].glob("recipes/*_32k.yaml")):
+        cfg = load_recipe(path)
+        nodes = int(re.search(r"sbatch --nodes=(\d+)", path.read_text()).group(1))
+        cluster, par = Cluster(8, nodes, 80), cfg.parallel
+        work = plan_attention(Workload.from_recipe(cfg), HARDWARE["a100"])[0]
+        model, cells, base = architecture_for(cfg), [], None
+        for cp in cps:
+            ranks = par.tensor_parallel * par.pipeline_parallel * cp
+            if cluster.gpus % ranks:
+                cells.append("-")
+                continue
+            e = estimate(model, cluster, Layout(par.tensor_parallel, par.pipeline_parallel, cp,
+                                                cluster.gpus // ranks), work)
+            gib = (e.activations + e.logits) / GIB
+            base = gib if cp == 1 else base
+            cells.append(f"{gib:.1f}" + (f" ({gib / base:.2f})" if base and cp != 1 else ""))
+        rows.append(f"| {path.stem} | TP{par.tensor_parallel} PP{par.pipeline_parallel} | "
+                    + " | ".join(cells) + " |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
@@ -114,6 +152,10 @@ def main() -> None:
             ratio = f" ({worst / max(base[n]):.2f})" if base and cp != 1 else ""
             cells.append(f"{worst / 2**20:.1f}{ratio}")
         print(f"| {n} | {SAMPLES * (PROMPT + n)} | " + " | ".join(cells) + " |")
+    print("\nPlanner, 32k recipes on A100-80GB: activations + logits of the peak GPU, GiB")
+    print("| recipe | layout | " + " | ".join(f"CP={cp}" for cp in args.cps) + " |")
+    print("| --- | --- |" + " --- |" * len(args.cps))
+    print("\n".join(planner_rows(args.cps)))
 
 
 if __name__ == "__main__":
