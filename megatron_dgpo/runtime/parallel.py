@@ -4,16 +4,16 @@ the package's one vocabulary of its process groups, ranks and sizes.
 The backend follows the hardware: nccl with a GPU, gloo without one (then the CPU
 compatibility patches of ``megatron_dgpo.runtime.cpu`` are applied). DP is what is left of the world:
 ``world_size / (tp * cp * pp)``. Megatron's rank order is ``tp-cp-ep-dp-pp``: TP ranks are adjacent,
-PP is outermost.
+PP is outermost. MoE layers' experts use a second decomposition of each pipeline stage,
+``etp-ep-edp`` (expert TP, expert parallel, expert DP): dense weights are replicated over DP,
+experts over the expert-DP ranks only. Under ``torchrun --max-restarts N`` each restart attempt gets its own store
+prefix, so a restarted job can form its process group again (``_attempt_store``).
 
 Only this module reads ``megatron.core.parallel_state`` (``tests/test_architecture.py``): the
 rest of the package asks the accessors below (``tensor_parallel_group()``,
 ``data_parallel_rank(with_context_parallel=...)``, ``replica_group()``, ...). A *replica* is the
 ranks that share one data-parallel index: TP x CP x PP ranks (``replica_group``), which train on
-the same samples; the DP rank and size that split a batch are those without CP. MoE layers' experts use a second decomposition of each pipeline stage,
-``etp-ep-edp`` (expert TP, expert parallel, expert DP): dense weights are replicated over DP,
-experts over the expert-DP ranks only. Under ``torchrun --max-restarts N`` each restart attempt gets its own store
-prefix, so a restarted job can form its process group again (``_attempt_store``).
+the same samples; the DP rank and size that split a batch are those without CP.
 """
 
 from __future__ import annotations
