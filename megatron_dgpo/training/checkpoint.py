@@ -493,6 +493,8 @@ def _saved_optimizer_sharding(path: Path, optimizer, saved_layout: dict, layout:
                          f"{str(saved is not None).lower()} to resume it")
     if saved is None:
         return "dp_reshardable"  # unused by the plain optimizer
+    # not context_parallel: CP ranks hold whole parameters and the optimizer shards over DP x CP,
+    # so a CP change is a DP change to both sharding types (tests/training/test_distributed_optimizer.py)
     model_parallel = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
     moved = [k for k in model_parallel if saved_layout.get(k, 1) != layout.get(k, 1)]
     if saved != FULLY_RESHARDABLE and moved:
