@@ -189,15 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         print(format_table(plan, args.headroom))
-        own_mp = (run.parallel.tensor_parallel * run.parallel.pipeline_parallel
-                  * run.parallel.context_parallel)
-        own_dp = cluster.world // own_mp
-        if not refusal and cluster.world % own_mp == 0 \
+        own = run.parallel  # a replica: TP x CP x PP ranks
+        own_replica = own.tensor_parallel * own.context_parallel * own.pipeline_parallel
+        own_dp = cluster.world // own_replica
+        if not refusal and cluster.world % own_replica == 0 \
                 and dedicated_split_problem(cluster, work, own_dp):
-            print(f"the recipe's own layout TP{run.parallel.tensor_parallel} "
-                  f"PP{run.parallel.pipeline_parallel}"
-                  + (f" CP{run.parallel.context_parallel}" if run.parallel.context_parallel > 1
-                     else "") + f" has {own_dp} DP replicas, which cannot "
+            cp = f" CP{own.context_parallel}" if own.context_parallel > 1 else ""
+            print(f"the recipe's own layout TP{own.tensor_parallel}{cp} "
+                  f"PP{own.pipeline_parallel} has {own_dp} DP replicas, which cannot "
                   f"share {dedicated_engines(cluster, work)} dedicated engines evenly: the "
                   f"trainer would refuse it")
         if args.explain and plan.pick is not None:

@@ -3,7 +3,7 @@
     rollout (the replica's engines: colocated vLLM in its ranks, or one engine on its leader)
     -> rewards (math-verify workers, where the samples are) -> group advantages
     -> old log-probs (forward only) -> one optimizer update per mini-batch (N all-reduced)
-    -> bucketed refit of each engine from its own model-parallel group
+    -> bucketed refit of each engine from its own replica's ranks
     -> (recipe section ``eval``, on schedule) held-out problems on the refitted engines -> log -> checkpoint
 
 and, at the end, the final policy exported as an HF folder. What RL shares with the supervised

@@ -28,6 +28,7 @@ from megatron_dgpo.recipe import save_recipe
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.config import to_dict
 from megatron_dgpo.runtime.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
+from megatron_dgpo.runtime import parallel
 from megatron_dgpo.runtime.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.tasks.tiny import make_tiny_model
 from megatron_dgpo.training import policy
@@ -48,8 +49,6 @@ class TrainingRun:
     def __init__(self, cfg, *, seed: int, steps: int, max_minutes: float | None,
                  routing_replay: str = "off", rollout_ranks: int = 0,
                  progress: dict[str, tuple[str, str]] = telemetry.RL_PROGRESS):
-        from megatron.core import parallel_state as ps
-
         self.budget = TimeBudget(max_minutes)  # counted from the start, setup included
         init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
                          watchdog_minutes=cfg.parallel.watchdog_minutes,
@@ -58,8 +57,9 @@ class TrainingRun:
         initialize_parallel(cfg.parallel, seed=seed)
         self.cfg, self.steps, self._progress = cfg, steps, progress
         self.rank0, self.run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.dp_group = ps.get_data_parallel_group()
+        # the replicas (DP without CP): CP ranks share their replica's samples
+        self.dp_rank, self.dp_size = parallel.data_parallel_rank(), parallel.data_parallel_size()
+        self.dp_group = parallel.data_parallel_group()
         self.hf_dir = policy.initial_model(cfg.model, self.run_dir, seed, make_tiny=make_tiny_model)
         self.models, self.hf_config, self.dtype = policy.build_policy(
             cfg.model, self.hf_dir, routing_replay=routing_replay,
@@ -67,7 +67,7 @@ class TrainingRun:
         # the log-prob kernels, built in the logits' dtype (the model's) on the stage that has
         # logits and before any engine imports vLLM: with inductor's compile threads, and a
         # failure known now (vocab_parallel's module docstring; nothing is built on CPU)
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
+        if parallel.is_last_pipeline_stage():
             vocab_parallel.compiled_by_default(next(self.models[0].parameters()).device, self.dtype)
         self.lr = cfg.optimizer.learning_rate(cfg.model.nominal_params
                                               or policy.count_parameters(self.hf_dir))

@@ -165,3 +165,99 @@ def resume_at_another_layout(rank, world, root, tp: int) -> dict:
         out[sharding] = {"refused": None, "diff": float((_logprobs(fresh) - live).abs().max()),
                          "moved": float((live - before).abs().max())}
     return out
+
+
+def _synthetic_step(models, optimizer, step: int) -> None:
+    """One distributed-optimizer step on gradients made up per parameter (no forward: the same
+    at every CP size), reduced over DP x CP by Megatron's DDP as a training step's are."""
+    from megatron_dgpo.training.optimizer import step_if_finite
+
+    optimizer.zero_grad()
+    for model in models:
+        model.zero_grad_buffer()
+    for i, (_, param) in enumerate(sorted(models[0].module.named_parameters())):
+        grid = torch.arange(param.numel(), dtype=torch.float64).view_as(param)
+        param.main_grad.copy_(1e-2 * torch.sin(grid * (0.37 + 0.11 * i) + step))
+    for model in models:
+        model.finish_grad_sync()
+    stepped, _ = step_if_finite(optimizer, models, 0.0)
+    assert stepped
+
+
+def _optimizer_state(optimizer) -> list:
+    """This rank's shard of the distributed optimizer's state: (step, exp_avg, exp_avg_sq) per
+    parameter shard, in the optimizer's order."""
+    from megatron_dgpo.training.checkpoint import distributed_optimizers
+
+    out = []
+    for inner in distributed_optimizers(optimizer):
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state[param]
+                out.append((float(state["step"]), state["exp_avg"].clone(),
+                            state["exp_avg_sq"].clone()))
+    return out
+
+
+def resume_across_context_parallel(rank, world, root) -> dict:
+    """On 2 ranks, for each sharding type: saved at CP 2 (DP 1) then loaded at CP 1 (DP 2), and
+    saved at CP 1 loaded at CP 2, after two synthetic steps. The loaded weights and this rank's
+    optimizer shard equal the saved ones, and the next step equals the live run's."""
+    from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from megatron_dgpo.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+
+    out = {}
+    for sharding in SHARDINGS:
+        for saved_cp, loaded_cp in ((2, 1), (1, 2)):
+            folder = f"{root}/{sharding}_cp{saved_cp}"
+            initialize_parallel(ParallelConfig(context_parallel=saved_cp), seed=1)
+            models, optimizer = _setup(1, distributed=True, bucket_size=BUCKET)
+            for step in range(2):
+                _synthetic_step(models, optimizer, step)
+            saved_params, saved_state = _params(models), _optimizer_state(optimizer)
+            save_checkpoint(folder, TrainerState(step=2), models, optimizer,
+                            padded_vocab_size=models[0].module.vocab_size,
+                            optimizer_sharding=sharding, **META)
+            _synthetic_step(models, optimizer, 2)
+            live = _params(models)
+            if rank == 0:  # for the resume on one rank
+                torch.save({"saved": saved_params, "live": live}, f"{folder}/expected.pt")
+            destroy_parallel()
+
+            initialize_parallel(ParallelConfig(context_parallel=loaded_cp), seed=1)
+            fresh, fresh_opt = _setup(1, distributed=True, seed=9, bucket_size=BUCKET)
+            state = load_checkpoint(f"{folder}/step_000002", fresh, fresh_opt)
+            loaded_state = _optimizer_state(fresh_opt)
+            got = {"layout": state.extra["layout"],
+                   "params_equal": _equal(saved_params, _params(fresh)),
+                   "state_equal": len(saved_state) == len(loaded_state) and all(
+                       a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # exact: a copy
+                       for a, b in zip(saved_state, loaded_state)),
+                   "moments": sum(float(s[1].abs().sum()) for s in saved_state)}
+            _synthetic_step(fresh, fresh_opt, 2)
+            got["next_step_equal"] = _equal(live, _params(fresh))
+            destroy_parallel()
+            out[f"{sharding}_cp{saved_cp}_to_cp{loaded_cp}"] = got
+    return out
+
+
+def resume_on_one_rank(rank, world, root) -> dict:
+    """``resume_across_context_parallel``'s CP 2 checkpoints loaded on one rank (CP 1, DP 1:
+    the optimizer's 2 shards become one): the weights exactly, the next step within rounding
+    (the clipped gradient's norm sums the shards in another order)."""
+    from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
+    from megatron_dgpo.training.checkpoint import load_checkpoint
+
+    initialize_parallel(ParallelConfig(), seed=1)
+    out = {}
+    for sharding in SHARDINGS:
+        folder = f"{root}/{sharding}_cp2"
+        expected = torch.load(f"{folder}/expected.pt")
+        fresh, fresh_opt = _setup(1, distributed=True, seed=9, bucket_size=BUCKET)
+        load_checkpoint(f"{folder}/step_000002", fresh, fresh_opt)
+        got = {"params_equal": _equal(expected["saved"], _params(fresh))}
+        _synthetic_step(fresh, fresh_opt, 2)
+        got["next_step_diff"] = _max_diff(expected["live"], _params(fresh))
+        got["moved"] = _max_diff(expected["live"], expected["saved"])
+        out[sharding] = got
+    return out

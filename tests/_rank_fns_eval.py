@@ -69,7 +69,7 @@ class Replica:
 
         self.engine, self.pool = engine, InProcessPool()
         self._role = lambda num: rollout_role(colocated=False, engine_tp=1, rank=rank,
-                                              world_size=world, model_parallel_ranks=[rank],
+                                              world_size=world, replica_ranks=[rank],
                                               dp_rank=rank, dp_size=world, num_prompts=num)
 
     def share(self, num_items: int) -> range:

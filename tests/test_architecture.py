@@ -101,6 +101,32 @@ def comm_uses(rel: str) -> set[str]:
     return used
 
 
+PARALLEL_STATE = {"parallel_state", "mpu"}  # megatron.core's module and its old alias
+PARALLEL_STATE_OWNER = "megatron_dgpo/runtime/parallel.py"
+
+
+def parallel_state_reads(source: str) -> list[str]:
+    """Where ``source`` reaches Megatron's ``parallel_state`` (or ``mpu``): imports of it in any
+    spelling, ``megatron.core.parallel_state`` attributes, ``import_module`` of it by name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
+            names = (node.module or "").split(".") + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [part for a in node.names if a.name.startswith("megatron")
+                     for part in a.name.split(".")]
+        elif isinstance(node, ast.Attribute) and node.attr in PARALLEL_STATE:
+            names = [node.attr]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
+                ("import_module", "__import__")) and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            names = node.args[0].value.split(".")
+        if PARALLEL_STATE & set(names):
+            found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
 # -------------------------------------------------------------------------------- the page
 
 
@@ -359,3 +385,24 @@ def test_the_checks_see_a_planted_error():
     assert comm_uses("megatron_dgpo/runtime/interrupt.py") == {"any_rank"}
     assert defines("megatron_dgpo/rollout/replica.py", "ReplicaRollout.refit")
     assert not defines("megatron_dgpo/rollout/replica.py", "ReplicaRollout.nothing")
+
+
+def test_only_the_parallel_module_reads_megatrons_parallel_state():
+    """The package's groups, ranks and sizes come from ``runtime/parallel.py``'s accessors (one
+    vocabulary; a replica is TP x CP x PP there), never from Megatron's ``parallel_state``."""
+    offenders = {rel: reads for rel in package_modules()
+                 if rel != PARALLEL_STATE_OWNER
+                 and (reads := parallel_state_reads((ROOT / rel).read_text()))}
+    assert not offenders, f"read megatron.core.parallel_state outside {PARALLEL_STATE_OWNER}: {offenders}"
+    assert parallel_state_reads((ROOT / PARALLEL_STATE_OWNER).read_text())
+    # the check sees every spelling
+    planted = ("from megatron.core import parallel_state as ps\n"
+               "from megatron.core import mpu\n"
+               "import megatron.core.parallel_state\n"
+               "from megatron.core.parallel_state import get_data_parallel_group\n"
+               "import megatron\n"
+               "g = megatron.core.parallel_state.get_data_parallel_group()\n"
+               "m = importlib.import_module('megatron.core.parallel_state')\n"
+               "from megatron.core import dist_checkpointing\n")
+    assert [r.split(":")[0] for r in parallel_state_reads(planted)] == [
+        f"line {n}" for n in (1, 2, 3, 4, 6, 7)]

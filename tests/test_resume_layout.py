@@ -81,8 +81,8 @@ def test_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
     _finish(_launch(tp2, "parallel.tensor_parallel=2", ranks=2))
     reference = read_metrics(tp2)
     assert [r["step"] for r in reference] == [1, 2]
-    assert _layout(tp2) == {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1,
-                            "expert_parallel": 1}
+    assert _layout(tp2) == {"tensor_parallel": 2, "pipeline_parallel": 1, "context_parallel": 1,
+                            "data_parallel": 1, "expert_parallel": 1}
 
     # Both resumes at once (they share nothing but the CPU).
     tp1, pp2 = _fork_at(tp2, tmp_path / "tp1", 1), _fork_at(tp2, tmp_path / "pp2", 1)
@@ -99,4 +99,5 @@ def test_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
         # the checkpoint written after the resume records the layout it was written at
         assert latest_checkpoint(run_dir / "checkpoints").name == "step_000002"
         assert _layout(run_dir) == {"tensor_parallel": layout[0], "pipeline_parallel": layout[1],
-                                    "data_parallel": 1, "expert_parallel": 1}
+                                    "context_parallel": 1, "data_parallel": 1,
+                                    "expert_parallel": 1}

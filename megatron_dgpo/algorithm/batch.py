@@ -2,7 +2,7 @@
 
 Each engine's leader grades its share of a step's prompts into a piece; a DAPO refill replaces
 degenerate groups by fresh ones (``replace_groups``); the pieces of a DP replica are joined
-in batch-position order on every rank of its model-parallel group (``gather``: samples never
+in batch-position order on every rank of its replica group (``gather``: samples never
 cross replicas); the trainer turns each sample into a ``packing.Sample`` (``sample``) and
 reports the batch-wide rollout metrics (``rollout_metrics``); before packing, the trainer
 fills its advantages and loss weights from whole groups (``assign_advantages``: DAPO's
@@ -81,7 +81,7 @@ class Experience:
         return Experience(**out)
 
     def gather(self, group) -> Experience:
-        """Every rank of ``group`` (a DP replica's model-parallel group) contributes its piece
+        """Every rank of ``group`` (a DP replica's TP x CP x PP ranks) contributes its piece
         (None where the rank graded nothing); all get the pieces joined in rank order. Only the
         replica's own share crosses, and only inside the replica."""
         if group is None or comm.size(group) == 1:

@@ -56,10 +56,10 @@ def _resolve_group(group):
     if group is not None:
         return group
     if dist.is_available() and dist.is_initialized():
-        from megatron.core import parallel_state
+        from megatron_dgpo.runtime import parallel
 
-        if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_tensor_model_parallel_group()
+        if parallel.parallel_initialized():
+            return parallel.tensor_parallel_group()
     return None
 
 

@@ -70,12 +70,10 @@ def conversion_overrides(hf_config) -> dict:
     has no reduce-scatter, and Megatron refuses an MoE's training forward at TP > 1 without
     SP); building the model and slicing tensors need no SP, and SP changes neither the
     parameters nor their checkpoint layout, so the explicit value skips that refusal."""
-    from megatron.core import parallel_state
-
+    from megatron_dgpo.runtime import parallel
     from megatron_dgpo.runtime.gpu_flags import Platform, sequence_parallel
 
-    tp = (parallel_state.get_tensor_model_parallel_world_size()
-          if parallel_state.model_parallel_is_initialized() else 1)
+    tp = parallel.tensor_parallel_size() if parallel.parallel_initialized() else 1
     if tp > 1 and describe(hf_config).dims.moe:
         return {"sequence_parallel": sequence_parallel(tp, Platform.detect())}
     return {}

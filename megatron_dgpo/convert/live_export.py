@@ -3,7 +3,10 @@ map's fused groups (the vLLM refit's unit), ``export_hf_weights`` one by one (th
 
 Collective over the model-parallel group: per tensor, the owning pipeline stage all-gathers its
 TP shards, undoes the Megatron layouts (``transforms.hf_from_megatron``) and sends the result
-to the consumers. One fused group's full tensors in memory at a time.
+to the consumers. One fused group's full tensors in memory at a time. Under context
+parallelism the CP ranks hold identical weights: ``consumer="first"`` exports from CP rank 0
+only (the others join just the expert gathers that span CP ranks), ``consumer="all"`` lets
+each CP slice feed its own ranks (a local TP gather costs no more than a CP broadcast would).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.distributed as dist
 from megatron_dgpo.convert.transforms import hf_from_megatron, megatron_shape, tp_unshard
 from megatron_dgpo.models import Family, describe, fused_groups, megatron_param_key
 from megatron_dgpo.models.builder import unwrap_model
-from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime import comm, parallel
 
 
 def _local_params(chunks, family: Family, tied: bool):
@@ -72,20 +75,20 @@ def export_hf_groups(model_chunks, *, consumer: str = "all", dtype: torch.dtype 
     biases, its gate/up, all its routed experts; any other tensor alone), which a refit must
     load whole.
 
-    Collective over the model-parallel group: *every* rank of it must exhaust the generator.
+    Collective over the replica (TP x CP x PP) and the expert groups: *every* rank of them
+    must exhaust the generator.
     Per tensor, the pipeline stage that owns it all-gathers its TP shards (undoing the QKV /
     gate-up / vocab-padding layouts via the family map; an MoE layer's experts are gathered
     from every expert-parallel rank, all of a layer's experts in one collective, and come out
     expert by expert) and, for ``consumer="all"``, broadcasts it over the pipeline group: every
-    model-parallel rank then receives every group. With ``consumer="first"`` only
-    model-parallel rank 0 (TP 0, PP 0) receives them (a point-to-point send from the owning
-    stage); the others yield nothing. Tensors are on the model's device, in each parameter's
+    model-parallel rank then receives every group. With ``consumer="first"`` only the
+    replica's first rank (TP 0, CP 0, PP 0) receives them (a point-to-point send from the owning
+    stage); the others yield nothing, and CP ranks other than 0 neither gather nor send (except
+    to join an expert gather whose group holds a CP rank 0). Tensors are on the model's device, in each parameter's
     dtype unless ``dtype`` is given (floating tensors are cast to it). They may be views of
     per-step buffers: copy what you keep. ``hf_config`` is only needed for models not built by
     ``megatron_dgpo.models.builder.build_model``.
     """
-    from megatron.core import parallel_state
-
     if consumer not in ("all", "first"):
         raise ValueError(f"consumer must be 'all' or 'first', got {consumer!r}")
     chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple))
@@ -93,13 +96,18 @@ def export_hf_groups(model_chunks, *, consumer: str = "all", dtype: torch.dtype 
     cfg = hf_config or chunks[0].hf_spec.hf_config
     description = describe(cfg, padded_vocab=chunks[0].vocab_size)
     family, dims = description.family, description.dims
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    groups = (tp_group, parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
-              parallel_state.get_expert_model_parallel_group(check_initialized=False))
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    groups = (parallel.tensor_parallel_group(), parallel.expert_tensor_parallel_group(),
+              parallel.expert_parallel_group())
+    pp_group = parallel.pipeline_parallel_group()
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     pp_ranks = dist.get_process_group_ranks(pp_group)
-    first = parallel_state.get_tensor_model_parallel_rank() == 0 and pp_rank == 0
+    tp_rank = parallel.tensor_parallel_rank()
+    # consumer "first": CP rank 0's slice exports; another CP rank only joins the expert gathers
+    # of a group that holds a CP rank 0 (experts are split over ranks that CP folds in)
+    exports = consumer == "all" or parallel.context_parallel_rank() == 0
+    joins_experts = exports or (description.dims.moe
+                                and parallel.expert_group_has_context_parallel_leader())
+    first = tp_rank == 0 and pp_rank == 0 and exports
     params = family.active(cfg)
     local = _local_params(chunks, family, description.tie_word_embeddings)
     mine = sorted((key, str(param.dtype)) for key, (_, param) in local.items())
@@ -117,14 +125,18 @@ def export_hf_groups(model_chunks, *, consumer: str = "all", dtype: torch.dtype 
             if src is None:
                 raise KeyError(f"no pipeline stage holds {pm.key()!r} (layer {layer})")
             full = None
+            if not (exports or (pm.expert and joins_experts)):
+                continue
             if pp_rank == src:
                 full = _gather_full(pm, local[(pm.key(), layer)][1].detach().contiguous(), groups)
+            if not exports:
+                continue
             if pp_size > 1 and consumer == "all":
                 if full is None:
                     full = torch.empty(megatron_shape(pm, dims), dtype=dtypes[(pm.key(), layer)],
                                        device=device)
                 comm.broadcast_(full, src=pp_ranks[src], group=pp_group)
-            elif pp_size > 1 and src != 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            elif pp_size > 1 and src != 0 and tp_rank == 0:
                 if pp_rank == src:
                     comm.send(full.contiguous(), dst=pp_ranks[0], group=pp_group)
                 elif pp_rank == 0:

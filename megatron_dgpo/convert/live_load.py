@@ -26,19 +26,17 @@ from megatron_dgpo.models.builder import build_model, unwrap_model
 def load_hf_into(chunks, hf_dir: str) -> None:
     """Copy an HF checkpoint into this rank's model chunks (its TP shards, its PP layers, its
     experts and their expert-TP shards)."""
-    from megatron.core import parallel_state
+    from megatron_dgpo.runtime import parallel
 
     chunks = [unwrap_model(c) for c in chunks]
-    tp = (parallel_state.get_tensor_model_parallel_rank(),
-          parallel_state.get_tensor_model_parallel_world_size())
+    tp = (parallel.tensor_parallel_rank(), parallel.tensor_parallel_size())
     padded = chunks[0].vocab_size
     source = HFSource(hf_dir, padded_vocab=padded)
     by_key = {pm.key(): pm for pm in source.params}
     if source.dims.moe:
-        expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
-                     parallel_state.get_expert_tensor_parallel_world_size())
-        first_expert = (parallel_state.get_expert_model_parallel_rank() * source.dims.experts
-                        // parallel_state.get_expert_model_parallel_world_size())
+        expert_tp = (parallel.expert_tensor_parallel_rank(), parallel.expert_tensor_parallel_size())
+        first_expert = (parallel.expert_parallel_rank() * source.dims.experts
+                        // parallel.expert_parallel_size())
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             found = megatron_param_key(source.family, name)

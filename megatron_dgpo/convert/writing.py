@@ -138,15 +138,16 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
                         dtype: torch.dtype | None, progress: bool = False,
                         format: str = "dgpo") -> None:
     """HF -> torch_dist on the current process group (world = a multiple of the layout's)."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    own_state = not parallel_state.model_parallel_is_initialized()
+    from megatron_dgpo.runtime import parallel
+
+    own_state = not parallel.parallel_initialized()
     if own_state:
         initialize_parallel(_layout(tp, pp, ep))
     else:
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_expert_model_parallel_world_size())
+        have = (parallel.tensor_parallel_size(), parallel.pipeline_parallel_size(),
+                parallel.expert_parallel_size())
         if have != (tp, pp, ep):
             raise ValueError(f"hf_to_megatron(tp={tp}, pp={pp}, ep={ep}) called under an "
                              f"initialised parallel state with (tp, pp, ep) = {have}")

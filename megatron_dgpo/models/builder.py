@@ -123,7 +123,7 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
     (a pure function of the HF config, the platform, the parallel sizes and ``overrides``:
     tests check a GPU layout's choices on CPU with it, where ``TransformerConfig`` itself would
     refuse e.g. ``apply_rope_fusion`` without Transformer-Engine)."""
-    from megatron.core import parallel_state
+    from megatron_dgpo.runtime import parallel
 
     desc = describe(hf_config_dict(hf_config))
     dims = desc.dims
@@ -133,11 +133,11 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
     pp = overrides.get("pipeline_model_parallel_size")
     vpp = overrides.get("virtual_pipeline_model_parallel_size")
     cp = overrides.get("context_parallel_size")
-    if parallel_state.model_parallel_is_initialized():
-        tp = tp or parallel_state.get_tensor_model_parallel_world_size()
-        pp = pp or parallel_state.get_pipeline_model_parallel_world_size()
-        vpp = vpp or parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        cp = cp or parallel_state.get_context_parallel_world_size()
+    if parallel.parallel_initialized():
+        tp = tp or parallel.tensor_parallel_size()
+        pp = pp or parallel.pipeline_parallel_size()
+        vpp = vpp or parallel.virtual_pipeline_parallel_size()
+        cp = cp or parallel.context_parallel_size()
     cp = cp or 1
 
     dtype = overrides.get("params_dtype", torch.float32)
@@ -202,7 +202,7 @@ needs fixed sequence lengths), flex (DeepEP / HybridEP kernels, GPU only)."""
 def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> dict:
     """The MoE fields of ``TransformerConfig`` for an MoE description (module docstring).
     Expert-parallel sizes come from Megatron's parallel state when it is initialised."""
-    from megatron.core import parallel_state
+    from megatron_dgpo.runtime import parallel
 
     dims, router = desc.dims, desc.router
     dispatcher = overrides.get("moe_token_dispatcher_type", "alltoall")
@@ -239,10 +239,9 @@ def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> di
         moe_permute_fusion=platform.transformer_engine,
         variable_seq_lengths=dispatcher != "allgather",
     )
-    if parallel_state.model_parallel_is_initialized():
-        kwargs.update(
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
+    if parallel.parallel_initialized():
+        kwargs.update(expert_model_parallel_size=parallel.expert_parallel_size(),
+                      expert_tensor_parallel_size=parallel.expert_tensor_parallel_size())
     return kwargs
 
 
@@ -301,12 +300,12 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
     ``platform`` (default ``Platform.detect()``) decides the layer spec and the GPU flags
     (``gpu_flags``); e.g. ``Platform(cuda=True)`` builds the local spec on a GPU.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_dgpo.runtime import parallel
     from megatron_dgpo.runtime.cpu import apply_cpu_compat, seed_model_parallel_rng
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not parallel.parallel_initialized():
         raise RuntimeError("Megatron parallel state is not initialised: call "
                            "megatron_dgpo.runtime.parallel.initialize_parallel first")
     apply_cpu_compat()
@@ -315,8 +314,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
     overrides.setdefault("params_dtype", dtype)
     platform = Platform.detect() if platform is None else platform
     config, spec = transformer_config_from_hf(hf_config, platform=platform, **overrides)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    tp = parallel.tensor_parallel_size()
+    vpp = parallel.virtual_pipeline_parallel_size()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -325,10 +324,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
             transformer_layer_spec=layer_spec(config, platform=platform),
             vocab_size=padded_vocab_size(spec.vocab_size, tp),
             max_sequence_length=spec.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                                vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                               vp_stage=stage),
+            pre_process=parallel.is_first_pipeline_stage(vp_stage=stage),
+            post_process=parallel.is_last_pipeline_stage(vp_stage=stage),
             parallel_output=True,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",

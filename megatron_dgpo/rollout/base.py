@@ -174,7 +174,7 @@ class Rollout(Protocol):
 
     @property
     def leader(self) -> bool:
-        """This rank leads its replica (the first rank of its model-parallel group): it keeps
+        """This rank leads its replica (the first rank of its replica group): it keeps
         the replica's batch generated ahead in a checkpoint."""
 
     @property
@@ -183,7 +183,7 @@ class Rollout(Protocol):
 
     @property
     def weight_consumer(self) -> Literal["all", "first"]:
-        """Which ranks of the model-parallel group ``refit`` takes the weights on
+        """Which ranks of the replica ``refit`` takes the weights on
         (``export_hf_groups``' ``consumer``)."""
 
     @property

@@ -32,10 +32,11 @@ class RolloutConfig:
     tensor_parallel_size: int | None = None
     """vLLM's own tensor parallelism: ranks (GPUs) per engine. None = the trainer's
     ``parallel.tensor_parallel`` x ``parallel.pipeline_parallel`` (each DP replica owns one
-    engine on its own GPUs; with PP > 1 and DP > 1: ``parallel.tensor_parallel``). With
-    ``placement: colocated`` (CPU too) an engine spans this many consecutive trainer ranks,
-    which must lie in one DP replica's model-parallel group (it divides
-    ``parallel.tensor_parallel``, or equals TP x PP when PP = 1 or DP = 1); the replica's
+    engine on its own GPUs, one per CP rank under context parallelism; with PP > 1 and DP > 1:
+    ``parallel.tensor_parallel``). With ``placement: colocated`` (CPU too) an engine spans this
+    many consecutive trainer ranks, which must lie in one DP replica's TP x CP x PP ranks (it
+    divides ``parallel.tensor_parallel``, or divides TP x CP x PP when PP = 1 or DP = 1); the
+    replica's
     prompts are split over its engines. ``separate``: the GPUs of each replica leader's engine.
     ``dedicated``: GPUs per engine among the ``num_gpus`` rollout GPUs (None = 1)."""
     gpu_memory_utilization: float = 0.5

@@ -166,8 +166,9 @@ def prompt_seeds(train_seed: int, prompts_consumed: int, positions, group_size: 
 def engine_tensor_parallel(rollout_tp: int | None, *, tensor_parallel: int, pipeline_parallel: int,
                            data_parallel: int) -> int:
     """``rollout.tensor_parallel_size`` resolved: None = the trainer's TP x PP (one engine per DP
-    replica), except with PP > 1 and DP > 1, where a replica's ranks are not consecutive
-    (Megatron orders ranks tp-dp-pp, PP outermost): then TP (one engine per stage of a replica)."""
+    replica; CP engines per replica under context parallelism), except with PP > 1 and DP > 1,
+    where a replica's ranks are not consecutive (Megatron orders ranks tp-cp-dp-pp, PP
+    outermost): then TP (one engine per stage and CP rank of a replica)."""
     if rollout_tp is not None:
         return rollout_tp
     if pipeline_parallel > 1 and data_parallel > 1:
@@ -184,7 +185,7 @@ class RolloutRole:
     prompts: the positions this rank's engine samples (a sub-range of ``replica_prompts``;
         empty on ranks without an engine).
     has_engine: this rank builds an engine (every rank when colocated; the replica leader,
-        i.e. the first rank of its model-parallel group, for separate / transformers engines).
+        i.e. the first rank of its replica group, for separate / transformers engines).
     grades: this rank grades its engine's samples and contributes them to the replica (one
         rank per engine).
     num_engines: engines in the job; active_engines: those with a non-empty share this step.
@@ -199,18 +200,18 @@ class RolloutRole:
 
 
 def rollout_role(*, colocated: bool, engine_tp: int, rank: int, world_size: int,
-                 model_parallel_ranks: list[int], dp_rank: int, dp_size: int,
+                 replica_ranks: list[int], dp_rank: int, dp_size: int,
                  num_prompts: int) -> RolloutRole:
     """Where the step's prompts are sampled (see ``RolloutRole``).
 
     Colocated: engines are blocks of ``engine_tp`` consecutive ranks (``EngineLayout``); each
-    block must lie inside one DP replica's model-parallel group (``model_parallel_ranks``: this
-    rank's TP x PP group, global ranks), so that a replica's samples never cross DP. The
+    block must lie inside one DP replica (``replica_ranks``: this rank's TP x CP x PP ranks,
+    ``parallel.replica_ranks()``), so that a replica's samples never cross DP. The
     replica's prompts are split over its engines with ``shard_prompts``. Separate: one engine
     per replica, on its leader.
     """
     replica = shard_prompts(num_prompts, dp_size, dp_rank)
-    members = sorted(model_parallel_ranks)
+    members = sorted(replica_ranks)
     if not colocated:
         leader = rank == members[0]
         return RolloutRole(replica, replica if leader else range(0), leader, leader, dp_size,
@@ -223,10 +224,11 @@ def rollout_role(*, colocated: bool, engine_tp: int, rank: int, world_size: int,
         if not block <= inside:
             raise ValueError(
                 f"rollout.tensor_parallel_size={engine_tp}: an engine's ranks {sorted(block)} span "
-                f"several data-parallel replicas (this replica's model-parallel ranks: "
-                f"{members}); it must divide parallel.tensor_parallel, or equal "
-                f"parallel.tensor_parallel x parallel.pipeline_parallel when "
-                f"pipeline_parallel = 1 or there is one replica (or leave it unset)")
+                f"several data-parallel replicas (this replica's ranks: "
+                f"{members}); it must divide parallel.tensor_parallel, or divide "
+                f"parallel.tensor_parallel x parallel.context_parallel x "
+                f"parallel.pipeline_parallel when pipeline_parallel = 1 or there is one "
+                f"replica (or leave it unset)")
     per_replica = len(engines)
     sub = shard_prompts(len(replica), per_replica, engines.index(layout.engine_index))
     active = sum(min(len(shard_prompts(num_prompts, dp_size, d)), per_replica) for d in range(dp_size))

@@ -178,7 +178,7 @@ def refit_engines(weights: Iterable[list[tuple[str, torch.Tensor]]],
                   ) -> dict[str, float]:
     """A rank's part in a refit: ``load(weights)`` (the export's fused groups) into the engines
     it feeds, or, on a rank that feeds none (``load`` None), the export drained, since its
-    gathers need every rank of the model-parallel group. Returns ``RefitStats.as_metrics()``, each the largest over the
+    gathers need the other ranks of the replica. Returns ``RefitStats.as_metrics()``, each the largest over the
     world, or {} when no engine kept statistics. Collective (world)."""
     stats = None
     if load is not None:

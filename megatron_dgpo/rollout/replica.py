@@ -13,8 +13,9 @@ and which batch positions each samples is ``placement.rollout_role``; a prompt i
 a seed from ``train.seed`` and its global index in the prompt stream (``placement.prompt_seeds``),
 so a step's samples do not depend on the number of engines (token for token on CPU; in
 distribution on a GPU, whose bf16 logits depend on the batch) and no two samples share a stream.
-Only the replica's own samples cross ranks, and only inside its model-parallel group; the
-metrics that must be job-wide travel as reduced tensors.
+Only the replica's own samples cross ranks, and only inside its replica group (TP x CP x PP:
+CP ranks train on the same samples); the metrics that must be job-wide travel as reduced
+tensors.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, gen
                                             refill_degenerate_groups, reward_pool)
 from megatron_dgpo.rollout.placement import engine_tensor_parallel, rollout_role, seed_root
 from megatron_dgpo.rollout.refit import refit_engines
-from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime import comm, parallel as groups
 from megatron_dgpo.runtime.parallel import ParallelConfig
 from megatron_dgpo.tasks import prompts
 
@@ -46,13 +47,11 @@ class ReplicaRollout:
     def __init__(self, rollout: RolloutConfig, data_config: prompts.DataConfig,
                  parallel: ParallelConfig, hf_dir: Path, *, seed: int, batch_prompts: int,
                  record_routing: bool = False, version: int = 0):
-        from megatron.core import parallel_state as ps
-
         seed_root(seed)  # an unusable train.seed fails here, not after the engine started
         self.config, self.seed, self.batch_prompts = rollout, seed, batch_prompts
         self.version = version  # the step whose weights the engines hold
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.mp_group = ps.get_model_parallel_group()
+        dp_rank, dp_size = groups.data_parallel_rank(), groups.data_parallel_size()
+        self.replica_group = groups.replica_group()
         self.colocated = rollout.engine == "vllm" and rollout.placement == "colocated"
         engine_tp = engine_tensor_parallel(rollout.tensor_parallel_size,
                                            tensor_parallel=parallel.tensor_parallel,
@@ -60,10 +59,10 @@ class ReplicaRollout:
                                            data_parallel=dp_size)
         self._placement = dict(colocated=self.colocated, engine_tp=engine_tp,
                                rank=dist.get_rank(), world_size=dist.get_world_size(),
-                               model_parallel_ranks=dist.get_process_group_ranks(self.mp_group),
+                               replica_ranks=groups.replica_ranks(),
                                dp_rank=dp_rank, dp_size=dp_size)
         self.role = rollout_role(**self._placement, num_prompts=batch_prompts)
-        self.leader = dist.get_rank() == min(self._placement["model_parallel_ranks"])
+        self.leader = dist.get_rank() == min(self._placement["replica_ranks"])
         self.weight_consumer = "all" if self.colocated else "first"  # colocated: each rank's engine
         self.engine = self.pool = None
         self._request = None  # the batch submitted and not collected yet
@@ -76,7 +75,7 @@ class ReplicaRollout:
                                        refitted=True, record_routing=record_routing)
         # an engine started from dummy weights (colocated on GPU) is filled by a refit first
         self.needs_first_refit = comm.any_rank(
-            self.engine is not None and not self.engine.holds_weights, self.mp_group)
+            self.engine is not None and not self.engine.holds_weights, self.replica_group)
         if self.role.grades:
             self.pool = reward_pool()
             kind = ("colocated vllm" if self.colocated else
@@ -124,7 +123,8 @@ class ReplicaRollout:
         if self.role.has_engine:  # GPU: free the KV cache for training; CPU: logs once
             self.engine.sleep()
         # A rank that graded nothing takes its replica's samples from the ranks that did.
-        batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(self.mp_group)
+        batch = (piece if piece is not None else Experience([], [], [], [], [])).gather(
+            self.replica_group)
         batch.policy_version = self.version
         metrics = self._engine_metrics(piece, sum(seconds))
         if refill_rounds:
@@ -173,7 +173,7 @@ class ReplicaRollout:
     def refit(self, weights, version: int) -> dict[str, float]:
         """The trained weights of step ``version`` (the export, ``weight_consumer``'s ranks
         taking the pairs) into this rank's engine, a collective over the replica's
-        model-parallel group only (each replica feeds its own engines): colocated engines take
+        ranks only (each replica feeds its own engines): colocated engines take
         the full HF tensors on every rank (each engine rank slices its TP shard); a separate or
         transformers engine on the replica leader takes them there. Returns ``refit/buckets``,
         ``refit/max_bucket_bytes``, ``refit/seconds`` (largest over the engines; collective:

@@ -1,12 +1,19 @@
-"""Set up and tear down Megatron-Core's model-parallel state (TP x PP (x VPP) x DP).
+"""Set up and tear down Megatron-Core's model-parallel state (TP x CP x PP (x VPP) x DP), and
+the package's one vocabulary of its process groups, ranks and sizes.
 
 The backend follows the hardware: nccl with a GPU, gloo without one (then the CPU
 compatibility patches of ``megatron_dgpo.runtime.cpu`` are applied). DP is what is left of the world:
-``world_size / (tp * pp)``. Megatron's rank order is ``tp-cp-ep-dp-pp``: TP ranks are adjacent,
+``world_size / (tp * cp * pp)``. Megatron's rank order is ``tp-cp-ep-dp-pp``: TP ranks are adjacent,
 PP is outermost. MoE layers' experts use a second decomposition of each pipeline stage,
 ``etp-ep-edp`` (expert TP, expert parallel, expert DP): dense weights are replicated over DP,
 experts over the expert-DP ranks only. Under ``torchrun --max-restarts N`` each restart attempt gets its own store
 prefix, so a restarted job can form its process group again (``_attempt_store``).
+
+Only this module reads ``megatron.core.parallel_state`` (``tests/test_architecture.py``): the
+rest of the package asks the accessors below (``tensor_parallel_group()``,
+``data_parallel_rank(with_context_parallel=...)``, ``replica_group()``, ...). A *replica* is the
+ranks that share one data-parallel index: TP x CP x PP ranks (``replica_group``), which train on
+the same samples; the DP rank and size that split a batch are those without CP.
 """
 
 from __future__ import annotations
@@ -267,13 +274,211 @@ def initialize_parallel(config: ParallelConfig, *, seed: int = 1234) -> None:
         expert_tensor_parallel_size=config.expert_tensor_parallel,
         distributed_timeout_minutes=config.timeout_minutes,  # Megatron's subgroups' timeout
     )
+    _init_replica_groups(config, world)
     seed_model_parallel_rng(seed)
+
+
+_REPLICA_GROUP = None
+_REPLICA_RANKS: list[int] | None = None
+
+
+def replica_ranks_of(dp_index: int, *, world_size: int, tensor_parallel: int,
+                     context_parallel: int, pipeline_parallel: int) -> list[int]:
+    """The global ranks of data-parallel replica ``dp_index`` in Megatron's ``tp-cp-ep-dp-pp``
+    order: rank = tp + TP * (cp + CP * (dp + DP * pp)), every tp, cp and pp; ascending."""
+    dp_size = world_size // (tensor_parallel * context_parallel * pipeline_parallel)
+    return sorted(tp + tensor_parallel * (cp + context_parallel * (dp_index + dp_size * pp))
+                  for pp in range(pipeline_parallel) for cp in range(context_parallel)
+                  for tp in range(tensor_parallel))
+
+
+def _init_replica_groups(config: ParallelConfig, world: int) -> None:
+    """Every replica's group (each rank creates all, as ``new_group`` requires); this rank's
+    kept. Checked against Megatron's own groups: the replica holds this rank's model-parallel
+    (TP x PP) and CP groups, and its index is this rank's DP rank without CP."""
+    global _REPLICA_GROUP, _REPLICA_RANKS
+    from megatron.core import parallel_state
+
+    sizes = dict(world_size=world, tensor_parallel=config.tensor_parallel,
+                 context_parallel=config.context_parallel,
+                 pipeline_parallel=config.pipeline_parallel)
+    dp_index = parallel_state.get_data_parallel_rank()
+    rank = dist.get_rank()
+    for d in range(parallel_state.get_data_parallel_world_size()):
+        ranks = replica_ranks_of(d, **sizes)
+        group = dist.new_group(ranks, timeout=timedelta(minutes=config.timeout_minutes))
+        if rank in ranks:
+            _REPLICA_GROUP, _REPLICA_RANKS = group, ranks
+    inside = (set(dist.get_process_group_ranks(parallel_state.get_model_parallel_group()))
+              | set(dist.get_process_group_ranks(parallel_state.get_context_parallel_group())))
+    if _REPLICA_RANKS != replica_ranks_of(dp_index, **sizes) or not inside <= set(_REPLICA_RANKS):
+        raise RuntimeError(f"rank {rank}: replica ranks {_REPLICA_RANKS} disagree with Megatron's "
+                           f"groups (DP rank {dp_index}, model-parallel and CP ranks "
+                           f"{sorted(inside)}): has Megatron's rank order changed?")
+
+
+# ------------------------------------------------------------------ the groups' vocabulary
+# The package's only reads of Megatron's parallel state: each a one-line contract. Groups are
+# torch.distributed process groups; ranks are ranks inside the group; sizes its member count.
+
+
+def parallel_initialized() -> bool:
+    """Whether ``initialize_parallel`` has run (and ``destroy_parallel`` not since)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.model_parallel_is_initialized()
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def replica_group():
+    """This rank's data-parallel replica: the TP x CP x PP ranks that share its DP index (without
+    CP) and so the same samples; its lowest rank is the replica's leader."""
+    if _REPLICA_GROUP is None:
+        raise RuntimeError("no replica group: call initialize_parallel first")
+    return _REPLICA_GROUP
+
+
+def replica_ranks() -> list[int]:
+    """The global ranks of ``replica_group()``, ascending (the first is the replica's leader)."""
+    replica_group()
+    return list(_REPLICA_RANKS)
+
+
+def data_parallel_group(with_context_parallel: bool = False):
+    """The ranks holding the same model shard: DP (one rank per replica), or DP x CP."""
+    return _ps().get_data_parallel_group(with_context_parallel=with_context_parallel)
+
+
+def data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in ``data_parallel_group(with_context_parallel)``; without CP, its
+    replica's index (the one that splits a batch)."""
+    return _ps().get_data_parallel_rank(with_context_parallel=with_context_parallel)
+
+
+def data_parallel_size(with_context_parallel: bool = False) -> int:
+    """Members of ``data_parallel_group(with_context_parallel)``; without CP, the replicas."""
+    return _ps().get_data_parallel_world_size(with_context_parallel=with_context_parallel)
+
+
+def context_parallel_group():
+    """The CP ranks that split one replica's sequences (same TP, PP and DP index)."""
+    return _ps().get_context_parallel_group()
+
+
+def context_parallel_rank() -> int:
+    """This rank's index in ``context_parallel_group()``."""
+    return _ps().get_context_parallel_rank()
+
+
+def context_parallel_size() -> int:
+    """Members of ``context_parallel_group()`` (``ParallelConfig.context_parallel``)."""
+    return _ps().get_context_parallel_world_size()
+
+
+def tensor_parallel_group():
+    """The TP ranks that split each layer's matrices and the vocabulary."""
+    return _ps().get_tensor_model_parallel_group()
+
+
+def tensor_parallel_rank() -> int:
+    """This rank's index in ``tensor_parallel_group()`` (which shard it holds)."""
+    return _ps().get_tensor_model_parallel_rank()
+
+
+def tensor_parallel_size() -> int:
+    """Members of ``tensor_parallel_group()``."""
+    return _ps().get_tensor_model_parallel_world_size()
+
+
+def pipeline_parallel_group():
+    """The PP ranks of this rank's pipeline, one per stage (same TP, CP and DP index)."""
+    return _ps().get_pipeline_model_parallel_group()
+
+
+def pipeline_parallel_rank() -> int:
+    """This rank's stage, 0 first."""
+    return _ps().get_pipeline_model_parallel_rank()
+
+
+def pipeline_parallel_size() -> int:
+    """Pipeline stages."""
+    return _ps().get_pipeline_model_parallel_world_size()
+
+
+def virtual_pipeline_parallel_size() -> int | None:
+    """Model chunks per stage (interleaved 1F1B), None without VPP."""
+    return _ps().get_virtual_pipeline_model_parallel_world_size()
+
+
+def is_first_pipeline_stage(vp_stage: int | None = None) -> bool:
+    """Whether this rank's stage (or, with ``vp_stage``, that model chunk) holds the embedding."""
+    if vp_stage is None:
+        return _ps().is_pipeline_first_stage(ignore_virtual=True)
+    return _ps().is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+def is_last_pipeline_stage(vp_stage: int | None = None) -> bool:
+    """Whether this rank's stage (or, with ``vp_stage``, that model chunk) holds the logits."""
+    if vp_stage is None:
+        return _ps().is_pipeline_last_stage(ignore_virtual=True)
+    return _ps().is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+def pipeline_last_rank() -> int:
+    """The global rank of the last stage of this rank's pipeline."""
+    return _ps().get_pipeline_model_parallel_last_rank()
+
+
+def expert_parallel_group():
+    """The EP ranks that split each MoE layer's experts; None before initialisation."""
+    return _ps().get_expert_model_parallel_group(check_initialized=False)
+
+
+def expert_parallel_rank() -> int:
+    """This rank's index in ``expert_parallel_group()`` (which experts it holds)."""
+    return _ps().get_expert_model_parallel_rank()
+
+
+def expert_parallel_size() -> int:
+    """Members of ``expert_parallel_group()``."""
+    return _ps().get_expert_model_parallel_world_size()
+
+
+def expert_group_has_context_parallel_leader() -> bool:
+    """Whether this rank's expert TP x EP group (whose members gather an MoE layer's experts
+    together) holds a rank of CP index 0; the same answer on every member."""
+    members = dist.get_process_group_ranks(
+        _ps().get_expert_tensor_and_model_parallel_group(check_initialized=False))
+    tp, cp = tensor_parallel_size(), context_parallel_size()
+    return any(r // tp % cp == 0 for r in members)
+
+
+def expert_tensor_parallel_group():
+    """The ranks that split each expert's matrices; None before initialisation."""
+    return _ps().get_expert_tensor_parallel_group(check_initialized=False)
+
+
+def expert_tensor_parallel_rank() -> int:
+    """This rank's index in ``expert_tensor_parallel_group()``."""
+    return _ps().get_expert_tensor_parallel_rank()
+
+
+def expert_tensor_parallel_size() -> int:
+    """Members of ``expert_tensor_parallel_group()``."""
+    return _ps().get_expert_tensor_parallel_world_size()
 
 
 def destroy_parallel() -> None:
     """Tear down Megatron's parallel state (not the torch.distributed process group)."""
     from megatron.core import parallel_state
 
+    global _REPLICA_GROUP, _REPLICA_RANKS
+    _REPLICA_GROUP = _REPLICA_RANKS = None
     parallel_state.destroy_model_parallel()
 
 
@@ -292,57 +497,3 @@ def engine_group(engine_tp: int):
             mine = group
     return mine
 
-
-# Megatron's groups, read through these accessors only (Megatron's parallel state initialised).
-
-def data_parallel_group(with_context_parallel: bool = False):
-    """This rank's data-parallel group; with ``with_context_parallel`` the DP x CP group (what
-    Megatron's DDP reduces gradients over and ``finalize_model_grads`` counts tokens over)."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
-
-
-def context_parallel_group():
-    """This rank's context-parallel group (the ranks holding the other chunks of its rows)."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
-
-
-def context_parallel_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_rank()
-
-
-def context_parallel_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_world_size()
-
-
-def pipeline_parallel_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_group()
-
-
-def pipeline_parallel_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_world_size()
-
-
-def is_last_pipeline_stage() -> bool:
-    """True on the last pipeline stage (whatever the virtual stage)."""
-    from megatron.core import parallel_state
-
-    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-
-
-def pipeline_last_rank() -> int:
-    """The global rank of this pipeline's last stage."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_last_rank()

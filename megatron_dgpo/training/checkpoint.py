@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime import comm, parallel
 from megatron_dgpo.runtime.interrupt import children_keep_running, stop_requests
 
 STATE_FILE = "trainer_state.json"
@@ -109,12 +109,11 @@ class TrainerState:
 
 def current_layout() -> dict:
     """This world's parallel layout as recorded in ``trainer_state.json`` (``extra.layout``)."""
-    from megatron.core import parallel_state as ps
-
-    return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-            "data_parallel": ps.get_data_parallel_world_size(),
-            "expert_parallel": ps.get_expert_model_parallel_world_size()}
+    return {"tensor_parallel": parallel.tensor_parallel_size(),
+            "pipeline_parallel": parallel.pipeline_parallel_size(),
+            "context_parallel": parallel.context_parallel_size(),
+            "data_parallel": parallel.data_parallel_size(),
+            "expert_parallel": parallel.expert_parallel_size()}
 
 
 def _rng_layout(layout: dict) -> tuple:
@@ -235,7 +234,6 @@ def _restore_adam_steps(optimizer) -> None:
 
 def _sharded_state_dict(models: list, optimizer, *, is_loading: bool,
                         optimizer_sharding: str) -> dict:
-    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_dgpo.convert import model_sharded_state_dict
@@ -248,15 +246,15 @@ def _sharded_state_dict(models: list, optimizer, *, is_loading: bool,
     _describable(optimizer)
     state["optimizer"] = optimizer.sharded_state_dict(
         model_sd, is_loading=is_loading, metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding})
-    # One RNG state per (PP, TP) rank, replicated over DP (as Megatron's training loop does).
+    # One RNG state per (PP, TP) rank, replicated over DP x CP (as Megatron's training loop does).
     rng = {"python": random.getstate(), "numpy": np.random.get_state(),
            "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     state["rng_state"] = ShardedObject(
         "rng_state", rng,
-        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+        (parallel.pipeline_parallel_size(), parallel.tensor_parallel_size()),
+        (parallel.pipeline_parallel_rank(), parallel.tensor_parallel_rank()),
+        replica_id=parallel.data_parallel_rank(with_context_parallel=True))
     return state
 
 
@@ -495,6 +493,8 @@ def _saved_optimizer_sharding(path: Path, optimizer, saved_layout: dict, layout:
                          f"{str(saved is not None).lower()} to resume it")
     if saved is None:
         return "dp_reshardable"  # unused by the plain optimizer
+    # not context_parallel: CP ranks hold whole parameters and the optimizer shards over DP x CP,
+    # so a CP change is a DP change to both sharding types (tests/training/test_distributed_optimizer.py)
     model_parallel = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
     moved = [k for k in model_parallel if saved_layout.get(k, 1) != layout.get(k, 1)]
     if saved != FULLY_RESHARDABLE and moved:

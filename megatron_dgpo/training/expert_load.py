@@ -3,8 +3,8 @@
 Forward hooks on every Megatron ``TopKRouter`` of the policy count, while ``recording()`` is
 open (the trainer opens it around the mini-batch updates), the tokens routed to each expert
 (a token counts once per expert of its top k) and the entropy of the router's softmax over
-all experts. ``metrics()`` sums them over the data-parallel ranks (each sees its own tokens;
-TP ranks see the same ones), gathers the pipeline stages' layers, and returns:
+all experts. ``metrics()`` sums them over the data- and context-parallel ranks (each sees its
+own tokens; TP ranks see the same ones), gathers the pipeline stages' layers, and returns:
 
     moe/load_max_over_mean            mean over layers of max_e(tokens_e) / mean_e(tokens_e)
                                       (1 = perfectly even; E / k = every token to the same k)
@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime import comm, parallel
 
 
 class ExpertLoad:
@@ -78,8 +78,6 @@ class ExpertLoad:
     def metrics(self) -> dict[str, float]:
         """Collective over the world: the metrics of the module docstring since the last call
         (empty for a dense model)."""
-        from megatron.core import parallel_state as ps
-
         if not self.enabled:
             return {}
         layers = sorted(self._experts)
@@ -91,9 +89,11 @@ class ExpertLoad:
             else:
                 local.append([0.0] * self._experts[layer] + [0.0, 0.0])
         self._stats.clear()
-        summed = comm.reduce_values(local, group=ps.get_data_parallel_group()).tolist()
+        # each DP x CP rank routed its own tokens (CP: its part of every sequence)
+        summed = comm.reduce_values(local, group=parallel.data_parallel_group(
+            with_context_parallel=True)).tolist()
         per_stage = comm.gather_objects(dict(zip(layers, summed)),
-                                        group=ps.get_pipeline_model_parallel_group())
+                                        group=parallel.pipeline_parallel_group())
         out, ratios, entropies = {}, [], []
         for layer, values in sorted(pair for stage in per_stage for pair in stage.items()):
             counts, entropy_sum, tokens = values[:-2], values[-2], values[-1]

@@ -26,7 +26,7 @@ Metric: a forward hook compares the router's free routing (Megatron's own top-k 
 scores, ``topk_routing_with_score_function`` without replay) with the replayed one. A
 token-layer differs when the two expert sets differ; counted over the positions whose log-prob
 enters the loss (``MicroBatch.loss_mask``), per forward (recomputation not counted twice).
-``metrics()`` sums the counts over DP and the pipeline stages (TP ranks see the same tokens;
+``metrics()`` sums the counts over DP x CP and the pipeline stages (TP ranks see the same tokens;
 under sequence parallelism each counts its own slice and the sum covers TP rank r's slices,
 a sample of the tokens) and returns ``{prefix + "routing_replay_diff_frac": differing / token-layers}`` for each
 prefix the counts were recorded under (``recording(prefix)``).
@@ -43,7 +43,7 @@ import contextlib
 
 import torch
 
-from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime import comm, parallel
 
 ROUTING_REPLAYS = ("off", "r3")
 """``algorithm.routing_replay`` values: ``off`` (free routing) or ``r3``."""
@@ -88,8 +88,6 @@ class RoutingReplay:
     def set(self, model, mb) -> None:
         """Before the forward of ``mb`` (a ``packing.MicroBatch``) on the chunk ``model``: each
         of its routers gets its layer's ids."""
-        from megatron.core import parallel_state as ps
-
         from megatron_dgpo.models.builder import unwrap_model
 
         ids = mb.routed_experts
@@ -102,7 +100,7 @@ class RoutingReplay:
             raise ValueError("routing replay: a model chunk this RoutingReplay was not built on")
         mask = mb.loss_mask
         if routers and routers[0].config.sequence_parallel:  # the TP rank's slice of the row
-            tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            tp, rank = parallel.tensor_parallel_size(), parallel.tensor_parallel_rank()
             width = ids.shape[0] // tp
             ids, mask = ids[rank * width:(rank + 1) * width], mask[rank * width:(rank + 1) * width]
         for router in routers:
@@ -169,16 +167,16 @@ class RoutingReplay:
 
     def metrics(self) -> dict[str, float]:
         """Collective over the world: ``{prefix + "routing_replay_diff_frac": ...}`` of the
-        forwards recorded since the last call, summed over DP and the pipeline stages."""
-        from megatron.core import parallel_state as ps
-
+        forwards recorded since the last call, summed over DP x CP and the pipeline stages."""
         prefixes = sorted(self._counts)
         local = [self._counts[p].tolist() for p in prefixes]
         self._counts.clear()
         if not local:
             return {}
-        summed = comm.reduce_values(local, "sum", ps.get_data_parallel_group())
-        summed = comm.reduce_values(summed, "sum", ps.get_pipeline_model_parallel_group())
+        # each DP x CP rank routed its own tokens (CP: its part of every sequence)
+        summed = comm.reduce_values(local, "sum", parallel.data_parallel_group(
+            with_context_parallel=True))
+        summed = comm.reduce_values(summed, "sum", parallel.pipeline_parallel_group())
         return {f"{p}routing_replay_diff_frac": float(d / n) if n else 0.0
                 for p, (d, n) in zip(prefixes, summed.tolist())}
 

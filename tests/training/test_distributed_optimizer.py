@@ -63,3 +63,24 @@ def test_resume_at_another_data_parallel_size(saved):
     for sharding in fns.SHARDINGS:
         assert result[sharding]["refused"] is None
         assert result[sharding]["diff"] < 1e-5 < result[sharding]["moved"]
+
+
+def test_resume_across_context_parallel_sizes(tmp_path):
+    """CP 2 x DP 1 -> CP 1 x DP 2 and back, both sharding types (the optimizer shards over DP x
+    CP, the same 2 ranks): weights and each rank's optimizer shard come back exactly, and the
+    next step equals the run that never stopped; CP 2 -> one rank: the weights exactly, the next
+    step within rounding."""
+    results = run_ranks(fns.resume_across_context_parallel, 2, str(tmp_path))
+    for result in results:
+        assert len(result) == 2 * len(fns.SHARDINGS)
+        for name, got in result.items():
+            saved_cp, loaded_cp = (int(part[2:]) for part in name.split("_")[-3::2])
+            assert got["layout"]["context_parallel"] == loaded_cp, name
+            assert got["layout"]["data_parallel"] == 2 // loaded_cp, name
+            assert got["params_equal"] and got["state_equal"] and got["moments"] > 0, name
+            assert got["next_step_equal"], name
+    # CP 2 -> one rank: the optimizer's two shards become one
+    (one,) = run_ranks(fns.resume_on_one_rank, 1, str(tmp_path))
+    for sharding, got in one.items():
+        assert got["params_equal"], sharding
+        assert got["next_step_diff"] < 1e-6 < got["moved"], sharding

@@ -133,7 +133,7 @@ def test_rollout_roles_split_whole_groups_over_engines_and_refuse_engines_across
             d = (rank // tp) % dp
             members = [q * tp * dp + d * tp + k for q in range(pp) for k in range(tp)]
             out.append(rollout_role(colocated=colocated, engine_tp=engine_tp, rank=rank,
-                                    world_size=world, model_parallel_ranks=members, dp_rank=d,
+                                    world_size=world, replica_ranks=members, dp_rank=d,
                                     dp_size=dp, num_prompts=P))
         return out
 

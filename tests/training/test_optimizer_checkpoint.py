@@ -96,7 +96,8 @@ def test_offload_keeps_storages_the_model_shares():
     assert model.weight.untyped_storage().data_ptr() not in found
 
 
-LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1, "expert_parallel": 1}
+LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "context_parallel": 1, "data_parallel": 1,
+          "expert_parallel": 1}
 
 
 def test_checkpoint_round_trip_resumes_exactly(tmp_path):

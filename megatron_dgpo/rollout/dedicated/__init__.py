@@ -2,13 +2,13 @@
 a weight broadcast, optionally generating one batch ahead (``rollout.placement: dedicated``).
 
     torchrun world  [ trainer ranks 0 .. T-1           | rollout ranks T .. T+R-1              ]
-                      Megatron's world (TP x PP x DP)    E = R / t engines of t ranks (vLLM TP)
+                      Megatron's world (TP x CP x PP x DP)  E = R / t engines of t ranks (vLLM TP)
 
 ``parallel.split_world`` gives each side its own default world, so Megatron and vLLM
 (``external_launcher`` over the rollout ranks, as a colocated engine) each see only their own
 ranks. DP replica d owns engines [d k, (d + 1) k), k = E / D, and talks to them through a
 ``comm.PeerGroup`` of 1 + k t members: index 0 is the replica's leader (the first rank of its
-model-parallel group, where ``export_hf_groups(consumer="first")`` delivers the full HF
+TP x CP x PP replica group, where ``export_hf_groups(consumer="first")`` delivers the full HF
 tensors), then the engines' ranks in order. Only the replica's own samples reach it (samples
 never cross DP) and each replica refits its own engines: nothing funnels through global rank 0.
 The link is tried when it is made: ``PeerGroup`` sends one checked broadcast on its tensor

@@ -14,7 +14,7 @@ from megatron_dgpo.rollout.base import Sampled
 from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, send_bucket
 from megatron_dgpo.rollout.placement import shard_prompts
 from megatron_dgpo.rollout.refit import RefitStats, refit_engines, run_bucketed_refit
-from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime import comm, parallel as groups
 from megatron_dgpo.runtime.hub import snapshot_of
 
 
@@ -26,14 +26,12 @@ class DedicatedRollout:
 
     def __init__(self, rollout, data_config, parallel, hf_dir: Path, *, seed: int,
                  batch_prompts: int, version: int = 0):
-        from megatron.core import parallel_state as ps
-
         self.config, self.batch_prompts, self.version = rollout, batch_prompts, version
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.mp_group = ps.get_model_parallel_group()
+        dp_rank, dp_size = groups.data_parallel_rank(), groups.data_parallel_size()
+        self.replica_group = groups.replica_group()  # TP x CP x PP: one replica's samples
         self.layout = dedicated_layout(rollout, parallel, dist.get_world_size())
         self.replica_prompts = shard_prompts(batch_prompts, dp_size, dp_rank)
-        self.leader = dist.get_rank() == min(dist.get_process_group_ranks(self.mp_group))
+        self.leader = dist.get_rank() == groups.replica_ranks()[0]
         self.needs_first_refit = True  # the engines start from random weights
         self.weight_consumer = "first"  # the leader broadcasts the weights to its engines
         self.link, self._submitted, self._in_protocol = None, False, False
@@ -69,7 +67,7 @@ class DedicatedRollout:
 
     def collect(self) -> Sampled:
         """The submitted batch (``ReplicaRollout.sample``'s triple): waits for the engines,
-        then shares the replica's samples inside its model-parallel group. Collective."""
+        then shares the replica's samples inside its replica group. Collective."""
         if not self._submitted:
             raise RuntimeError("DedicatedRollout.collect: nothing was submitted")
         pieces, stats = [], []
@@ -81,10 +79,11 @@ class DedicatedRollout:
             self._in_protocol = False
         self._submitted = False
         batch = (Experience.join(pieces) if self.leader else None)
-        batch = (batch if batch is not None else Experience([], [], [], [], [])).gather(self.mp_group)
+        batch = (batch if batch is not None else Experience([], [], [], [], [])).gather(
+            self.replica_group)
         batch.policy_version = comm.broadcast_object(
             pieces[0].policy_version if self.leader else None,
-            src=min(dist.get_process_group_ranks(self.mp_group)), group=self.mp_group)
+            src=groups.replica_ranks()[0], group=self.replica_group)
         return Sampled(batch, *self._metrics(stats))
 
     def sample(self, prompts_consumed: int, refill_rounds: int = 0) -> Sampled:

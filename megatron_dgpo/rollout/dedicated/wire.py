@@ -18,8 +18,9 @@ _ALIGN = 16  # bytes: each tensor of a broadcast bucket starts aligned for any d
 def dedicated_layout(rollout_config, parallel, trainer_size: int) -> DedicatedLayout:
     """The dedicated engines of ``rollout_config`` shared out over the DP replicas of a trainer
     of ``trainer_size`` ranks at the ``parallel`` layout."""
+    replica = parallel.tensor_parallel * parallel.context_parallel * parallel.pipeline_parallel
     return DedicatedLayout(rollout_config.num_gpus, rollout_config.tensor_parallel_size or 1,
-                           trainer_size // (parallel.tensor_parallel * parallel.pipeline_parallel))
+                           trainer_size // replica)
 
 
 def open_link(layout: DedicatedLayout, replica: int, index: int,
