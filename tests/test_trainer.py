@@ -6,6 +6,8 @@ Three jobs share this module (each starts its own vLLM engine, ~30 s):
   the previous checkpoint survives, and the resumed run's metrics equal the uninterrupted run's;
 * the same recipe at TP=2 (torchrun, 2 gloo ranks, one TP=2 colocated engine): step 1 equals
   the TP=1 run's;
+* the same recipe at CP=2 (torchrun, 2 gloo ranks, one replica) with overlong filtering: equal to
+  the CP=1 run;
 * the same recipe at DP=2 (torchrun, 2 gloo ranks, two colocated engines): each engine samples
   its replica's half of the batch, and the run equals the single-engine run;
 * evaluation on held-out problems during training (``eval``): logged at its steps, the training
@@ -267,6 +269,33 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
                              {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
         assert got["mismatch/mean_abs_diff"] < 1e-5
     assert (run_dir / "hf" / "config.json").is_file()
+
+
+def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
+    """CP=2 (torchrun, 2 gloo ranks, one replica: both ranks hold halves of every row, and
+    each rank's colocated engine samples half of the replica's batch) against the same job at
+    CP=1, both with DAPO's overlong filter and penalty on and the per-sequence aggregation:
+    identical samples, the same filtered share, and the training metrics within float32
+    rounding of the CP=1 run's (loss, grad norm and entropy within 1e-5), two steps."""
+    overlong = ["algorithm.overlong_filter=true", "algorithm.overlong_penalty_window=2",
+                "algorithm.loss_aggregation=seq_mean_token_mean", "rollout.max_response_tokens=6",
+                "train.steps=2", "checkpoint.save_every=0"]
+    _check(_train(tmp_path / "cp1", *overlong))
+    proc = _torchrun(tmp_path / "cp2", "parallel.context_parallel=2", *overlong)
+    assert "DP replica 0" in proc.stderr and "DP replica 1" not in proc.stderr
+    assert _engine_shares(proc.stderr) == [(0, 15), (16, 31)]
+    records, reference = read_metrics(tmp_path / "cp2"), read_metrics(tmp_path / "cp1")
+    assert [r["step"] for r in records] == [1, 2]
+    for got, want in zip(records, reference):
+        assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
+        assert _rollout(got) == _rollout(want)  # the same samples
+        assert 0 < got["adv/overlong_filtered_frac"] == want["adv/overlong_filtered_frac"] < 1
+        assert got["adv/overlong_penalty_mean"] == want["adv/overlong_penalty_mean"] < 0
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), key
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
+                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        assert got["mismatch/mean_abs_diff"] < 1e-5
 
 
 def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, eval_run, eval_overrides,
