@@ -190,3 +190,24 @@ def test_r3_at_pp2_with_a_tp2_engine_equals_one_rank(r3_one_rank, tmp_path):
                     "train/routing_replay_diff_frac"):
             assert got[key] == want[key], key
         assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_r3_under_context_parallelism_equals_one_rank(r3_one_rank, tmp_path):
+    """CP=2 with EP=2 over the same two ranks: each CP rank replays the routing of its own
+    chunks of every row (``MicroBatch.cp_shard`` slices ``routed_experts`` with the tokens), and
+    the experts see both ranks' tokens. The same samples and replay statistics as one rank, the
+    loss within float32 rounding."""
+    from megatron_dgpo.telemetry import read_metrics
+    from tests.test_tiny_moe import _train
+    from tests.test_trainer import _check
+
+    _check(_train(tmp_path / "cp2", *R3_SHORT, "parallel.context_parallel=2", ranks=2))
+    cp2 = read_metrics(tmp_path / "cp2")
+    assert [r["step"] for r in cp2] == [r["step"] for r in r3_one_rank] == [1, 2]
+    for got, want in zip(cp2, r3_one_rank):
+        for key in ("rollout/reward_mean", "mismatch/routing_replay_diff_frac",
+                    "train/routing_replay_diff_frac"):
+            assert got[key] == want[key], key
+        assert got["mismatch/max_abs_diff"] < 1e-4
+        assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5, abs=1e-8)
