@@ -291,10 +291,9 @@ def _micro_batch(lengths, vocab: int, seed: int, models=None):
     """One packed ``MicroBatch`` of random samples of ``lengths`` (a quarter prompt, the rest
     response; advantages +-1), padded to ``gpu_flags.pad_multiple``; with ``models`` its
     ``old_logprobs`` are the policy's own (as the trainer's forward pass sets them)."""
-    from megatron.core import parallel_state as ps
-
     from megatron_dgpo.algorithm.packing import Sample, pack
     from megatron_dgpo.runtime.gpu_flags import pad_multiple
+    from megatron_dgpo.runtime.parallel import context_parallel_size, tensor_parallel_size
     from megatron_dgpo.training.train_step import forward_logprobs
 
     gen = torch.Generator().manual_seed(seed)
@@ -305,8 +304,7 @@ def _micro_batch(lengths, vocab: int, seed: int, models=None):
             "advantages": torch.randint(0, 2, (n - start,), generator=gen).float() * 2 - 1,
             "old_logprobs": torch.zeros(n - start)}))
     (row,) = pack(samples, budget=10**9,
-                  pad_multiple=pad_multiple(ps.get_tensor_model_parallel_world_size(),
-                                            ps.get_context_parallel_world_size()))
+                  pad_multiple=pad_multiple(tensor_parallel_size(), context_parallel_size()))
     if models is not None:
         ((logp, _),) = forward_logprobs(models, [row])
         row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)

@@ -6,8 +6,8 @@ Three jobs share this module (each starts its own vLLM engine, ~30 s):
   the previous checkpoint survives, and the resumed run's metrics equal the uninterrupted run's;
 * the same recipe at TP=2 (torchrun, 2 gloo ranks, one TP=2 colocated engine): step 1 equals
   the TP=1 run's;
-* the same recipe at CP=2 (torchrun, 2 gloo ranks, one replica) with overlong filtering: equal to
-  the CP=1 run;
+* the same recipe at CP=2 (torchrun, 2 gloo ranks, one replica) with overlong filtering and
+  refill: equal to the CP=1 run;
 * the same recipe at DP=2 (torchrun, 2 gloo ranks, two colocated engines): each engine samples
   its replica's half of the batch, and the run equals the single-engine run;
 * evaluation on held-out problems during training (``eval``): logged at its steps, the training
@@ -274,10 +274,12 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
 def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
     """CP=2 (torchrun, 2 gloo ranks, one replica: both ranks hold halves of every row, and
     each rank's colocated engine samples half of the replica's batch) against the same job at
-    CP=1, both with DAPO's overlong filter and penalty on and the per-sequence aggregation:
-    identical samples, the same filtered share, and the training metrics within float32
-    rounding of the CP=1 run's (loss, grad norm and entropy within 1e-5), two steps."""
+    CP=1, both with DAPO's overlong filter and penalty, its refill of degenerate groups and the
+    per-sequence aggregation: identical samples and refill rounds, the same filtered share, and
+    the training metrics within float32 rounding of the CP=1 run's (loss, grad norm and entropy
+    within 1e-5), two steps."""
     overlong = ["algorithm.overlong_filter=true", "algorithm.overlong_penalty_window=2",
+                "algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=1",
                 "algorithm.loss_aggregation=seq_mean_token_mean", "rollout.max_response_tokens=6",
                 "train.steps=2", "checkpoint.save_every=0"]
     _check(_train(tmp_path / "cp1", *overlong))
@@ -288,7 +290,8 @@ def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     for got, want in zip(records, reference):
         assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
-        assert _rollout(got) == _rollout(want)  # the same samples
+        assert _rollout(got) == _rollout(want)  # the same samples and refill rounds
+        assert got["rollout/refill_rounds"] >= 1 and "adv/num_dropped_groups" in got
         assert 0 < got["adv/overlong_filtered_frac"] == want["adv/overlong_filtered_frac"] < 1
         assert got["adv/overlong_penalty_mean"] == want["adv/overlong_penalty_mean"] < 0
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
