@@ -7,7 +7,7 @@ Three jobs share this module (each starts its own vLLM engine, ~30 s):
 * the same recipe at TP=2 (torchrun, 2 gloo ranks, one TP=2 colocated engine): step 1 equals
   the TP=1 run's;
 * the same recipe at CP=2 (torchrun, 2 gloo ranks, one replica) with overlong filtering and
-  refill: equal to the CP=1 run;
+  refill: equal to the CP=1 run; and at TP=2 x CP=2 (4 ranks): equal to the 1-rank run;
 * the same recipe at DP=2 (torchrun, 2 gloo ranks, two colocated engines): each engine samples
   its replica's half of the batch, and the run equals the single-engine run;
 * evaluation on held-out problems during training (``eval``): logged at its steps, the training
@@ -233,8 +233,8 @@ def test_killed_mid_save_then_resumed_equals_uninterrupted(full_run, tmp_path):
     assert not list(checkpoints.glob(".incomplete-*"))
 
 
-def _torchrun(run_dir: Path, *overrides: str):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+def _torchrun(run_dir: Path, *overrides: str, ranks: int = 2):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                 "--master-port", str(free_port())]
     proc = _run(["-m", "megatron_dgpo.train", str(RECIPE), f"run_dir={run_dir}", *QUIET,
                  "train.steps=2", "checkpoint.save_every=0", *overrides], launcher=launcher)
@@ -294,6 +294,26 @@ def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
         assert got["rollout/refill_rounds"] >= 1 and "adv/num_dropped_groups" in got
         assert 0 < got["adv/overlong_filtered_frac"] == want["adv/overlong_filtered_frac"] < 1
         assert got["adv/overlong_penalty_mean"] == want["adv/overlong_penalty_mean"] < 0
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), key
+        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
+                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        assert got["mismatch/mean_abs_diff"] < 1e-5
+
+
+def test_tensor_and_context_parallel_four_ranks_match_one(full_run, tmp_path):
+    """TP=2 x CP=2 (torchrun, 4 gloo ranks, one replica; two colocated TP=2 engines, one per CP
+    slice, each sampling half of the replica's batch): the samples of the 1-rank run, and its
+    loss, grad norm and entropy within 1e-5, two steps."""
+    run_dir = tmp_path / "tp2cp2"
+    proc = _torchrun(run_dir, "parallel.tensor_parallel=2", "parallel.context_parallel=2",
+                     ranks=4)
+    assert _engine_shares(proc.stderr) == [(0, 15), (16, 31)]
+    records, reference = read_metrics(run_dir), read_metrics(full_run)[:2]
+    assert [r["step"] for r in records] == [1, 2]
+    for got, want in zip(records, reference):
+        assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
+        assert _rollout(got) == _rollout(want)
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
             assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), key
         _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
