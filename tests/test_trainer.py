@@ -73,6 +73,21 @@ def _assert_same_metrics(got: dict, want: dict, rel: float = 0.0) -> None:
             assert math.isclose(a, b, rel_tol=rel, abs_tol=rel), (key, a, b)
 
 
+def _assert_same_section(got: dict, want: dict, prefix: str, rel: float) -> None:
+    """``_assert_same_metrics`` on the metrics whose names start with ``prefix``."""
+    _assert_same_metrics({k: v for k, v in got.items() if k.startswith(prefix)},
+                         {k: v for k, v in want.items() if k.startswith(prefix)}, rel=rel)
+
+
+def _assert_same_training(got: dict, want: dict) -> None:
+    """A context-parallel step against the run without CP: loss, grad norm and entropy within
+    1e-5, every other training metric within 1e-4, the engines' log-probs the trainer's."""
+    for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), key
+    _assert_same_section(got, want, "train/", rel=1e-4)
+    assert got["mismatch/mean_abs_diff"] < 1e-5
+
+
 @pytest.fixture(scope="module")
 def full_job(tmp_path_factory, request) -> tuple[Path, str]:
     """The recipe as written (50 steps): its run folder and its console output (stdout then
@@ -265,8 +280,7 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
     # float32 rounding. The next step, after a TP=2 update and refit, still learns the same.
     assert _rollout(got) == _rollout(want)
     for got, want in zip(records, reference[:2]):
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        _assert_same_section(got, want, "train/", rel=1e-4)
         assert got["mismatch/mean_abs_diff"] < 1e-5
     assert (run_dir / "hf" / "config.json").is_file()
 
@@ -294,11 +308,7 @@ def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
         assert got["rollout/refill_rounds"] >= 1 and "adv/num_dropped_groups" in got
         assert 0 < got["adv/overlong_filtered_frac"] == want["adv/overlong_filtered_frac"] < 1
         assert got["adv/overlong_penalty_mean"] == want["adv/overlong_penalty_mean"] < 0
-        for key in ("train/loss", "train/grad_norm", "train/entropy"):
-            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), key
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
-        assert got["mismatch/mean_abs_diff"] < 1e-5
+        _assert_same_training(got, want)
 
 
 def test_tensor_and_context_parallel_four_ranks_match_one(full_run, tmp_path):
@@ -314,11 +324,7 @@ def test_tensor_and_context_parallel_four_ranks_match_one(full_run, tmp_path):
     for got, want in zip(records, reference):
         assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
         assert _rollout(got) == _rollout(want)
-        for key in ("train/loss", "train/grad_norm", "train/entropy"):
-            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), key
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
-        assert got["mismatch/mean_abs_diff"] < 1e-5
+        _assert_same_training(got, want)
 
 
 def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, eval_run, eval_overrides,
@@ -337,10 +343,8 @@ def test_data_parallel_two_engines_share_the_batch_and_equal_one(full_run, eval_
         assert got["rollout/engines"] == 2 and want["rollout/engines"] == 1
         assert got["throughput/generation_tokens_per_s_per_engine"] > 0
         assert _rollout(got) == _rollout(want)  # same samples, the batch's union
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("adv/")},
-                             {k: v for k, v in want.items() if k.startswith("adv/")}, rel=1e-12)
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        _assert_same_section(got, want, "adv/", rel=1e-12)
+        _assert_same_section(got, want, "train/", rel=1e-4)
         assert got["mismatch/mean_abs_diff"] < 1e-5
     assert not _evaluation(records[0]) and "time/eval" not in records[0]
     assert _evaluation(records[1]) == _evaluation(read_metrics(eval_run)[1])  # 2 engines = 1
@@ -491,8 +495,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_a_rerun_continues(t
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for got, want in zip(records, tiny_first_steps[:4]):
         assert _rollout(got) == _rollout(want)
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        _assert_same_section(got, want, "train/", rel=1e-4)
 
 
 def _running(process) -> bool:
@@ -560,10 +563,8 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(tiny_firs
     for got, want in zip(read_metrics(two), records):
         assert got["rollout/engines"] == 2
         assert _rollout(got) == _rollout(want)  # the same rounds, discards and samples
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("adv/")},
-                             {k: v for k, v in want.items() if k.startswith("adv/")}, rel=1e-12)
-        _assert_same_metrics({k: v for k, v in got.items() if k.startswith("train/")},
-                             {k: v for k, v in want.items() if k.startswith("train/")}, rel=1e-4)
+        _assert_same_section(got, want, "adv/", rel=1e-12)
+        _assert_same_section(got, want, "train/", rel=1e-4)
 
 
 def test_a_save_brings_offloaded_state_back_only_after_the_engines_sleep():

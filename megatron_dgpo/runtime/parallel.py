@@ -324,9 +324,7 @@ def _init_replica_groups(config: ParallelConfig, world: int) -> None:
 
 def parallel_initialized() -> bool:
     """Whether ``initialize_parallel`` has run (and ``destroy_parallel`` not since)."""
-    from megatron.core import parallel_state
-
-    return parallel_state.model_parallel_is_initialized()
+    return _ps().model_parallel_is_initialized()
 
 
 def _ps():
@@ -475,11 +473,9 @@ def expert_tensor_parallel_size() -> int:
 
 def destroy_parallel() -> None:
     """Tear down Megatron's parallel state (not the torch.distributed process group)."""
-    from megatron.core import parallel_state
-
     global _REPLICA_GROUP, _REPLICA_RANKS
     _REPLICA_GROUP = _REPLICA_RANKS = None
-    parallel_state.destroy_model_parallel()
+    _ps().destroy_model_parallel()
 
 
 def engine_group(engine_tp: int):

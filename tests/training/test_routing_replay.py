@@ -151,24 +151,31 @@ def r3_one_rank(tmp_path_factory) -> list[dict]:
     return read_metrics(run_dir)
 
 
-@pytest.mark.slow  # two end-to-end runs (~70 s): make test stays well inside CI's 30 minutes
-def test_tiny_moe_recipe_runs_with_r3_at_ep2_and_ep1(r3_one_rank, tmp_path):
+def _two_rank_r3_run(run_dir, one_rank: list[dict], *overrides: str) -> list[dict]:
+    """The tiny MoE recipe with R3 on 2 ranks with ``overrides``: its metrics, after checking
+    that each step's reward and replay statistics equal the 1-rank run's (``one_rank``)."""
     from megatron_dgpo.telemetry import read_metrics
     from tests.test_tiny_moe import _train
     from tests.test_trainer import _check
 
-    _check(_train(tmp_path / "ep2", *R3_SHORT, ranks=2))
-    two, one = read_metrics(tmp_path / "ep2"), r3_one_rank
-    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
-    for got, want in zip(two, one):
+    _check(_train(run_dir, *R3_SHORT, *overrides, ranks=2))
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [r["step"] for r in one_rank] == [1, 2]
+    for got, want in zip(records, one_rank):
+        for key in ("rollout/reward_mean", "mismatch/routing_replay_diff_frac",
+                    "train/routing_replay_diff_frac"):
+            assert got[key] == want[key], key
+    return records
+
+
+@pytest.mark.slow  # two end-to-end runs (~70 s): make test stays well inside CI's 30 minutes
+def test_tiny_moe_recipe_runs_with_r3_at_ep2_and_ep1(r3_one_rank, tmp_path):
+    for got in _two_rank_r3_run(tmp_path / "ep2", r3_one_rank):
         # the old-log-prob forward runs on the engine's weights: its routing is the engine's
         assert got["mismatch/routing_replay_diff_frac"] == 0.0
         assert got["mismatch/max_abs_diff"] < 1e-4
         # the updates after the first move the routers: replayed and free routing part
         assert 0.0 < got["train/routing_replay_diff_frac"] <= 1.0
-        for key in ("rollout/reward_mean", "mismatch/routing_replay_diff_frac",
-                    "train/routing_replay_diff_frac"):
-            assert got[key] == want[key], key
 
 
 @pytest.mark.slow
@@ -177,18 +184,9 @@ def test_r3_at_pp2_with_a_tp2_engine_equals_one_rank(r3_one_rank, tmp_path):
     ranks (each captures its routers; the samples cross the model-parallel group with their
     routing): the same numbers as one rank (``r3_one_rank``). Measured: identical to the last
     digit."""
-    from megatron_dgpo.telemetry import read_metrics
-    from tests.test_tiny_moe import _train
-    from tests.test_trainer import _check
-
-    _check(_train(tmp_path / "pp2", *R3_SHORT, "parallel.expert_parallel=1",
-                  "parallel.pipeline_parallel=2", ranks=2))
-    pp2 = read_metrics(tmp_path / "pp2")
-    assert [r["step"] for r in pp2] == [r["step"] for r in r3_one_rank] == [1, 2]
+    pp2 = _two_rank_r3_run(tmp_path / "pp2", r3_one_rank, "parallel.expert_parallel=1",
+                           "parallel.pipeline_parallel=2")
     for got, want in zip(pp2, r3_one_rank):
-        for key in ("rollout/reward_mean", "mismatch/routing_replay_diff_frac",
-                    "train/routing_replay_diff_frac"):
-            assert got[key] == want[key], key
         assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5)
 
 
@@ -198,16 +196,7 @@ def test_r3_under_context_parallelism_equals_one_rank(r3_one_rank, tmp_path):
     chunks of every row (``MicroBatch.cp_shard`` slices ``routed_experts`` with the tokens), and
     the experts see both ranks' tokens. The same samples and replay statistics as one rank, the
     loss within float32 rounding."""
-    from megatron_dgpo.telemetry import read_metrics
-    from tests.test_tiny_moe import _train
-    from tests.test_trainer import _check
-
-    _check(_train(tmp_path / "cp2", *R3_SHORT, "parallel.context_parallel=2", ranks=2))
-    cp2 = read_metrics(tmp_path / "cp2")
-    assert [r["step"] for r in cp2] == [r["step"] for r in r3_one_rank] == [1, 2]
+    cp2 = _two_rank_r3_run(tmp_path / "cp2", r3_one_rank, "parallel.context_parallel=2")
     for got, want in zip(cp2, r3_one_rank):
-        for key in ("rollout/reward_mean", "mismatch/routing_replay_diff_frac",
-                    "train/routing_replay_diff_frac"):
-            assert got[key] == want[key], key
         assert got["mismatch/max_abs_diff"] < 1e-4
         assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5, abs=1e-8)
