@@ -10,6 +10,10 @@ component dataclasses. This module only turns plain data into such trees and bac
 Values are checked against the annotations (``int``, ``float``, ``str``, ``bool``,
 ``Optional[...]``, ``Literal[...]``, ``list[...]``, ``dict[str, ...]``, nested dataclasses);
 an unknown or ill-typed key fails with its full dotted name, and unknown keys get a suggestion.
+A number's bounds are declared beside it, in its annotation, and checked by ``Bounds.check``
+alone (on load, and by ``check_bounds`` in a section's ``__post_init__``):
+
+    clip_grad: Annotated[float, Bounds(ge=0)] = 1.0
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -31,6 +37,71 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config key is unknown, missing or of the wrong type; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The interval a number field accepts, declared in its annotation
+    (``Annotated[int, Bounds(ge=1)]``). Floats must also be finite. ``None`` passes where the
+    annotation allows it (``Annotated[float | None, Bounds(gt=0)]``)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def check(self, key: str, value) -> None:
+        """Raise ``ValueError`` naming ``key`` unless ``value`` is None or a number inside."""
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number {self}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number {self}, got {value!r}")
+        tests = ((self.ge, value >= (self.ge or 0)), (self.gt, value > (self.gt or 0)),
+                 (self.le, value <= (self.le or 0)), (self.lt, value < (self.lt or 0)))
+        if not all(ok for bound, ok in tests if bound is not None):
+            raise ValueError(f"{key} must be {self}, got {value!r}")
+
+    def __str__(self) -> str:
+        low = (f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
+               if self.gt is not None else None)
+        high = (f"{self.le:g}]" if self.le is not None else f"{self.lt:g})"
+                if self.lt is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
+        if high:
+            return f"<= {self.le:g}" if self.le is not None else f"< {self.lt:g}"
+        return "(any number)"
+
+
+def field_bounds(cls) -> dict[str, Bounds]:
+    """Each field of dataclass ``cls`` that declares ``Bounds`` in its annotation, by name."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        bounds = _bounds_of(hint)
+        if bounds is not None:
+            out[name] = bounds
+    return out
+
+
+def check_bounds(obj) -> None:
+    """Check every ``Bounds`` the fields of dataclass instance ``obj`` declare (for a section's
+    ``__post_init__``, so a section built in code is held to its recipe's bounds); raises
+    ``ValueError`` naming the first field outside."""
+    for name, bounds in field_bounds(type(obj)).items():
+        bounds.check(name, getattr(obj, name))
+
+
+def _bounds_of(hint) -> Bounds | None:
+    """The ``Bounds`` of an ``Annotated`` hint, also inside ``Optional[...]``."""
+    if typing.get_origin(hint) is Annotated:
+        return next((m for m in hint.__metadata__ if isinstance(m, Bounds)), None)
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return next((b for b in map(_bounds_of, typing.get_args(hint)) if b is not None), None)
+    return None
 
 
 def require_choice(name: str, value, choices) -> None:
@@ -101,7 +172,7 @@ def from_dict(cls: type[T], data: Any, key: str = "") -> T:
         hint = f"; did you mean {_join(key, close[0])!r}?" if close else ""
         raise ConfigError(f"unknown key {_join(key, name)!r}{hint} (known: "
                           f"{', '.join(sorted(fields))})")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _convert(hints[name], value, _join(key, name))
@@ -156,7 +227,7 @@ def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, type, documentation) for every leaf field of a config tree."""
     rows = []
     docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         key = _join(prefix, f.name)
@@ -170,6 +241,15 @@ def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
 def _convert(hint, value, key: str):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
+        return value
+    if origin is Annotated:
+        value = _convert(args[0], value, key)
+        bounds = _bounds_of(hint)
+        if bounds is not None:
+            try:
+                bounds.check(key, value)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         return value
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, {} if value is None else value, key)
@@ -229,6 +309,9 @@ def _convert(hint, value, key: str):
 
 def _type_name(hint) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        bounds = _bounds_of(hint)
+        return _type_name(args[0]) + (f" {bounds}" if bounds is not None else "")
     if origin is Literal:
         return " | ".join(map(repr, args))
     if origin in (Union, types.UnionType):

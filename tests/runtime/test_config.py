@@ -2,12 +2,13 @@
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import pytest
 
 from megatron_dgpo.algorithm.losses import LossHyperparams
-from megatron_dgpo.runtime.config import (ConfigError, apply_overrides, describe, field_docs,
+from megatron_dgpo.runtime.config import (Bounds, ConfigError, apply_overrides, check_bounds,
+                                          describe, field_docs,
                                           from_dict, load_config, to_dict)
 
 
@@ -103,3 +104,34 @@ def test_field_docs_and_describe():
     assert rows["resume"] == ("str | null", "Checkpoint directory to resume from.")
     # every field of the loss hyper-parameters is documented where it is declared
     assert all(doc for key, _, doc in describe(LossHyperparams))
+
+
+@dataclass
+class Bounded:
+    steps: Annotated[int, Bounds(ge=1)] = 2
+    """Steps."""
+    frac: Annotated[Optional[float], Bounds(gt=0, lt=1)] = None
+    """A share."""
+
+    def __post_init__(self):
+        check_bounds(self)
+
+
+@dataclass
+class BoundedRun:
+    section: Bounded = field(default_factory=Bounded)
+
+
+def test_bounds_declared_beside_the_field_are_checked_on_load_and_in_code():
+    assert from_dict(BoundedRun, {"section": {"steps": 1, "frac": 0.5}}).section.frac == 0.5
+    assert from_dict(BoundedRun, {"section": {"frac": None}}).section.frac is None
+    for value, message in ((0, "section.steps must be >= 1, got 0"),):
+        with pytest.raises(ConfigError, match=message):
+            from_dict(BoundedRun, {"section": {"steps": value}})
+    for value, message in ((1.0, r"section.frac must be in \(0, 1\), got 1.0"),
+                           (float("nan"), r"section.frac must be a finite number in \(0, 1\)")):
+        with pytest.raises(ConfigError, match=message):
+            from_dict(BoundedRun, {"section": {"frac": value}})
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        Bounded(steps=0)
+    assert ("section.steps", "int >= 1", "Steps.") in describe(BoundedRun)
