@@ -35,7 +35,13 @@ import yaml
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """The user's input (a recipe, an argument, a data or model file) is wrong; the message
+    names the key, file or line. Commands print it as one ``dgpo-<cmd>: error: ...`` line and
+    exit 2."""
+
+
+class ConfigError(InputError):
     """A config key is unknown, missing or of the wrong type; the message names the key."""
 
 
