@@ -32,13 +32,9 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
 
+from megatron_dgpo.runtime.errors import InputError
+
 T = TypeVar("T")
-
-
-class InputError(ValueError):
-    """The user's input (a recipe, an argument, a data or model file) is wrong; the message
-    names the key, file or line. Commands print it as one ``dgpo-<cmd>: error: ...`` line and
-    exit 2."""
 
 
 class ConfigError(InputError):
