@@ -83,7 +83,8 @@ def test_cli_plans_the_async_recipe_and_the_colocated_one(capsys):
     assert lay["tp"] * lay["pp"] * lay["dp"] == 160 and plan["pick"]["gib"]["vllm"] == 0
     eng = plan["dedicated_engine"]
     assert (eng["engines"], eng["engine_tp"], eng["fits"]) == (20, 4, True)
-    assert [t["placement"] for t in plan["step_times"]] == ["colocated", "dedicated", "one-step-off"]
+    assert [t["placement"] for t in plan["step_times"]] == ["colocated", "dedicated",
+                                                            "one-step-off", "partial"]
     assert plan["balanced_one_step_off"]["rollout_gpus"] == 80
 
     assert main([RECIPE_14B_ASYNC, *args]) == 0
@@ -119,7 +120,7 @@ def test_cli_refuses_a_rollout_that_leaves_no_trainer_and_engines_that_do_not_fi
     with pytest.raises(SystemExit) as exc:  # argparse's own exit
         main([RECIPE_14B_ASYNC, "--mean-response-fraction", "0", *args])
     assert exc.value.code == 2
-    assert "--mean-response-fraction must be in (0, 1]" in capsys.readouterr().err
+    assert "--mean-response-fraction must be in (0, 1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recipe, code, verdict", [

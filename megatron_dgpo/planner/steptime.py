@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dgpo.models import ModelDescription
+from megatron_dgpo.planner.lengths import ResponseLengths
 from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token
 from megatron_dgpo.planner.parameters import param_count
 
@@ -156,19 +157,37 @@ class StepShape:
     micro-batches of one update fill the pipeline once."""
     micro_batch_tokens: int = 0
     """One packed micro-batch row (``train.micro_batch_tokens``); 0: no pipeline bubble counted."""
+    length_sigma: float | None = None
+    """The response lengths' log-space spread (``lengths.ResponseLengths``; None: its default)."""
+    truncated_fraction: float | None = None
+    """The share of responses at the cap (``rollout/truncated_frac``); when set, it fixes the
+    spread instead of ``length_sigma``."""
+
+    def __post_init__(self):
+        # ValueError here for a mean or truncated share no distribution has
+        object.__setattr__(self, "_lengths", ResponseLengths.fit(
+            self.max_response_tokens, self.mean_response_tokens, sigma=self.length_sigma,
+            truncated=self.truncated_fraction))
+
+    @property
+    def lengths(self) -> ResponseLengths:
+        """The response-length distribution: capped lognormal of mean ``mean_response_tokens``."""
+        return self._lengths
 
     @classmethod
     def from_recipe(cls, run, *, mean_prompt_tokens: float = 200.0,
-                    mean_response_fraction: float = 0.5) -> "StepShape":
-        if not 0 < mean_response_fraction <= 1:
-            raise ValueError(f"mean_response_fraction must be in (0, 1], got {mean_response_fraction!r}")
+                    mean_response_fraction: float = 0.5,
+                    truncated_fraction: float | None = None) -> "StepShape":
+        if not 0 < mean_response_fraction < 1:
+            raise ValueError(f"mean_response_fraction must be in (0, 1), got {mean_response_fraction!r}")
         return cls(prompts=run.train.rollout_batch_prompts, group_size=run.rollout.group_size,
                    max_response_tokens=run.rollout.max_response_tokens,
                    mean_prompt_tokens=min(mean_prompt_tokens, run.rollout.max_prompt_tokens),
                    mean_response_tokens=mean_response_fraction * run.rollout.max_response_tokens,
                    max_num_seqs=run.rollout.max_num_seqs, recompute=run.model.recompute_activations,
                    updates=max(1, run.train.rollout_batch_prompts // run.train.mini_batch_prompts),
-                   micro_batch_tokens=run.train.micro_batch_tokens)
+                   micro_batch_tokens=run.train.micro_batch_tokens,
+                   truncated_fraction=truncated_fraction)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -237,27 +256,31 @@ def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float,
 
 def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                      engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> dict[str, float]:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, term by term: the
-    per-engine counts (responses, concurrent, bulk and tail steps, the tail's mean running
-    sequences) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, each waiting for its
+    longest response, term by term: the per-engine counts (responses, concurrent, bulk and
+    tail steps, the tail's mean running sequences, the responses of the last wave over all
+    engines) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
     fixed cost and of the sampler), ``total`` their sum."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
+    lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
-    tail_len = max(shape.max_response_tokens, r)
     kv_token = kv_cache_bytes_per_token(desc)
     kv_room_tokens = max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp / kv_token
     concurrent = max(1, min(shape.max_num_seqs, per_engine, int(kv_room_tokens // (p + r))))
     bulk_steps = max(0, per_engine - concurrent) * r / concurrent
-    tail_running = max(1.0, min(concurrent, per_engine) * r / tail_len)
-    context = p + r / 2
+    wave = min(concurrent, per_engine)
+    tail_len = lengths.expected_max(wave * engines)
+    tail_running = max(1.0, wave * r / tail_len)
+    context = p + lengths.running_age
     step = dict(engine_tp=engine_tp, context=context, seeded=shape.per_request_seeded_draw)
     bulk = decode_step_seconds(desc, hw, running=concurrent, **step)
     tail = decode_step_seconds(desc, hw, running=tail_running, **step)
     prefill = 2 * active_params(desc) * per_engine * p / engine_tp / (hw.peak_tflops * 1e12
                                                                        * hw.prefill_mfu)
     return dict(responses=per_engine, concurrent=concurrent, bulk_steps=bulk_steps,
-                tail_steps=tail_len, tail_running=tail_running,
-                prefill_s=prefill, bulk_s=bulk_steps * bulk["total"],
+                tail_steps=tail_len, tail_running=tail_running, last_wave=wave * engines,
+                mean_response=r,
+                context=context, prefill_s=prefill, bulk_s=bulk_steps * bulk["total"],
                 tail_s=tail_len * tail["total"],
                 overhead_s=(bulk_steps + tail_len) * hw.decode_step_overhead_s,
                 sampling_s=bulk_steps * bulk["sampling"] + tail_len * tail["sampling"],
@@ -270,6 +293,66 @@ def generation_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *
     """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (module docstring)."""
     return generation_terms(desc, shape, hw, engines=engines, engine_tp=engine_tp,
                             kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
+
+
+def staleness_terms(lengths: ResponseLengths, tokens_per_refit: float,
+                    staleness: int) -> dict[str, float]:
+    """Partial rollouts refitted every y = ``tokens_per_refit`` decode steps: a response of X
+    tokens started at a uniform phase crosses X / y refits on average, at most ceil(X / y), and
+    is trained one step after its last segment, so its oldest token is 1 + (refits crossed)
+    steps old:
+
+        interrupted     E[min(X, y)] / y                       responses of two or more segments
+        segments        1 + E[X] / y                           segments per response
+        min_staleness   1 + ceil(cap / y)                      the k that admits every response
+        over_bound      (E[min(X, k y)] - E[min(X, (k-1) y)]) / y   responses older than k"""
+    y = tokens_per_refit
+    k = max(staleness, 0)
+    return dict(staleness=k, tokens_per_refit=y, interrupted=lengths.mean_below(y) / y,
+                segments=1 + lengths.mean / y,
+                min_staleness=1 + math.ceil(lengths.cap / y - 1e-9),
+                over_bound=(lengths.mean_below(k * y) - lengths.mean_below((k - 1) * y)) / y
+                if k >= 1 else 1.0)
+
+
+def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *,
+                             engines: int, engine_tp: int, kv_cache_bytes_per_engine_gpu: float,
+                             staleness: int | None = None, reprefill: bool = True,
+                             in_flight: float | None = None) -> dict[str, float]:
+    """One step's responses (P G / E per engine) on engines that never wait for a batch's tail
+    (partial rollouts, a refit every step): c = min(max_num_seqs, KV room / context) responses
+    always in flight at the mean context p + E[X^2] / (2 E[X]); n r / c decode steps of c; the
+    new prompts' prefill; and at each refit the c interrupted responses re-prefilled (prompt +
+    partial response, ``reprefill``; False: the KV cache kept across the refit, as PipelineRL's
+    in-flight updates do). ``in_flight``: the responses an engine may hold at once (None: as
+    many as fit; over-provisioning bounds it). ``staleness_terms`` at ``staleness`` (None: its
+    ``min_staleness``); ``total`` the seconds."""
+    per_engine = math.ceil(shape.prompts * shape.group_size / engines)
+    lengths = shape.lengths
+    p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
+    context = p + lengths.running_age
+    kv_room_tokens = max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp / kv_cache_bytes_per_token(desc)
+    concurrent = max(1, min(shape.max_num_seqs, int(kv_room_tokens // context),
+                             int(in_flight or shape.max_num_seqs)))
+    decode_steps = per_engine * r / concurrent
+    step = decode_step_seconds(desc, hw, running=concurrent, context=context, engine_tp=engine_tp,
+                               seeded=shape.per_request_seeded_draw)
+    flops = engine_tp * hw.peak_tflops * 1e12 * hw.prefill_mfu
+    prefill = 2 * active_params(desc) * per_engine * p / flops
+    reprefill_tokens = concurrent * context if reprefill else 0.0
+    reprefill_s = reprefill_tokens * (2 * active_params(desc)
+                                      + 2 * desc.dims.layers * desc.dims.q_dim * context) / flops
+    decode = decode_steps * step["total"]
+    stale = staleness_terms(lengths, decode_steps, staleness or 0)
+    if staleness is None:
+        stale = staleness_terms(lengths, decode_steps, stale["min_staleness"])
+    return dict(responses=per_engine, concurrent=concurrent, context=context,
+                decode_steps=decode_steps, decode_step_s=step["total"], prefill_s=prefill,
+                decode_s=decode, reprefill_tokens=reprefill_tokens, reprefill_s=reprefill_s,
+                overhead_s=decode_steps * hw.decode_step_overhead_s,
+                sampling_s=decode_steps * step["sampling"],
+                longest_decode_s=lengths.cap * step["total"],
+                total=prefill + decode + reprefill_s, **stale)
 
 
 def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float,
@@ -399,12 +482,17 @@ def refit_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, ded
     return refit_terms(desc, shape, hw, dedicated=dedicated)["total"]
 
 
+OVERLAPPED = ("one-step-off", "partial")
+"""The schedules whose generation overlaps the previous step's training (dedicated engines)."""
+
+
 @dataclass(frozen=True)
 class StepTime:
-    """One placement's step, seconds: the phases and who waits."""
+    """One schedule's step, seconds: the phases and who waits."""
 
     placement: str
-    """"colocated", "dedicated" (synchronous) or "one-step-off"."""
+    """"colocated", "dedicated" (synchronous), "one-step-off" or "partial" (partial rollouts at
+    ``staleness``)."""
     trainer_gpus: int
     rollout_gpus: int
     """GPUs of dedicated engines (0: colocated, the engines share the trainer's GPUs)."""
@@ -412,11 +500,21 @@ class StepTime:
     training_s: float
     refit_s: float
     terms: dict = field(default_factory=dict, compare=False, repr=False)
-    """The phases' terms (``generation_terms``, ``training_terms``, ``refit_terms``)."""
+    """The phases' terms (``generation_terms`` or ``partial_generation_terms``,
+    ``training_terms``, ``refit_terms``)."""
+    staleness: int = 0
+    """k: 0 synchronous, 1 one-step-off, the bound priced for partial rollouts."""
+
+    @property
+    def label(self) -> str:
+        """The schedule in words: "synchronous, colocated", ..., "partial rollouts, k=2"."""
+        return {"colocated": "synchronous, colocated", "dedicated": "synchronous, dedicated",
+                "one-step-off": "one-step-off, k=1"}.get(self.placement,
+                                                         f"partial rollouts, k={self.staleness}")
 
     @property
     def step_s(self) -> float:
-        if self.placement == "one-step-off":
+        if self.placement in OVERLAPPED:
             return max(self.generation_s, self.training_s) + self.refit_s
         return self.generation_s + self.training_s + self.refit_s
 
@@ -438,16 +536,17 @@ class StepTime:
 
     def _waiting(self, other: float, own: float) -> float:
         """What a side waits for the other side's ``other`` seconds of work beside its ``own``:
-        nothing colocated (the same GPUs do both), all of it synchronous, the difference
-        one-step-off."""
+        nothing colocated (the same GPUs do both), all of it synchronous, the difference when
+        generation overlaps training."""
         if self.placement == "colocated":
             return 0.0
-        if self.placement == "one-step-off":
+        if self.placement in OVERLAPPED:
             return max(0.0, other - own)
         return other
 
     def as_dict(self) -> dict:
-        return dict(placement=self.placement, trainer_gpus=self.trainer_gpus,
+        return dict(placement=self.placement, staleness=self.staleness, label=self.label,
+                    trainer_gpus=self.trainer_gpus,
                     rollout_gpus=self.rollout_gpus, step_s=self.step_s,
                     generation_s=self.generation_s, training_s=self.training_s,
                     refit_s=self.refit_s, trainer_idle_s=self.trainer_idle_s,
@@ -459,13 +558,13 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
                colocated_kv_cache_bytes_per_gpu: float | None = None,
                train_layout: tuple[int, ...] = (1, 1),
                dedicated_train_layout: tuple[int, ...] | None = None,
-               gpus_per_node: int = 8) -> list[StepTime]:
+               gpus_per_node: int = 8, staleness: int | None = None) -> list[StepTime]:
     """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
-    0) dedicated engines on ``rollout_gpus`` of them, synchronous and one-step-off.
-    ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
-    one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP, CP) on all GPUs,
-    ``dedicated_train_layout`` on the GPUs the engines leave (default the same);
-    ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
+    0) dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, and partial
+    rollouts at ``staleness`` (None: the least k that admits every response). ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV
+    room (default: the dedicated one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP,
+    CP) on all GPUs, ``dedicated_train_layout`` on the GPUs the engines leave (default the
+    same); ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
     tp, pp, cp = (tuple(train_layout) + (1,))[:3]
@@ -479,14 +578,15 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
     if rollout_gpus:
         trainer = world - rollout_gpus
         tp, pp, cp = (tuple(dedicated_train_layout or train_layout) + (1,))[:3]
-        gen = generation_terms(desc, shape, hw, engines=rollout_gpus // engine_tp,
-                               engine_tp=engine_tp,
-                               kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
+        engines = dict(engines=rollout_gpus // engine_tp, engine_tp=engine_tp,
+                       kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
+        gen = generation_terms(desc, shape, hw, **engines)
+        partial = partial_generation_terms(desc, shape, hw, staleness=staleness, **engines)
         train = training_terms(desc, shape, hw, gpus=trainer, tp=tp, pp=pp, cp=cp,
                                gpus_per_node=gpus_per_node)
         refit = refit_terms(desc, shape, hw, dedicated=True)
-        out += [StepTime(mode, trainer, rollout_gpus, gen["total"], train["total"],
-                         refit["total"], dict(generation=gen, training=train, refit=refit))
-                for mode in ("dedicated", "one-step-off")]
+        out += [StepTime(mode, trainer, rollout_gpus, g["total"], train["total"], refit["total"],
+                         dict(generation=g, training=train, refit=refit), k)
+                for mode, g, k in (("dedicated", gen, 0), ("one-step-off", gen, 1),
+                                   ("partial", partial, partial["staleness"]))]
     return out
-
