@@ -1,26 +1,10 @@
-"""``dgpo-plan``: which TP x PP x CP x DP (x EP for MoE) layout fits a recipe's model on a cluster,
-and how long a step takes with generation colocated or on dedicated engines.
+"""``dgpo-plan`` (``python -m megatron_dgpo.plan``): the TP x PP x CP x DP (x EP) layouts a
+recipe's trainer can run on a cluster, each GPU's peak memory term by term, the pick and why
+(``megatron_dgpo.planner``); for vLLM rollout every schedule's step time and speed-up
+(``--staleness`` / ``--partial`` price one other than the recipe's). Exit status: 0 fits, 1 not (or the attention
+backend cannot run there), 2 bad input. The formulas: docs/planner.md.
 
-    dgpo-plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 1 \\
-        --gpu-memory-gb 80 [key=value overrides] [--json]
-
-(``python -m megatron_dgpo.plan`` is the same). For every layout the trainer can run (TP within
-a node, TP | heads, KV groups and FFN width, PP | layers, CP in 1, 2, 4, 8 (``--max-cp``),
-DP = world / (TP PP CP); for an MoE model EP | experts and EP x expert TP | the ranks of a
-stage) it estimates the peak memory of one GPU, term by term
-(``megatron_dgpo.planner.peak``), prints them all in a table, marks which fit and picks one,
-saying why (``megatron_dgpo.planner.search``: the fastest by the step-time model among those
-that leave headroom). With ``rollout.placement: dedicated`` the
-trainer is planned on the GPUs left after ``rollout.num_gpus`` and the engines' own GPU is
-estimated beside it. For vLLM rollout it then estimates a step's time
-(``megatron_dgpo.planner.steptime``) colocated, on dedicated engines and one-step-off, and the
-engines' share of the GPUs that balances one-step-off. The attention backend of the training
-rows is the one the trainer would run (``model.attention_backend`` on ``--hardware``'s GPU
-generation with ``--flash-attn``'s FlashAttention, ``gpu_flags.attention_backend``): the
-unfused and local backends add their [s, s] tensors to the activations, and a backend that
-cannot run there is reported as the trainer's refusal instead of a layout. The formulas and
-their checks are in ``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB"
-A100/H100 has ~80 GiB).
+    dgpo-plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 4 --gpu-memory-gb 80 [key=value ...]
 """
 
 from __future__ import annotations

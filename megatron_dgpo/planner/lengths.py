@@ -117,5 +117,6 @@ def _expected_max(mu: float, sigma: float, cap: float, n: float) -> float:
         return (1.0 - cdf ** n) * math.exp(min(y, y_hi))
     steps = 4000
     h = (y_hi - y_lo) / steps
-    simpson = f(y_lo) + f(y_hi) + sum((4 if i % 2 else 2) * f(y_lo + i * h) for i in range(1, steps))
+    inner = sum((4 if i % 2 else 2) * f(y_lo + i * h) for i in range(1, steps))
+    simpson = f(y_lo) + f(y_hi) + inner
     return math.exp(y_lo) + simpson * h / 3

@@ -40,7 +40,7 @@ class PublishedSpeedup:
     (re-prefilling at each refit), "partial, KV kept" (in-flight updates that keep the stale
     KV cache) or "colocated partial" (generation alone, APRIL's over-provisioned sync step)."""
     model: str
-    """Hub id of ``catalogue.PUBLISHED`` (its dimensions; 7B Qwen2.5 models share R1-Distill-7B's)."""
+    """Hub id of ``catalogue.PUBLISHED`` (the 7B Qwen2.5 models have R1-Distill-7B's dims)."""
     hardware: str
     gpus: int
     prompts: int

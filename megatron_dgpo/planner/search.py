@@ -230,7 +230,7 @@ class Plan:
             dedicated_engine=self.engine.as_dict() if self.engine else None,
             step_times=[t.as_dict() for t in self.step_times],
             schedules=[dict(t.as_dict(), speed_up=self.step_times[0].step_s / t.step_s,
-                            split=split, priced=t is self.priced)
+                            split=split, priced=t is self.priced, **_partial_terms(t))
                        for t, split in self.schedules()],
             balanced_one_step_off=_as_dict(self.balanced.get("one-step-off")),
             balanced_partial=_as_dict(self.balanced.get("partial")),
@@ -259,6 +259,16 @@ class Plan:
 
 def _as_dict(t: StepTime | None) -> dict | None:
     return t.as_dict() if t is not None else None
+
+
+PARTIAL_TERMS = ("concurrent", "reprefill_tokens", "reprefill_s", "tokens_per_refit",
+                 "interrupted", "segments", "min_staleness", "over_bound")
+"""``--json``'s terms of a partial-rollout schedule (``steptime.partial_generation_terms``)."""
+
+
+def _partial_terms(t: StepTime) -> dict:
+    g = t.terms.get("generation", {})
+    return {k: g[k] for k in PARTIAL_TERMS} if t.placement == "partial" else {}
 
 
 CP_WHEN = ("Layouts with CP are not weighed: one without it leaves headroom (the one "

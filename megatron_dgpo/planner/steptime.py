@@ -1,21 +1,9 @@
 """How long an RL step takes where generation runs: a roofline model of generation, training and
-refit for ``dgpo-plan`` (colocated engines vs dedicated ones, synchronous vs one-step-off).
-
-``step_times(desc, shape, hw, world=..., ...)`` gives the step colocated, on dedicated engines
-and one-step-off (``StepTime``: each phase's seconds and what each side idles) for a
-``StepShape`` (the recipe's batch and lengths) on a ``Hardware`` (published peaks), from
-``generation_seconds``, ``training_seconds`` and ``refit_seconds`` (their ``*_terms`` give each
-term; ``search.estimate_step_times`` applies them to a plan). Generation is
-prefill, continuous batching's bulk and the longest responses' tail, each decode step bounded
-by the HBM it reads or its FLOPs; training is the passes' FLOPs at an MFU with the pipeline
-bubble and sequence parallelism's communication; the placements combine them as
-
-    colocated        step = generation(all GPUs) + training(all GPUs) + refit
-    dedicated, sync  step = generation(R GPUs) + training(the rest) + refit
-    one-step-off     step = max(generation, training) + refit
-
-The formulas term by term and the named constants' sources (six fitted to four published
-NeMo-RL rows, which ``published_steps.PUBLISHED_STEPS`` marks): docs/planner.md#step-time.
+refit, and how each schedule combines them (``step_times``: ``StepTime`` rows, synchronous
+colocated or dedicated, one-step-off, partial rollouts at staleness k) for a ``StepShape`` on a
+``Hardware``. Each phase's ``*_terms`` gives its terms. The formulas, the schedules and the
+constants' sources (six fitted to four published NeMo-RL rows): docs/planner.md#step-time and
+#schedules.
 """
 
 from __future__ import annotations
@@ -30,54 +18,33 @@ from megatron_dgpo.planner.parameters import param_count
 
 # --------------------------------------------------------------------------- constants
 
+# The constants' sources: docs/planner.md#published-step-times ("Constants").
 DENSE_TRAIN_MFU = 0.40
-"""Dense training's share of F before pipeline bubbles and TP communication. Fitted: NeMo-RL v0.3
-blog, Llama-3.1-8B on 8 H100 (data parallel only, so nothing else to blame): policy training
-28 s + log-probs 18 s for 2048 x (128 + 795) tokens is 0.39-0.41."""
+"""Dense training's share of F before pipeline bubbles and TP communication (fitted)."""
 MOE_TRAIN_MFU = 0.065
-"""MoE training's share of F (active parameters' FLOPs), Megatron-Core with EP all-to-alls,
-token-dropless routing without load balancing and many small expert GEMMs (NeMo-RL's
-`moe_permute_fusion: false`). Fitted to the two Qwen3-30B-A3B rows of ``PUBLISHED_STEPS``,
-minimising the worst ratio: NeMo-RL v0.3 blog on 64 H100 (training 50 s implies 0.048, log-probs 23 s 0.07)
-and the v0.5 performance summary on 32 H100 (198 s; NeMo-RL's MoE training got faster between
-the two releases, so no single value fits both closer than ~1.2x)."""
+"""MoE training's share of F for the active parameters' FLOPs (fitted)."""
 DECODE_HBM_EFFICIENCY = 0.6
-"""eta: the share of B_hbm a decode step's weight and KV reads reach (vLLM with CUDA graphs;
-the typical published share, not fitted)."""
+"""eta: the share of B_hbm a decode step's weight and KV reads reach (typical, not fitted)."""
 DECODE_STEP_OVERHEAD_S = 0.0045
-"""o: a decode step's fixed cost beyond its kernels and the sampler (vLLM's scheduler, input
-preparation, the TP all-reduces' latency), seconds. Fitted: NeMo-RL v0.3 blog, Llama-3.1-8B
-(generation 58 s) and Llama-3.1-70B (84 s), whose steps are mostly the long tail."""
+"""o: a decode step's fixed cost beyond its kernels and the sampler, seconds (fitted)."""
 PREFILL_MFU = 0.5
 DECODE_MFU = 0.5
 SAMPLING_S_PER_ROW_VOCAB = 0.88e-3 / (1024 * 152064)
-"""The sampler's batched draw (unseeded requests): measured on an NVIDIA H200, 0.88 ms for
-vLLM's draw on probabilities [1024, 152064] (``bench_sampling.py``), per row and vocabulary
-entry; used for every GPU type (the draw is launch- and compute-bound, not HBM-bound)."""
+"""The sampler's batched draw per row and vocabulary entry (measured on an H200)."""
 SEEDED_SAMPLING_S_PER_ROW_VOCAB = 8.9e-3 / (1024 * 152064)
-"""The same draw with every request seeded on vLLM's Model Runner V1: ``random_sample`` draws a
-seeded request's noise with its own kernel; measured on the H200, 8.9 ms for 1024 seeded rows at
-vocab 152064. Charged only with ``StepShape.per_request_seeded_draw``: vLLM 0.32 runs
-Model Runner V2 on CUDA, whose counter-based draw costs a seeded request the batched figure
-(``rollout.vllm_engine.seeded_draw``; benchmarks/bench_sampling.py)."""
+"""The same with a kernel per seeded request (vLLM's Model Runner V1; measured on an H200)."""
 REFIT_FIXED_S = 3.85
-"""A refit's fixed cost: a colocated engine's sleep and wake (free and re-allocate the KV
-cache, re-map the weights), the IPC handles, the cache resets, seconds. Fitted with
-``REFIT_GB_PER_S`` to NeMo-RL v0.3's refits of Llama-3.1-8B (5 s) and Llama-3.1-70B (14 s)."""
+"""A refit's fixed cost (sleep/wake, IPC handles, cache resets), seconds (fitted)."""
 REFIT_GB_PER_S = 13.9
-"""The effective bandwidth of the whole model's bf16 weights from the trainer's TP x PP shards
-into the engines (gather, HF-layout conversion, copy), GB/s. Fitted with ``REFIT_FIXED_S``."""
+"""The whole model's bf16 weights into the engines, effective GB/s (fitted)."""
 REFIT_S_PER_TENSOR = 2.0e-4
-"""A refit's cost per HF-layout weight tensor (conversion and hand-over per tensor: Qwen3-30B-A3B
-has 18,800 of them, one per expert projection, against ~300-700 for the dense models). Fitted:
-NeMo-RL v0.3, Qwen3-30B-A3B's refit 12 s vs 8.2 s from its bytes (NeMo-RL's "Journey of
-Optimizing Weight Transfer in Large MoE Models by 10x" names the per-tensor cost)."""
+"""A refit's cost per HF-layout weight tensor, seconds (fitted)."""
 
 
 @dataclass(frozen=True)
 class Hardware:
     """One GPU type's published peaks and the shares of them RL phases reach (the module's
-    constants by default)."""
+    constants by default, each field named after one)."""
 
     name: str
     peak_tflops: float
@@ -92,19 +59,13 @@ class Hardware:
     pcie_gb_per_s: float
     """Host <-> GPU copies of offloaded training state, GB/s (PCIe 4 x16: 25; PCIe 5: 50)."""
     train_mfu: float = DENSE_TRAIN_MFU
-    """Dense training's share of F (``DENSE_TRAIN_MFU``)."""
     moe_train_mfu: float = MOE_TRAIN_MFU
-    """MoE training's share of F for the active parameters (``MOE_TRAIN_MFU``)."""
     decode_hbm_efficiency: float = DECODE_HBM_EFFICIENCY
-    """eta: the share of B_hbm a decode step reaches (vLLM with CUDA graphs)."""
     decode_mfu: float = DECODE_MFU
     decode_step_overhead_s: float = DECODE_STEP_OVERHEAD_S
-    """o: a decode step's fixed cost beyond its kernels, seconds."""
     prefill_mfu: float = PREFILL_MFU
     wake_sleep_s: float = REFIT_FIXED_S
-    """A refit's fixed cost (``REFIT_FIXED_S``), seconds."""
     refit_gb_per_s: float = REFIT_GB_PER_S
-    """The whole model's weights into the engines, effective GB/s (``REFIT_GB_PER_S``)."""
     refit_s_per_tensor: float = REFIT_S_PER_TENSOR
     sampling_s_per_row_vocab: float = SAMPLING_S_PER_ROW_VOCAB
     seeded_sampling_s_per_row_vocab: float = SEEDED_SAMPLING_S_PER_ROW_VOCAB
@@ -144,11 +105,9 @@ class StepShape:
     """Colocated with ``train.offload_training_state``: gradients + optimizer state that leave
     each GPU and come back every step."""
     per_request_seeded_draw: bool = False
-    """The engines draw each seeded request's noise with its own kernel
-    (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``): vLLM's Model Runner V1 on a GPU, where
-    ``VLLMEngine.seeded_draw`` says "per request". Every request of this project is seeded
-    (``rollout.placement.prompt_seeds``), but vLLM 0.32 runs Model Runner V2 on CUDA, whose
-    counter-based draw costs what the batched unseeded draw does: False."""
+    """A kernel per seeded request (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``): vLLM's Model Runner
+    V1, where ``VLLMEngine.seeded_draw`` says "per request"; vLLM 0.32's V2 on CUDA draws the
+    batch in one kernel (False)."""
     reference_forward: bool = False
     """A reference model's forward in the log-prob phase (NeMo-RL's GRPO with a KL penalty;
     DGPO has no reference model)."""
@@ -179,7 +138,8 @@ class StepShape:
                     mean_response_fraction: float = 0.5,
                     truncated_fraction: float | None = None) -> "StepShape":
         if not 0 < mean_response_fraction < 1:
-            raise ValueError(f"mean_response_fraction must be in (0, 1), got {mean_response_fraction!r}")
+            raise ValueError(f"mean_response_fraction must be in (0, 1), got "
+                             f"{mean_response_fraction!r}")
         return cls(prompts=run.train.rollout_batch_prompts, group_size=run.rollout.group_size,
                    max_response_tokens=run.rollout.max_response_tokens,
                    mean_prompt_tokens=min(mean_prompt_tokens, run.rollout.max_prompt_tokens),
@@ -331,7 +291,8 @@ def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardw
     lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
     context = p + lengths.running_age
-    kv_room_tokens = max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp / kv_cache_bytes_per_token(desc)
+    kv_room_tokens = (max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp
+                      / kv_cache_bytes_per_token(desc))
     concurrent = max(1, min(shape.max_num_seqs, int(kv_room_tokens // context),
                              int(in_flight or shape.max_num_seqs)))
     decode_steps = per_engine * r / concurrent
@@ -358,26 +319,11 @@ def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardw
 def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float,
                       mean_sequence: float, tp: int, cp: int, gpus_per_node: int = 8,
                       mfu: float | None = None, dtype_bytes: int = 2) -> dict[str, float]:
-    """Context parallelism's K/V ring (Transformer-Engine's ``cp_comm_type="p2p"``) for one
-    layer's forward of one packed row of s = ``row_tokens`` tokens on one rank, seconds:
-
-        comm     (c - 1) / c  s  2 (g d / t) b / B          the row's K and V of this TP rank's
-                                                            g / t KV heads, (c - 1) chunks of
-                                                            s / c tokens received in the ring
-        attn     s  2 a d  S / (t c) / (F mfu)              the attention's own FLOPs on this
-                                                            rank (S the mean sequence: packed
-                                                            sequences attend within themselves)
-        layer    s  (2 N / L + 2 a d S) / (t c) / (F mfu)   the whole layer on this rank
-        exposed  max(0, comm - attn)                        assumption: each ring step's
-                                                            send/recv overlaps the attention of
-                                                            the chunk already there, nothing else
-        cp_efficiency = 1 / (1 + exposed / layer)
-
-    B is B_nvlink while the t c ranks of a TP x CP group fit in a node (Megatron orders ranks
-    TP, then CP), else B_net (the ring's slowest hop crosses nodes). Backward sends K and V
-    again and returns dK and dV: twice the bytes against twice the FLOPs, the same ratio, so
-    one efficiency serves the whole pass. Nothing else crosses CP ranks (log-probs and the
-    loss are CP-local)."""
+    """Context parallelism's K/V ring (TE's ``cp_comm_type="p2p"``) for one layer's forward of
+    one packed row of ``row_tokens`` on one rank: ``comm_s`` (the K/V chunks received),
+    ``attention_s`` (what hides them), ``layer_s``, ``exposed_s``, ``link`` and
+    ``cp_efficiency`` = 1 / (1 + exposed / layer). The formulas:
+    docs/planner.md#context-parallelism."""
     d = desc.dims
     mfu = mfu if mfu is not None else (hw.moe_train_mfu if d.moe else hw.train_mfu)
     flops = hw.peak_tflops * 1e12 * mfu
@@ -394,13 +340,9 @@ def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float
 
 def grad_reduce_terms(desc: ModelDescription, hw: Hardware, *, gpus: int, tp: int, pp: int,
                       cp: int, gpus_per_node: int, backward_s: float) -> dict[str, float]:
-    """One optimizer update's gradient reduce-scatter (fp32) and parameter all-gather (bf16)
-    over the D c ranks of the distributed optimizer (DP x CP: CP ranks hold the same weights),
-    seconds: (4 + 2) (N_all / (t p)) (D c - 1) / (D c) / B, B = B_nvlink while a stage's
-    t c D = world / p ranks fit in a node, else B_net. Assumption: Megatron's
-    ``overlap_grad_reduce`` / ``overlap_param_gather`` (the trainer's GPU flags) hide it behind
-    the update's backward and forward, so only ``exposed_s`` = max(0, comm - ``backward_s``)
-    counts."""
+    """One optimizer update's gradient reduce-scatter and parameter all-gather over the D c
+    ranks of the distributed optimizer, seconds: ``comm_s`` and ``exposed_s`` = max(0, comm -
+    ``backward_s``), the part overlapping does not hide (docs/planner.md#context-parallelism)."""
     replicas = max(1, gpus // (tp * pp))  # D c
     if replicas == 1:
         return dict(comm_s=0.0, exposed_s=0.0)
@@ -561,10 +503,11 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
                gpus_per_node: int = 8, staleness: int | None = None) -> list[StepTime]:
     """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
     0) dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, and partial
-    rollouts at ``staleness`` (None: the least k that admits every response). ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV
-    room (default: the dedicated one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP,
-    CP) on all GPUs, ``dedicated_train_layout`` on the GPUs the engines leave (default the
-    same); ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
+    rollouts at ``staleness`` (None: the least k that admits every response).
+    ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
+    one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP, CP) on all GPUs,
+    ``dedicated_train_layout`` on the GPUs the engines leave (default the same);
+    ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
     tp, pp, cp = (tuple(train_layout) + (1,))[:3]
