@@ -180,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     schedule = run_schedule(run, args.staleness, args.partial)
+    if schedule == (0, True):
+        print("dgpo-plan: error: --partial needs --staleness K >= 1 (k = 0 is synchronous; the "
+              "table's partial-rollout row shows the least k that admits every response)",
+              file=sys.stderr)
+        return 2
     if refusal:
         plan = refused_plan(model, cluster, work, refusal, basis=basis)
     else:
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if shape is not None and plan.pick is not None:
         if plan.required_overrides:
             shape = replace(shape, recompute=plan.workload.recompute)
-        staleness = schedule[0] if schedule[1] else None
+        staleness = schedule[0] if schedule[1] else None  # None: the least k that admits all
         plan.schedule = schedule
         plan.step_times = estimate_step_times(plan, shape, hw, staleness=staleness)
         plan.balanced = balanced_schedules(plan, shape, hw, headroom=args.headroom,

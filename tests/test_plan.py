@@ -226,6 +226,7 @@ def test_cli_prices_a_schedule_other_than_the_recipes(capsys):
     rows = {s["label"]: s for s in plan["schedules"]}
     priced = [s for s in plan["schedules"] if s["priced"]]
     assert [s["placement"] for s in priced] == ["one-step-off"]  # the recipe's max_staleness: 1
+    assert plan["schedule"] == {"max_staleness": 1, "partial": False}
     base = rows["synchronous, colocated"]["step_s"]
     for s in plan["schedules"]:
         assert s["speed_up"] == pytest.approx(base / s["step_s"])
@@ -257,6 +258,9 @@ def test_cli_prices_a_schedule_other_than_the_recipes(capsys):
     assert "2.0% of them at the cap" in json.loads(capsys.readouterr().out)["step_time_basis"]
     code, _, err = run_main(capsys, args + ["--truncated-fraction", "0.6"])
     assert code == 2 and "--truncated-fraction" in err and "mean / cap" in err
+    code, _, err = run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4",
+                                      "--gpu-memory-gb", "80", "--partial"])
+    assert code == 2 and "--partial needs --staleness K >= 1" in err
 
 
 def _marked(out: str) -> list[str]:

@@ -232,6 +232,7 @@ class Plan:
             schedules=[dict(t.as_dict(), speed_up=self.step_times[0].step_s / t.step_s,
                             split=split, priced=t is self.priced, **_partial_terms(t))
                        for t, split in self.schedules()],
+            schedule=dict(max_staleness=self.schedule[0], partial=self.schedule[1]),
             balanced_one_step_off=_as_dict(self.balanced.get("one-step-off")),
             balanced_partial=_as_dict(self.balanced.get("partial")),
             step_time_basis=self.step_time_basis, attention=self.attention,

