@@ -1,26 +1,10 @@
-"""``dgpo-plan``: which TP x PP x CP x DP (x EP for MoE) layout fits a recipe's model on a cluster,
-and how long a step takes with generation colocated or on dedicated engines.
+"""``dgpo-plan`` (``python -m megatron_dgpo.plan``): the TP x PP x CP x DP (x EP) layouts a
+recipe's trainer can run on a cluster, each GPU's peak memory term by term, the pick and why
+(``megatron_dgpo.planner``); for vLLM rollout every schedule's step time and speed-up
+(``--staleness`` / ``--partial`` price one other than the recipe's). Exit status: 0 fits, 1 not (or the attention
+backend cannot run there), 2 bad input. The formulas: docs/planner.md.
 
-    dgpo-plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 1 \\
-        --gpu-memory-gb 80 [key=value overrides] [--json]
-
-(``python -m megatron_dgpo.plan`` is the same). For every layout the trainer can run (TP within
-a node, TP | heads, KV groups and FFN width, PP | layers, CP in 1, 2, 4, 8 (``--max-cp``),
-DP = world / (TP PP CP); for an MoE model EP | experts and EP x expert TP | the ranks of a
-stage) it estimates the peak memory of one GPU, term by term
-(``megatron_dgpo.planner.peak``), prints them all in a table, marks which fit and picks one,
-saying why (``megatron_dgpo.planner.search``: the fastest by the step-time model among those
-that leave headroom). With ``rollout.placement: dedicated`` the
-trainer is planned on the GPUs left after ``rollout.num_gpus`` and the engines' own GPU is
-estimated beside it. For vLLM rollout it then estimates a step's time
-(``megatron_dgpo.planner.steptime``) colocated, on dedicated engines and one-step-off, and the
-engines' share of the GPUs that balances one-step-off. The attention backend of the training
-rows is the one the trainer would run (``model.attention_backend`` on ``--hardware``'s GPU
-generation with ``--flash-attn``'s FlashAttention, ``gpu_flags.attention_backend``): the
-unfused and local backends add their [s, s] tensors to the activations, and a backend that
-cannot run there is reported as the trainer's refusal instead of a layout. The formulas and
-their checks are in ``docs/planner.md``. Memory is printed in GiB (2^30 bytes: an "80 GB"
-A100/H100 has ~80 GiB).
+    dgpo-plan recipes/dgpo_14b.yaml --gpus-per-node 8 --nodes 4 --gpu-memory-gb 80 [key=value ...]
 """
 
 from __future__ import annotations
@@ -36,7 +20,7 @@ from megatron_dgpo.planner.inputs import GIB, Cluster, Workload
 from megatron_dgpo.planner.memory_terms import FLASH_ATTN_SOURCES
 from megatron_dgpo.planner.peak import dedicated_engines, dedicated_split_problem
 from megatron_dgpo.planner.report import explain, explain_step_time, format_table
-from megatron_dgpo.planner.search import (balanced_rollout_gpus, estimate_step_times, make_plan,
+from megatron_dgpo.planner.search import (balanced_schedules, estimate_step_times, make_plan,
                                           plan_attention, refused_plan)
 from megatron_dgpo.planner.steptime import HARDWARE, StepShape
 
@@ -49,6 +33,18 @@ def _positive_int(flag):
             value = 0
         if value < 1:
             raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
+        return value
+    return parse
+
+
+def _non_negative_int(flag):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 0, got {text!r}")
         return value
     return parse
 
@@ -116,9 +112,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="step time: the mean prompt in tokens (default 200, at most "
                          "rollout.max_prompt_tokens)")
     ap.add_argument("--mean-response-fraction", default=0.5,
-                    type=_float_in("--mean-response-fraction", 1e-9, 1.0 + 1e-9, "in (0, 1]"),
+                    type=_float_in("--mean-response-fraction", 1e-9, 1.0, "in (0, 1)"),
                     help="step time: the mean response as a fraction of "
                          "rollout.max_response_tokens (default 0.5)")
+    ap.add_argument("--truncated-fraction",
+                    type=_float_in("--truncated-fraction", 1e-9, 1.0, "in (0, 1)"),
+                    help="step time: the share of responses cut at rollout.max_response_tokens "
+                         "(a run's rollout/truncated_frac; below the mean response fraction). "
+                         "Default: a log-space spread of 0.6 (docs/planner.md#response-lengths)")
+    ap.add_argument("--staleness", type=_non_negative_int("--staleness"),
+                    help="step time: price rollout.max_staleness=K instead of the recipe's "
+                         "(0 synchronous, 1 one-step-off; with --partial the bound partial "
+                         "rollouts run at)")
+    ap.add_argument("--partial", action="store_true", default=None,
+                    help="step time: price partial rollouts (rollout.partial) whatever the "
+                         "recipe says")
     ap.add_argument("--explain", action="store_true",
                     help="after the table, every term of the pick with its formula")
     ap.add_argument("--hf-config", help="config.json (or its folder) giving the architecture, "
@@ -162,9 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hw = HARDWARE[args.hardware]
     work, basis, refusal = plan_attention(work, hw, args.flash_attn)
-    shape = (StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
-                                   mean_response_fraction=args.mean_response_fraction)
-             if run.rollout.engine == "vllm" else None)
+    try:
+        shape = (StepShape.from_recipe(run, mean_prompt_tokens=args.mean_prompt_tokens,
+                                       mean_response_fraction=args.mean_response_fraction,
+                                       truncated_fraction=args.truncated_fraction)
+                 if run.rollout.engine == "vllm" else None)
+    except ValueError as exc:
+        print(f"dgpo-plan: error: --truncated-fraction / --mean-response-fraction: {exc}",
+              file=sys.stderr)
+        return 2
+    schedule = run_schedule(run, args.staleness, args.partial)
+    if schedule == (0, True):
+        print("dgpo-plan: error: --partial needs --staleness K >= 1 (k = 0 is synchronous; the "
+              "table's partial-rollout row shows the least k that admits every response)",
+              file=sys.stderr)
+        return 2
     if refusal:
         plan = refused_plan(model, cluster, work, refusal, basis=basis)
     else:
@@ -180,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     if shape is not None and plan.pick is not None:
         if plan.required_overrides:
             shape = replace(shape, recompute=plan.workload.recompute)
-        plan.step_times = estimate_step_times(plan, shape, hw)
-        plan.balanced = balanced_rollout_gpus(plan, shape, hw, headroom=args.headroom)
+        staleness = schedule[0] if schedule[1] else None  # None: the least k that admits all
+        plan.schedule = schedule
+        plan.step_times = estimate_step_times(plan, shape, hw, staleness=staleness)
+        plan.balanced = balanced_schedules(plan, shape, hw, headroom=args.headroom,
+                                           staleness=staleness)
+        lengths = shape.lengths
         plan.step_time_basis = (f"{hw.name}, mean prompt {shape.mean_prompt_tokens:.0f} + "
                                 f"response {shape.mean_response_tokens:.0f} of at most "
-                                f"{shape.max_response_tokens} tokens")
+                                f"{shape.max_response_tokens} tokens, "
+                                f"{lengths.truncated:.1%} of them at the cap")
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
@@ -203,9 +228,17 @@ def main(argv: list[str] | None = None) -> int:
             print("\nterms of the pick (docs/planner.md):\n" + explain(plan))
             if plan.step_times:
                 print("\nstep-time terms (docs/planner.md#step-time):\n"
-                      + explain_step_time(plan.step_times))
+                      + explain_step_time([t for t, _ in plan.schedules()], shape.lengths))
     return 0 if plan.fits else 1
 
+
+
+def run_schedule(run, staleness: int | None = None, partial: bool | None = None
+                 ) -> tuple[int, bool]:
+    """(k, partial): the recipe's ``rollout.max_staleness`` and ``rollout.partial`` (False where
+    the recipe has no such key), each replaced by the flag when given."""
+    k = getattr(run.rollout, "max_staleness", 0) if staleness is None else staleness
+    return int(k), bool(getattr(run.rollout, "partial", False) if partial is None else partial)
 
 
 def tiny_model_config(run) -> dict | None:

@@ -83,7 +83,8 @@ def test_cli_plans_the_async_recipe_and_the_colocated_one(capsys):
     assert lay["tp"] * lay["pp"] * lay["dp"] == 160 and plan["pick"]["gib"]["vllm"] == 0
     eng = plan["dedicated_engine"]
     assert (eng["engines"], eng["engine_tp"], eng["fits"]) == (20, 4, True)
-    assert [t["placement"] for t in plan["step_times"]] == ["colocated", "dedicated", "one-step-off"]
+    assert [t["placement"] for t in plan["step_times"]] == ["colocated", "dedicated",
+                                                            "one-step-off", "partial"]
     assert plan["balanced_one_step_off"]["rollout_gpus"] == 80
 
     assert main([RECIPE_14B_ASYNC, *args]) == 0
@@ -119,7 +120,7 @@ def test_cli_refuses_a_rollout_that_leaves_no_trainer_and_engines_that_do_not_fi
     with pytest.raises(SystemExit) as exc:  # argparse's own exit
         main([RECIPE_14B_ASYNC, "--mean-response-fraction", "0", *args])
     assert exc.value.code == 2
-    assert "--mean-response-fraction must be in (0, 1]" in capsys.readouterr().err
+    assert "--mean-response-fraction must be in (0, 1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recipe, code, verdict", [
@@ -210,3 +211,93 @@ def test_json_and_header_carry_the_attention_backend(capsys):
     code, out, _ = run_main(capsys, args + ["--flash-attn", "here"])
     assert code == (0 if found else 1)
     assert ("attention: flash" in out) == bool(found) and ("DOES NOT RUN" in out) != bool(found)
+
+
+def test_cli_prices_a_schedule_other_than_the_recipes(capsys):
+    """``--staleness K --partial`` marks partial rollouts at k = K as the run's schedule, with its
+    speed-up over the synchronous colocated step, and names the share of responses older than K
+    below the least k that admits them all; ``--staleness 0`` marks the synchronous dedicated
+    step, ``--staleness 3`` without ``--partial`` one-step-off (and says why). On the colocated
+    4-node recipe the marked row is on its fastest split. ``--truncated-fraction`` sets the
+    share at the cap; one no distribution has exits 2 naming the flag."""
+    args = [RECIPE_14B_ASYNC, "--gpus-per-node", "8", "--nodes", "30", "--gpu-memory-gb", "80"]
+    assert main(args + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {s["label"]: s for s in plan["schedules"]}
+    priced = [s for s in plan["schedules"] if s["priced"]]
+    assert [s["placement"] for s in priced] == ["one-step-off"]  # the recipe's max_staleness: 1
+    assert plan["schedule"] == {"max_staleness": 1, "partial": False}
+    base = rows["synchronous, colocated"]["step_s"]
+    for s in plan["schedules"]:
+        assert s["speed_up"] == pytest.approx(base / s["step_s"])
+    partial = next(s for s in plan["schedules"] if s["placement"] == "partial")
+    k_min = partial["staleness"]
+    assert k_min >= 2 and partial["step_s"] < rows["one-step-off, k=1"]["step_s"]
+
+    code, out, _ = run_main(capsys, args + ["--staleness", "2", "--partial"])
+    marked = _marked(out)
+    assert code == 0 and len(marked) == 1
+    assert marked[0].startswith("partial rollouts, k=2") and \
+        marked[0].endswith("<- rollout.max_staleness=2 with rollout.partial")
+    assert f"max_staleness >= {k_min} admits every response; at k = 2" in out
+    code, out, _ = run_main(capsys, args + ["--staleness", "0"])
+    assert [line.split("  ")[0] for line in _marked(out)] == \
+        ["synchronous, dedicated"]
+    code, out, _ = run_main(capsys, args + ["--staleness", "3"])
+    assert "k = 3 without partial rollouts is priced as one-step-off" in out
+    assert [line.split("  ")[0] for line in _marked(out)] == \
+        ["one-step-off, k=1"]
+
+    code, out, _ = run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4",
+                                      "--gpu-memory-gb", "80", "--staleness", "2", "--partial"])
+    assert code == 0
+    assert [line.split("  ")[0] for line in _marked(out)] == \
+        ["partial rollouts, k=2, fastest split"]
+
+    assert main(args + ["--truncated-fraction", "0.02", "--json"]) == 0
+    assert "2.0% of them at the cap" in json.loads(capsys.readouterr().out)["step_time_basis"]
+    code, _, err = run_main(capsys, args + ["--truncated-fraction", "0.6"])
+    assert code == 2 and "--truncated-fraction" in err and "mean / cap" in err
+    code, _, err = run_main(capsys, [RECIPE_14B, "--gpus-per-node", "8", "--nodes", "4",
+                                      "--gpu-memory-gb", "80", "--partial"])
+    assert code == 2 and "--partial needs --staleness K >= 1" in err
+
+
+def _marked(out: str) -> list[str]:
+    """The step-time rows marked as the run's schedule."""
+    return [line for line in out.splitlines() if "<- rollout.max_staleness" in line]
+
+
+def test_the_schedule_is_read_from_the_recipe_with_a_fallback():
+    """``run_schedule``: the recipe's ``rollout.max_staleness`` and ``rollout.partial`` (absent
+    today: False), each replaced by its flag when given."""
+    from types import SimpleNamespace
+
+    from megatron_dgpo.plan import run_schedule
+
+    today = SimpleNamespace(rollout=SimpleNamespace(max_staleness=1))
+    assert run_schedule(today) == (1, False)
+    assert run_schedule(today, 2, True) == (2, True)
+    later = SimpleNamespace(rollout=SimpleNamespace(max_staleness=3, partial=True))
+    assert run_schedule(later) == (3, True) and run_schedule(later, partial=False) == (3, False)
+    assert run_schedule(load_recipe(RECIPE_14B)) == (0, False)
+
+
+def test_benchmarks_readme_has_plan_schedules_rows():
+    """benchmarks/plan_schedules.py's rows (dgpo-plan --json's "schedules" for the 14B and 32B
+    recipes on A100s) are benchmarks/README.md's table, and the 14B recipe on 30 nodes gains from
+    partial rollouts over one-step-off as docs/planner.md#schedules says."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plan_schedules", os.path.join(ROOT, "benchmarks", "plan_schedules.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    readme = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
+    for recipe, nodes in bench.CASES:
+        for row in bench.rows(recipe, nodes):
+            assert row in readme, row
+    own = {s["placement"]: s for s in bench.schedules("dgpo_14b_async", 30, "a100")}
+    assert own["partial"]["speed_up"] > own["one-step-off"]["speed_up"] > 1
+    assert own["partial"]["over_bound"] == 0 and own["partial"]["staleness"] == \
+        own["partial"]["min_staleness"]

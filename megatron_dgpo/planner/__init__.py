@@ -9,9 +9,13 @@ Its modules, bottom to top (each imports only those listed before it):
     memory_terms.py     per-GPU memory, term by term (weights ... NCCL, vLLM's reserve), and
                         the attention backend a plan's GPUs run (the trainer's own rule)
     peak.py             a layout's most loaded GPU (``estimate``) and a dedicated engine's GPU
-    steptime.py         a roofline model of one RL step's generation, training and refit
+    lengths.py          the response-length distribution and the longest of N responses
+    steptime.py         a roofline model of one RL step's generation, training and refit, per
+                        schedule (synchronous, one-step-off, partial rollouts at staleness k)
     published_steps.py  the published step times the step-time model is checked against
+    published_async.py  published asynchronous speed-ups beside the model's
     search.py           every layout a recipe can run, the one to pick, the step times of a plan
+                        and the fastest splits
     report.py           the table, the pick's reasons and ``--explain``'s terms as text
 
 ``dgpo-plan``'s command line sits above them, in the driver (``megatron_dgpo/plan.py``).

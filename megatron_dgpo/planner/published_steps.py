@@ -56,6 +56,9 @@ class PublishedStep:
     group_size: int = 32
     updates: int = 4
     recompute: bool = False
+    truncated: float = 0.002
+    """The share of responses at the cap (``steptime.StepShape.truncated_fraction``): assumed, the
+    sources being silent; 1 in 500 puts the longest of a batch of 2048 at the cap."""
 
     @property
     def description(self) -> ModelDescription:
@@ -129,7 +132,8 @@ def predict_published(row: PublishedStep, hw: Hardware | None = None) -> dict[st
                       max_response_tokens=int(row.max_sequence - p), mean_prompt_tokens=p,
                       mean_response_tokens=row.mean_response, max_num_seqs=1024,
                       recompute=row.recompute, reference_forward=True,
-                      updates=row.updates, micro_batch_tokens=row.max_sequence)
+                      updates=row.updates, micro_batch_tokens=row.max_sequence,
+                      truncated_fraction=row.truncated)
     utilization = 0.8 if row.rollout_gpus else 0.6
     kv = utilization * PUBLISHED_GPU_GIB * GIB - 2 * param_count(desc) / row.engine_tp
     engine_gpus = row.rollout_gpus or row.gpus

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from megatron_dgpo.planner.inputs import GIB, Cluster
+from megatron_dgpo.planner.lengths import ResponseLengths
 from megatron_dgpo.planner.memory_terms import (SCORE_BACKENDS,
                                                 activation_elements_per_token_layer,
                                                 score_layer_bytes, score_row)
@@ -130,25 +131,45 @@ def _scores_text(plan: Plan, e: Estimate) -> str:
             f"[s, s] tensors in all {gib(e.attention_scores)}")
 
 
-def explain_step_time(times: list[StepTime]) -> str:
-    """``dgpo-plan --explain``: every term of each placement's step time (``steptime``'s
-    generation, training and refit terms), seconds."""
+def explain_step_time(times: list[StepTime], lengths: ResponseLengths | None = None) -> str:
+    """``dgpo-plan --explain``: the response lengths, then every term of each schedule's step
+    time (``steptime``'s generation, training and refit terms), seconds."""
     lines = []
+    if lengths is not None:
+        lines.append(f"response lengths  min(L, {lengths.cap:.0f}), ln L ~ Normal({lengths.mu:.2f}, "
+                     f"{lengths.sigma:.2f}): mean {lengths.mean:.0f}, {lengths.truncated:.1%} at the "
+                     f"cap, E[X^2] / (2 E[X]) = {lengths.running_age:.0f} tokens decoded by a "
+                     f"running response on average (docs/planner.md#response-lengths)")
     for t in times:
         g, tr, r = (t.terms.get(k, {}) for k in ("generation", "training", "refit"))
-        lines.append(f"{t.placement} ({t.trainer_gpus} trainer GPUs"
+        lines.append(f"{t.label} ({t.trainer_gpus} trainer GPUs"
                      + (f", {t.rollout_gpus} rollout GPUs" if t.rollout_gpus else "")
                      + f"): step {t.step_s:.1f} s, {t.dominant} dominates")
-        if g:
+        if "tail_steps" in g:
             lines += [
                 f"  generation   {g['total']:.1f} s = prefill {g['prefill_s']:.1f} + bulk "
                 f"{g['bulk_steps']:.0f} steps x {g['bulk_step_s'] * 1e3:.1f} ms + tail "
                 f"{g['tail_steps']:.0f} steps x {g['tail_step_s'] * 1e3:.1f} ms   ({g['responses']} "
                 f"responses per engine, {g['concurrent']} at once, {g['tail_running']:.1f} running "
-                f"in the tail)",
-                f"    of it      step overhead {g['overhead_s']:.1f} s (o per decode step), "
-                f"sampler {g['sampling_s']:.1f} s (per row x vocabulary: one kernel for the batch "
-                f"on vLLM's Model Runner V2, seeded requests included)"]
+                f"in the tail: the longest of the last {g['last_wave']} responses, "
+                f"{g['tail_steps'] / g['mean_response']:.2f}x the mean)"]
+        elif g:
+            lines += [
+                f"  generation   {g['total']:.1f} s = prefill {g['prefill_s']:.1f} + decode "
+                f"{g['decode_steps']:.0f} steps x {g['decode_step_s'] * 1e3:.1f} ms + re-prefill "
+                f"{g['reprefill_s']:.1f}   ({g['responses']} responses per engine, "
+                f"{g['concurrent']} always in flight at a mean context of {g['context']:.0f})",
+                f"    re-prefill each refit recomputes the KV of the {g['concurrent']} interrupted "
+                f"responses (prompt + partial response): {g['reprefill_tokens']:,.0f} tokens per "
+                f"engine",
+                f"    staleness  a refit every {g['tokens_per_refit']:.0f} decode steps interrupts "
+                f"{g['interrupted']:.0%} of the responses ({g['segments']:.2f} segments each); "
+                f"k >= {g['min_staleness']} admits a cap-length one; at k = {g['staleness']}, "
+                f"{g['over_bound']:.1%} are older"]
+        if g:
+            lines.append(f"    of it      step overhead {g['overhead_s']:.1f} s (o per decode step), "
+                         f"sampler {g['sampling_s']:.1f} s (per row x vocabulary: one kernel for the "
+                         f"batch on vLLM's Model Runner V2, seeded requests included)")
         if tr:
             lines.append(f"  training     {tr['total']:.1f} s = update {tr['update_s']:.1f} + "
                          f"log-probs {tr['logprobs_s']:.1f}   (mfu {tr['mfu']:.3f} x pipeline "
@@ -278,19 +299,54 @@ def _engine_text(engine: EngineEstimate, cluster: Cluster) -> str:
 
 
 def _step_time_table(plan: Plan) -> str:
-    """The step-time rows (seconds) and the balanced one-step-off split."""
-    head = ["step time", "trainer GPUs", "rollout GPUs", "generation", "training", "refit",
-            "step", "trainer idle", "engine idle"]
-    rows = [[t.placement, str(t.trainer_gpus), str(t.rollout_gpus or "-")]
-            + [f"{v:.0f}" for v in (t.generation_s, t.training_s, t.refit_s, t.step_s,
-                                     t.trainer_idle_s, t.engine_idle_s)] for t in plan.step_times]
+    """Every schedule's step (seconds) and speed-up over the synchronous colocated one, the
+    fastest splits, what partial rollouts cost and the staleness they need."""
+    head = ["schedule", "trainer GPUs", "rollout GPUs", "generation", "training", "refit",
+            "step", "speed-up", "trainer idle", "engine idle", ""]
+    base, priced = plan.step_times[0].step_s, plan.priced
+    rows = [[t.label + ("" if split == "recipe" else ", fastest split"), str(t.trainer_gpus),
+             str(t.rollout_gpus or "-")]
+            + [f"{v:.0f}" for v in (t.generation_s, t.training_s, t.refit_s, t.step_s)]
+            + [f"{base / t.step_s:.2f}x", f"{t.trainer_idle_s:.0f}", f"{t.engine_idle_s:.0f}",
+               "<- " + _schedule_words(plan) if t is priced else ""]
+            for t, split in plan.schedules()]
     lines = [f"step time in seconds ({plan.step_time_basis}; a roofline model, "
-             f"docs/planner.md#step-time):"] + _aligned(head, rows)
-    colocated = plan.step_times[0]
-    if plan.balanced is not None:
-        b = plan.balanced
-        lines.append(f"one-step-off is fastest with rollout.num_gpus={b.rollout_gpus} "
-                     f"({b.step_s:.0f} s per step: {colocated.step_s / b.step_s:.2f}x the "
-                     f"colocated step; generation {b.generation_s:.0f} s beside training "
-                     f"{b.training_s:.0f} s)")
+             f"docs/planner.md#step-time; speed-up against the synchronous colocated step):"]
+    lines += [line.rstrip() for line in _aligned(head, rows)]
+    sync = plan.step_times[1] if len(plan.step_times) > 1 else plan.step_times[0]
+    g = sync.terms.get("generation", {})
+    if g:
+        lines.append(f"the batch's tail ({sync.label}): the longest of the last {g['last_wave']} "
+                     f"responses is expected at {g['tail_steps']:.0f} tokens, "
+                     f"{g['tail_steps'] / g['mean_response']:.1f}x the mean; through it an "
+                     f"engine decodes {g['tail_running']:.0f} of {g['concurrent']} sequences on "
+                     f"average")
+    for name in ("one-step-off", "partial"):
+        b = plan.balanced.get(name)
+        if b is not None:
+            lines.append(f"{'one-step-off is' if name == 'one-step-off' else 'partial rollouts are'}"
+                         f" fastest with rollout.num_gpus={b.rollout_gpus} ({b.step_s:.0f} s "
+                         f"per step: {base / b.step_s:.2f}x the colocated step; generation "
+                         f"{b.generation_s:.0f} s beside training {b.training_s:.0f} s)")
+    partial = priced if priced is not None and priced.placement == "partial" else next(
+        (t for t, _ in plan.schedules() if t.placement == "partial"), None)
+    if partial is not None:
+        g = partial.terms["generation"]
+        lines.append(f"partial rollouts ({partial.rollout_gpus} rollout GPUs): {g['concurrent']} "
+                     f"responses in flight per engine; a refit every {g['tokens_per_refit']:.0f} "
+                     f"decode steps interrupts {g['interrupted']:.0%} of the responses "
+                     f"({g['segments']:.1f} segments each) and re-prefills "
+                     f"{g['reprefill_tokens'] / 1e3:.0f}k tokens per engine ({g['reprefill_s']:.0f} "
+                     f"s); max_staleness >= {g['min_staleness']} admits every response"
+                     + (f"; at k = {g['staleness']}, {g['over_bound']:.0%} of them would be "
+                        f"older" if g["over_bound"] > 0 else ""))
+    k, with_partial = plan.schedule
+    if k >= 2 and not with_partial:
+        lines.append(f"k = {k} without partial rollouts is priced as one-step-off: without them "
+                     f"every refit waits for the responses in flight")
     return "\n".join(lines)
+
+
+def _schedule_words(plan: Plan) -> str:
+    k, partial = plan.schedule
+    return f"rollout.max_staleness={k}" + (" with rollout.partial" if partial else "")

@@ -1,8 +1,8 @@
 """``dgpo-plan``'s search: every TP x PP x CP x DP (x EP for MoE) layout the trainer can run on a
 cluster (``candidate_layouts``), each estimated (``peak.estimate``), the one to pick and why
-(``choose``, then ``by_step_time`` among those that leave headroom; ``make_plan``: a ``Plan``); then the step time of the plan's placements
-(``estimate_step_times``) and the dedicated GPUs that balance one-step-off
-(``balanced_rollout_gpus``)."""
+(``choose``, then ``by_step_time`` among those that leave headroom; ``make_plan``: a ``Plan``);
+then the step time of the plan's schedules (``estimate_step_times``) and the dedicated GPUs
+that make one-step-off and partial rollouts fastest (``balanced_schedules``)."""
 
 from __future__ import annotations
 
@@ -183,10 +183,14 @@ class Plan:
     engine: EngineEstimate | None = None
     """A dedicated engine's GPU (``rollout.placement: dedicated``)."""
     step_times: list[StepTime] = field(default_factory=list)
-    """``estimate_step_times``: colocated, and with dedicated engines synchronous and one-step-off."""
-    balanced: StepTime | None = None
-    """The one-step-off step with the dedicated GPUs that make it fastest
-    (``balanced_rollout_gpus``)."""
+    """``estimate_step_times``: colocated, and with dedicated engines synchronous, one-step-off
+    and partial rollouts."""
+    balanced: dict = field(default_factory=dict)
+    """``balanced_schedules``: "one-step-off" and "partial" on the dedicated GPUs that make each
+    fastest (None where no split fits)."""
+    schedule: tuple[int, bool] = (0, False)
+    """The schedule priced as the run's: (``rollout.max_staleness``, ``rollout.partial``), from
+    the recipe or ``dgpo-plan --staleness`` / ``--partial``."""
     step_time_basis: str = ""
     """The hardware and lengths behind ``step_times``."""
     layout_step_s: dict = field(default_factory=dict)
@@ -225,9 +229,47 @@ class Plan:
             as_configured=self.as_configured,
             dedicated_engine=self.engine.as_dict() if self.engine else None,
             step_times=[t.as_dict() for t in self.step_times],
-            balanced_one_step_off=self.balanced.as_dict() if self.balanced else None,
+            schedules=[dict(t.as_dict(), speed_up=self.step_times[0].step_s / t.step_s,
+                            split=split, priced=t is self.priced, **_partial_terms(t))
+                       for t, split in self.schedules()],
+            schedule=dict(max_staleness=self.schedule[0], partial=self.schedule[1]),
+            balanced_one_step_off=_as_dict(self.balanced.get("one-step-off")),
+            balanced_partial=_as_dict(self.balanced.get("partial")),
             step_time_basis=self.step_time_basis, attention=self.attention,
             layout_step_s=dict(self.layout_step_s))
+
+    def schedules(self) -> list[tuple[StepTime, str]]:
+        """Every schedule priced, with where its engines are: the plan's own GPUs ("recipe"),
+        then one-step-off and partial rollouts on their fastest split ("fastest split") where
+        that is not the recipe's."""
+        own = {(t.placement, t.rollout_gpus) for t in self.step_times}
+        return [(t, "recipe") for t in self.step_times] + [
+            (t, "fastest split") for t in self.balanced.values()
+            if t is not None and (t.placement, t.rollout_gpus) not in own]
+
+    @property
+    def priced(self) -> StepTime | None:
+        """The schedule of the run (``schedule``): k = 0 synchronous, k >= 1 one-step-off (without
+        partial rollouts a refit waits for the responses in flight, whatever k), partial
+        rollouts; on the recipe's dedicated GPUs, else on the fastest split."""
+        k, partial = self.schedule
+        want = "partial" if partial else "one-step-off" if k >= 1 else (
+            "dedicated" if self.cluster.rollout_gpus else "colocated")
+        return next((t for t, _ in self.schedules() if t.placement == want), None)
+
+
+def _as_dict(t: StepTime | None) -> dict | None:
+    return t.as_dict() if t is not None else None
+
+
+PARTIAL_TERMS = ("concurrent", "reprefill_tokens", "reprefill_s", "tokens_per_refit",
+                 "interrupted", "segments", "min_staleness", "over_bound")
+"""``--json``'s terms of a partial-rollout schedule (``steptime.partial_generation_terms``)."""
+
+
+def _partial_terms(t: StepTime) -> dict:
+    g = t.terms.get("generation", {})
+    return {k: g[k] for k in PARTIAL_TERMS} if t.placement == "partial" else {}
 
 
 CP_WHEN = ("Layouts with CP are not weighed: one without it leaves headroom (the one "
@@ -389,12 +431,13 @@ def rollout_tensor_parallel(plan: Plan) -> int:
     return engine_tp(work, plan.pick.layout)
 
 
-def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[StepTime]:
+def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware, *,
+                        staleness: int | None = None) -> list[StepTime]:
     """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
-    dedicated engines, on the plan's ``rollout_gpus`` (synchronous and one-step-off). The
-    colocated refit moves the pick's gradients and optimizer state to the host and back when
-    ``train.offload_training_state``. The trainer's TP x PP x CP is the pick's (its TP and CP
-    communication and pipeline bubble)."""
+    dedicated engines, on the plan's ``rollout_gpus`` (synchronous, one-step-off, partial
+    rollouts at ``staleness``). The colocated refit moves the pick's gradients and optimizer
+    state to the host and back when ``train.offload_training_state``. The trainer's TP x PP x
+    CP is the pick's (its TP and CP communication and pipeline bubble)."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     reserve, weights, _ = engine_reserve(model.description, cluster, work, t_r)
@@ -407,27 +450,30 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware) -> list[Step
                       hw, world=cluster.gpus, rollout_gpus=cluster.rollout_gpus, engine_tp=t_r,
                       kv_cache_bytes_per_engine_gpu=plan.engine.kv_cache if plan.engine
                       else colocated_kv, colocated_kv_cache_bytes_per_gpu=colocated_kv,
-                      train_layout=layout, gpus_per_node=cluster.gpus_per_node)
+                      train_layout=layout, gpus_per_node=cluster.gpus_per_node,
+                      staleness=staleness)
 
 
-def balanced_rollout_gpus(plan: Plan, shape: StepShape, hw: Hardware, *,
-                          headroom: float = 0.1) -> StepTime | None:
-    """The one-step-off step with the dedicated GPUs (whole nodes on several nodes, whole
-    engines on one) that make it fastest, among those where the trainer still has a layout
-    and the engines fit: generation and training are as long as each other there."""
+def balanced_schedules(plan: Plan, shape: StepShape, hw: Hardware, *, headroom: float = 0.1,
+                       staleness: int | None = None) -> dict[str, StepTime | None]:
+    """{"one-step-off" | "partial": the step on the dedicated GPUs (whole nodes on several
+    nodes, whole engines on one) that make it fastest, among those where the trainer still has
+    a layout and the engines fit}: generation and training about as long as each other there.
+    None where no split fits."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     unit = math.lcm(cluster.gpus_per_node if cluster.nodes > 1 else 1, t_r)
-    best = None
+    best: dict[str, StepTime | None] = {"one-step-off": None, "partial": None}
     for gpus in range(unit, cluster.gpus, unit):
         trial = make_plan(model, replace(cluster, rollout_gpus=gpus),
                           replace(work, rollout_placement="dedicated", colocated_rollout=False,
                                   rollout_tp=t_r), headroom=headroom)
         if not trial.fits:
             continue
-        one_step_off = estimate_step_times(trial, shape, hw)[-1]
-        if best is None or one_step_off.step_s < best.step_s:
-            best = one_step_off
+        for t in estimate_step_times(trial, shape, hw, staleness=staleness):
+            if t.placement in best and (best[t.placement] is None
+                                        or t.step_s < best[t.placement].step_s):
+                best[t.placement] = t
     return best
 
 
@@ -436,11 +482,12 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
                        headroom: float = 0.1, hf_config: str | dict | None = None
                        ) -> dict[str, dict]:
     """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
-    ``{"colocated" | "synchronous" | "one_step_off": StepTime.as_dict()}``, the latter two on
-    the recipe's ``rollout.num_gpus``, and ``"balanced"``, one-step-off on the dedicated GPUs
-    that make it fastest (``benchmarks/bench_async.py``). The attention backend is the one the
-    recipe runs on ``hardware`` with the pinned image (``memory_terms.resolve_attention``; its
-    ``ValueError`` where it cannot run there). ``hf_config``: ``catalogue.architecture_for``'s."""
+    ``{"colocated" | "synchronous" | "one_step_off" | "partial": StepTime.as_dict()}``, the
+    latter three on the recipe's ``rollout.num_gpus``, and ``"balanced"`` /
+    ``"balanced_partial"``, one-step-off / partial rollouts on the dedicated GPUs that make each
+    fastest (``benchmarks/bench_async.py``). The attention backend is the one the recipe runs on
+    ``hardware`` with the pinned image (``memory_terms.resolve_attention``; its ``ValueError``
+    where it cannot run there). ``hf_config``: ``catalogue.architecture_for``'s."""
     if run.rollout.placement != "dedicated":
         raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
                          f"{run.rollout.placement!r}")
@@ -453,11 +500,12 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
                      recipe_cp=run.parallel.context_parallel)
     shape = StepShape.from_recipe(run, mean_prompt_tokens=mean_prompt_tokens,
                                   mean_response_fraction=mean_response_fraction)
-    colocated, synchronous, one_step_off = estimate_step_times(plan, shape, hw)
-    balanced = balanced_rollout_gpus(plan, shape, hw, headroom=headroom)
+    colocated, synchronous, one_step_off, partial = estimate_step_times(plan, shape, hw)
+    balanced = balanced_schedules(plan, shape, hw, headroom=headroom)
     return {"colocated": colocated.as_dict(), "synchronous": synchronous.as_dict(),
-            "one_step_off": one_step_off.as_dict(),
-            "balanced": balanced.as_dict() if balanced else None}
+            "one_step_off": one_step_off.as_dict(), "partial": partial.as_dict(),
+            "balanced": _as_dict(balanced["one-step-off"]),
+            "balanced_partial": _as_dict(balanced["partial"])}
 
 
 def _no_fit_text(model: PlannedModel, cluster: Cluster, estimates: list[Estimate], *,

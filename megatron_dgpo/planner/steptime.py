@@ -1,21 +1,9 @@
 """How long an RL step takes where generation runs: a roofline model of generation, training and
-refit for ``dgpo-plan`` (colocated engines vs dedicated ones, synchronous vs one-step-off).
-
-``step_times(desc, shape, hw, world=..., ...)`` gives the step colocated, on dedicated engines
-and one-step-off (``StepTime``: each phase's seconds and what each side idles) for a
-``StepShape`` (the recipe's batch and lengths) on a ``Hardware`` (published peaks), from
-``generation_seconds``, ``training_seconds`` and ``refit_seconds`` (their ``*_terms`` give each
-term; ``search.estimate_step_times`` applies them to a plan). Generation is
-prefill, continuous batching's bulk and the longest responses' tail, each decode step bounded
-by the HBM it reads or its FLOPs; training is the passes' FLOPs at an MFU with the pipeline
-bubble and sequence parallelism's communication; the placements combine them as
-
-    colocated        step = generation(all GPUs) + training(all GPUs) + refit
-    dedicated, sync  step = generation(R GPUs) + training(the rest) + refit
-    one-step-off     step = max(generation, training) + refit
-
-The formulas term by term and the named constants' sources (six fitted to four published
-NeMo-RL rows, which ``published_steps.PUBLISHED_STEPS`` marks): docs/planner.md#step-time.
+refit, and how each schedule combines them (``step_times``: ``StepTime`` rows, synchronous
+colocated or dedicated, one-step-off, partial rollouts at staleness k) for a ``StepShape`` on a
+``Hardware``. Each phase's ``*_terms`` gives its terms. The formulas, the schedules and the
+constants' sources (six fitted to four published NeMo-RL rows): docs/planner.md#step-time and
+#schedules.
 """
 
 from __future__ import annotations
@@ -24,59 +12,39 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dgpo.models import ModelDescription
+from megatron_dgpo.planner.lengths import ResponseLengths
 from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token
 from megatron_dgpo.planner.parameters import param_count
 
 # --------------------------------------------------------------------------- constants
 
+# The constants' sources: docs/planner.md#published-step-times ("Constants").
 DENSE_TRAIN_MFU = 0.40
-"""Dense training's share of F before pipeline bubbles and TP communication. Fitted: NeMo-RL v0.3
-blog, Llama-3.1-8B on 8 H100 (data parallel only, so nothing else to blame): policy training
-28 s + log-probs 18 s for 2048 x (128 + 795) tokens is 0.39-0.41."""
+"""Dense training's share of F before pipeline bubbles and TP communication (fitted)."""
 MOE_TRAIN_MFU = 0.065
-"""MoE training's share of F (active parameters' FLOPs), Megatron-Core with EP all-to-alls,
-token-dropless routing without load balancing and many small expert GEMMs (NeMo-RL's
-`moe_permute_fusion: false`). Fitted to the two Qwen3-30B-A3B rows of ``PUBLISHED_STEPS``,
-minimising the worst ratio: NeMo-RL v0.3 blog on 64 H100 (training 50 s implies 0.048, log-probs 23 s 0.07)
-and the v0.5 performance summary on 32 H100 (198 s; NeMo-RL's MoE training got faster between
-the two releases, so no single value fits both closer than ~1.2x)."""
+"""MoE training's share of F for the active parameters' FLOPs (fitted)."""
 DECODE_HBM_EFFICIENCY = 0.6
-"""eta: the share of B_hbm a decode step's weight and KV reads reach (vLLM with CUDA graphs;
-the typical published share, not fitted)."""
+"""eta: the share of B_hbm a decode step's weight and KV reads reach (typical, not fitted)."""
 DECODE_STEP_OVERHEAD_S = 0.0045
-"""o: a decode step's fixed cost beyond its kernels and the sampler (vLLM's scheduler, input
-preparation, the TP all-reduces' latency), seconds. Fitted: NeMo-RL v0.3 blog, Llama-3.1-8B
-(generation 58 s) and Llama-3.1-70B (84 s), whose steps are mostly the long tail."""
+"""o: a decode step's fixed cost beyond its kernels and the sampler, seconds (fitted)."""
 PREFILL_MFU = 0.5
 DECODE_MFU = 0.5
 SAMPLING_S_PER_ROW_VOCAB = 0.88e-3 / (1024 * 152064)
-"""The sampler's batched draw (unseeded requests): measured on an NVIDIA H200, 0.88 ms for
-vLLM's draw on probabilities [1024, 152064] (``bench_sampling.py``), per row and vocabulary
-entry; used for every GPU type (the draw is launch- and compute-bound, not HBM-bound)."""
+"""The sampler's batched draw per row and vocabulary entry (measured on an H200)."""
 SEEDED_SAMPLING_S_PER_ROW_VOCAB = 8.9e-3 / (1024 * 152064)
-"""The same draw with every request seeded on vLLM's Model Runner V1: ``random_sample`` draws a
-seeded request's noise with its own kernel; measured on the H200, 8.9 ms for 1024 seeded rows at
-vocab 152064. Charged only with ``StepShape.per_request_seeded_draw``: vLLM 0.32 runs
-Model Runner V2 on CUDA, whose counter-based draw costs a seeded request the batched figure
-(``rollout.vllm_engine.seeded_draw``; benchmarks/bench_sampling.py)."""
+"""The same with a kernel per seeded request (vLLM's Model Runner V1; measured on an H200)."""
 REFIT_FIXED_S = 3.85
-"""A refit's fixed cost: a colocated engine's sleep and wake (free and re-allocate the KV
-cache, re-map the weights), the IPC handles, the cache resets, seconds. Fitted with
-``REFIT_GB_PER_S`` to NeMo-RL v0.3's refits of Llama-3.1-8B (5 s) and Llama-3.1-70B (14 s)."""
+"""A refit's fixed cost (sleep/wake, IPC handles, cache resets), seconds (fitted)."""
 REFIT_GB_PER_S = 13.9
-"""The effective bandwidth of the whole model's bf16 weights from the trainer's TP x PP shards
-into the engines (gather, HF-layout conversion, copy), GB/s. Fitted with ``REFIT_FIXED_S``."""
+"""The whole model's bf16 weights into the engines, effective GB/s (fitted)."""
 REFIT_S_PER_TENSOR = 2.0e-4
-"""A refit's cost per HF-layout weight tensor (conversion and hand-over per tensor: Qwen3-30B-A3B
-has 18,800 of them, one per expert projection, against ~300-700 for the dense models). Fitted:
-NeMo-RL v0.3, Qwen3-30B-A3B's refit 12 s vs 8.2 s from its bytes (NeMo-RL's "Journey of
-Optimizing Weight Transfer in Large MoE Models by 10x" names the per-tensor cost)."""
+"""A refit's cost per HF-layout weight tensor, seconds (fitted)."""
 
 
 @dataclass(frozen=True)
 class Hardware:
     """One GPU type's published peaks and the shares of them RL phases reach (the module's
-    constants by default)."""
+    constants by default, each field named after one)."""
 
     name: str
     peak_tflops: float
@@ -91,19 +59,13 @@ class Hardware:
     pcie_gb_per_s: float
     """Host <-> GPU copies of offloaded training state, GB/s (PCIe 4 x16: 25; PCIe 5: 50)."""
     train_mfu: float = DENSE_TRAIN_MFU
-    """Dense training's share of F (``DENSE_TRAIN_MFU``)."""
     moe_train_mfu: float = MOE_TRAIN_MFU
-    """MoE training's share of F for the active parameters (``MOE_TRAIN_MFU``)."""
     decode_hbm_efficiency: float = DECODE_HBM_EFFICIENCY
-    """eta: the share of B_hbm a decode step reaches (vLLM with CUDA graphs)."""
     decode_mfu: float = DECODE_MFU
     decode_step_overhead_s: float = DECODE_STEP_OVERHEAD_S
-    """o: a decode step's fixed cost beyond its kernels, seconds."""
     prefill_mfu: float = PREFILL_MFU
     wake_sleep_s: float = REFIT_FIXED_S
-    """A refit's fixed cost (``REFIT_FIXED_S``), seconds."""
     refit_gb_per_s: float = REFIT_GB_PER_S
-    """The whole model's weights into the engines, effective GB/s (``REFIT_GB_PER_S``)."""
     refit_s_per_tensor: float = REFIT_S_PER_TENSOR
     sampling_s_per_row_vocab: float = SAMPLING_S_PER_ROW_VOCAB
     seeded_sampling_s_per_row_vocab: float = SEEDED_SAMPLING_S_PER_ROW_VOCAB
@@ -143,11 +105,9 @@ class StepShape:
     """Colocated with ``train.offload_training_state``: gradients + optimizer state that leave
     each GPU and come back every step."""
     per_request_seeded_draw: bool = False
-    """The engines draw each seeded request's noise with its own kernel
-    (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``): vLLM's Model Runner V1 on a GPU, where
-    ``VLLMEngine.seeded_draw`` says "per request". Every request of this project is seeded
-    (``rollout.placement.prompt_seeds``), but vLLM 0.32 runs Model Runner V2 on CUDA, whose
-    counter-based draw costs what the batched unseeded draw does: False."""
+    """A kernel per seeded request (``SEEDED_SAMPLING_S_PER_ROW_VOCAB``): vLLM's Model Runner
+    V1, where ``VLLMEngine.seeded_draw`` says "per request"; vLLM 0.32's V2 on CUDA draws the
+    batch in one kernel (False)."""
     reference_forward: bool = False
     """A reference model's forward in the log-prob phase (NeMo-RL's GRPO with a KL penalty;
     DGPO has no reference model)."""
@@ -156,19 +116,38 @@ class StepShape:
     micro-batches of one update fill the pipeline once."""
     micro_batch_tokens: int = 0
     """One packed micro-batch row (``train.micro_batch_tokens``); 0: no pipeline bubble counted."""
+    length_sigma: float | None = None
+    """The response lengths' log-space spread (``lengths.ResponseLengths``; None: its default)."""
+    truncated_fraction: float | None = None
+    """The share of responses at the cap (``rollout/truncated_frac``); when set, it fixes the
+    spread instead of ``length_sigma``."""
+
+    def __post_init__(self):
+        # ValueError here for a mean or truncated share no distribution has
+        object.__setattr__(self, "_lengths", ResponseLengths.fit(
+            self.max_response_tokens, self.mean_response_tokens, sigma=self.length_sigma,
+            truncated=self.truncated_fraction))
+
+    @property
+    def lengths(self) -> ResponseLengths:
+        """The response-length distribution: capped lognormal of mean ``mean_response_tokens``."""
+        return self._lengths
 
     @classmethod
     def from_recipe(cls, run, *, mean_prompt_tokens: float = 200.0,
-                    mean_response_fraction: float = 0.5) -> "StepShape":
-        if not 0 < mean_response_fraction <= 1:
-            raise ValueError(f"mean_response_fraction must be in (0, 1], got {mean_response_fraction!r}")
+                    mean_response_fraction: float = 0.5,
+                    truncated_fraction: float | None = None) -> "StepShape":
+        if not 0 < mean_response_fraction < 1:
+            raise ValueError(f"mean_response_fraction must be in (0, 1), got "
+                             f"{mean_response_fraction!r}")
         return cls(prompts=run.train.rollout_batch_prompts, group_size=run.rollout.group_size,
                    max_response_tokens=run.rollout.max_response_tokens,
                    mean_prompt_tokens=min(mean_prompt_tokens, run.rollout.max_prompt_tokens),
                    mean_response_tokens=mean_response_fraction * run.rollout.max_response_tokens,
                    max_num_seqs=run.rollout.max_num_seqs, recompute=run.model.recompute_activations,
                    updates=max(1, run.train.rollout_batch_prompts // run.train.mini_batch_prompts),
-                   micro_batch_tokens=run.train.micro_batch_tokens)
+                   micro_batch_tokens=run.train.micro_batch_tokens,
+                   truncated_fraction=truncated_fraction)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -237,27 +216,31 @@ def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float,
 
 def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                      engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> dict[str, float]:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, term by term: the
-    per-engine counts (responses, concurrent, bulk and tail steps, the tail's mean running
-    sequences) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, each waiting for its
+    longest response, term by term: the per-engine counts (responses, concurrent, bulk and
+    tail steps, the tail's mean running sequences, the responses of the last wave over all
+    engines) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
     fixed cost and of the sampler), ``total`` their sum."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
+    lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
-    tail_len = max(shape.max_response_tokens, r)
     kv_token = kv_cache_bytes_per_token(desc)
     kv_room_tokens = max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp / kv_token
     concurrent = max(1, min(shape.max_num_seqs, per_engine, int(kv_room_tokens // (p + r))))
     bulk_steps = max(0, per_engine - concurrent) * r / concurrent
-    tail_running = max(1.0, min(concurrent, per_engine) * r / tail_len)
-    context = p + r / 2
+    wave = min(concurrent, per_engine)
+    tail_len = lengths.expected_max(wave * engines)
+    tail_running = max(1.0, wave * r / tail_len)
+    context = p + lengths.running_age
     step = dict(engine_tp=engine_tp, context=context, seeded=shape.per_request_seeded_draw)
     bulk = decode_step_seconds(desc, hw, running=concurrent, **step)
     tail = decode_step_seconds(desc, hw, running=tail_running, **step)
     prefill = 2 * active_params(desc) * per_engine * p / engine_tp / (hw.peak_tflops * 1e12
                                                                        * hw.prefill_mfu)
     return dict(responses=per_engine, concurrent=concurrent, bulk_steps=bulk_steps,
-                tail_steps=tail_len, tail_running=tail_running,
-                prefill_s=prefill, bulk_s=bulk_steps * bulk["total"],
+                tail_steps=tail_len, tail_running=tail_running, last_wave=wave * engines,
+                mean_response=r,
+                context=context, prefill_s=prefill, bulk_s=bulk_steps * bulk["total"],
                 tail_s=tail_len * tail["total"],
                 overhead_s=(bulk_steps + tail_len) * hw.decode_step_overhead_s,
                 sampling_s=bulk_steps * bulk["sampling"] + tail_len * tail["sampling"],
@@ -272,29 +255,75 @@ def generation_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *
                             kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
 
 
+def staleness_terms(lengths: ResponseLengths, tokens_per_refit: float,
+                    staleness: int) -> dict[str, float]:
+    """Partial rollouts refitted every y = ``tokens_per_refit`` decode steps: a response of X
+    tokens started at a uniform phase crosses X / y refits on average, at most ceil(X / y), and
+    is trained one step after its last segment, so its oldest token is 1 + (refits crossed)
+    steps old:
+
+        interrupted     E[min(X, y)] / y                       responses of two or more segments
+        segments        1 + E[X] / y                           segments per response
+        min_staleness   1 + ceil(cap / y)                      the k that admits every response
+        over_bound      (E[min(X, k y)] - E[min(X, (k-1) y)]) / y   responses older than k"""
+    y = tokens_per_refit
+    k = max(staleness, 0)
+    return dict(staleness=k, tokens_per_refit=y, interrupted=lengths.mean_below(y) / y,
+                segments=1 + lengths.mean / y,
+                min_staleness=1 + math.ceil(lengths.cap / y - 1e-9),
+                over_bound=(lengths.mean_below(k * y) - lengths.mean_below((k - 1) * y)) / y
+                if k >= 1 else 1.0)
+
+
+def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *,
+                             engines: int, engine_tp: int, kv_cache_bytes_per_engine_gpu: float,
+                             staleness: int | None = None, reprefill: bool = True,
+                             in_flight: float | None = None) -> dict[str, float]:
+    """One step's responses (P G / E per engine) on engines that never wait for a batch's tail
+    (partial rollouts, a refit every step): c = min(max_num_seqs, KV room / context) responses
+    always in flight at the mean context p + E[X^2] / (2 E[X]); n r / c decode steps of c; the
+    new prompts' prefill; and at each refit the c interrupted responses re-prefilled (prompt +
+    partial response, ``reprefill``; False: the KV cache kept across the refit, as PipelineRL's
+    in-flight updates do). ``in_flight``: the responses an engine may hold at once (None: as
+    many as fit; over-provisioning bounds it). ``staleness_terms`` at ``staleness`` (None: its
+    ``min_staleness``); ``total`` the seconds."""
+    per_engine = math.ceil(shape.prompts * shape.group_size / engines)
+    lengths = shape.lengths
+    p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
+    context = p + lengths.running_age
+    kv_room_tokens = (max(kv_cache_bytes_per_engine_gpu, 0) * engine_tp
+                      / kv_cache_bytes_per_token(desc))
+    concurrent = max(1, min(shape.max_num_seqs, int(kv_room_tokens // context),
+                             int(in_flight or shape.max_num_seqs)))
+    decode_steps = per_engine * r / concurrent
+    step = decode_step_seconds(desc, hw, running=concurrent, context=context, engine_tp=engine_tp,
+                               seeded=shape.per_request_seeded_draw)
+    flops = engine_tp * hw.peak_tflops * 1e12 * hw.prefill_mfu
+    prefill = 2 * active_params(desc) * per_engine * p / flops
+    reprefill_tokens = concurrent * context if reprefill else 0.0
+    reprefill_s = reprefill_tokens * (2 * active_params(desc)
+                                      + 2 * desc.dims.layers * desc.dims.q_dim * context) / flops
+    decode = decode_steps * step["total"]
+    stale = staleness_terms(lengths, decode_steps, staleness or 0)
+    if staleness is None:
+        stale = staleness_terms(lengths, decode_steps, stale["min_staleness"])
+    return dict(responses=per_engine, concurrent=concurrent, context=context,
+                decode_steps=decode_steps, decode_step_s=step["total"], prefill_s=prefill,
+                decode_s=decode, reprefill_tokens=reprefill_tokens, reprefill_s=reprefill_s,
+                overhead_s=decode_steps * hw.decode_step_overhead_s,
+                sampling_s=decode_steps * step["sampling"],
+                longest_decode_s=lengths.cap * step["total"],
+                total=prefill + decode + reprefill_s, **stale)
+
+
 def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float,
                       mean_sequence: float, tp: int, cp: int, gpus_per_node: int = 8,
                       mfu: float | None = None, dtype_bytes: int = 2) -> dict[str, float]:
-    """Context parallelism's K/V ring (Transformer-Engine's ``cp_comm_type="p2p"``) for one
-    layer's forward of one packed row of s = ``row_tokens`` tokens on one rank, seconds:
-
-        comm     (c - 1) / c  s  2 (g d / t) b / B          the row's K and V of this TP rank's
-                                                            g / t KV heads, (c - 1) chunks of
-                                                            s / c tokens received in the ring
-        attn     s  2 a d  S / (t c) / (F mfu)              the attention's own FLOPs on this
-                                                            rank (S the mean sequence: packed
-                                                            sequences attend within themselves)
-        layer    s  (2 N / L + 2 a d S) / (t c) / (F mfu)   the whole layer on this rank
-        exposed  max(0, comm - attn)                        assumption: each ring step's
-                                                            send/recv overlaps the attention of
-                                                            the chunk already there, nothing else
-        cp_efficiency = 1 / (1 + exposed / layer)
-
-    B is B_nvlink while the t c ranks of a TP x CP group fit in a node (Megatron orders ranks
-    TP, then CP), else B_net (the ring's slowest hop crosses nodes). Backward sends K and V
-    again and returns dK and dV: twice the bytes against twice the FLOPs, the same ratio, so
-    one efficiency serves the whole pass. Nothing else crosses CP ranks (log-probs and the
-    loss are CP-local)."""
+    """Context parallelism's K/V ring (TE's ``cp_comm_type="p2p"``) for one layer's forward of
+    one packed row of ``row_tokens`` on one rank: ``comm_s`` (the K/V chunks received),
+    ``attention_s`` (what hides them), ``layer_s``, ``exposed_s``, ``link`` and
+    ``cp_efficiency`` = 1 / (1 + exposed / layer). The formulas:
+    docs/planner.md#context-parallelism."""
     d = desc.dims
     mfu = mfu if mfu is not None else (hw.moe_train_mfu if d.moe else hw.train_mfu)
     flops = hw.peak_tflops * 1e12 * mfu
@@ -311,13 +340,9 @@ def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float
 
 def grad_reduce_terms(desc: ModelDescription, hw: Hardware, *, gpus: int, tp: int, pp: int,
                       cp: int, gpus_per_node: int, backward_s: float) -> dict[str, float]:
-    """One optimizer update's gradient reduce-scatter (fp32) and parameter all-gather (bf16)
-    over the D c ranks of the distributed optimizer (DP x CP: CP ranks hold the same weights),
-    seconds: (4 + 2) (N_all / (t p)) (D c - 1) / (D c) / B, B = B_nvlink while a stage's
-    t c D = world / p ranks fit in a node, else B_net. Assumption: Megatron's
-    ``overlap_grad_reduce`` / ``overlap_param_gather`` (the trainer's GPU flags) hide it behind
-    the update's backward and forward, so only ``exposed_s`` = max(0, comm - ``backward_s``)
-    counts."""
+    """One optimizer update's gradient reduce-scatter and parameter all-gather over the D c
+    ranks of the distributed optimizer, seconds: ``comm_s`` and ``exposed_s`` = max(0, comm -
+    ``backward_s``), the part overlapping does not hide (docs/planner.md#context-parallelism)."""
     replicas = max(1, gpus // (tp * pp))  # D c
     if replicas == 1:
         return dict(comm_s=0.0, exposed_s=0.0)
@@ -399,12 +424,17 @@ def refit_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, ded
     return refit_terms(desc, shape, hw, dedicated=dedicated)["total"]
 
 
+OVERLAPPED = ("one-step-off", "partial")
+"""The schedules whose generation overlaps the previous step's training (dedicated engines)."""
+
+
 @dataclass(frozen=True)
 class StepTime:
-    """One placement's step, seconds: the phases and who waits."""
+    """One schedule's step, seconds: the phases and who waits."""
 
     placement: str
-    """"colocated", "dedicated" (synchronous) or "one-step-off"."""
+    """"colocated", "dedicated" (synchronous), "one-step-off" or "partial" (partial rollouts at
+    ``staleness``)."""
     trainer_gpus: int
     rollout_gpus: int
     """GPUs of dedicated engines (0: colocated, the engines share the trainer's GPUs)."""
@@ -412,11 +442,21 @@ class StepTime:
     training_s: float
     refit_s: float
     terms: dict = field(default_factory=dict, compare=False, repr=False)
-    """The phases' terms (``generation_terms``, ``training_terms``, ``refit_terms``)."""
+    """The phases' terms (``generation_terms`` or ``partial_generation_terms``,
+    ``training_terms``, ``refit_terms``)."""
+    staleness: int = 0
+    """k: 0 synchronous, 1 one-step-off, the bound priced for partial rollouts."""
+
+    @property
+    def label(self) -> str:
+        """The schedule in words: "synchronous, colocated", ..., "partial rollouts, k=2"."""
+        return {"colocated": "synchronous, colocated", "dedicated": "synchronous, dedicated",
+                "one-step-off": "one-step-off, k=1"}.get(self.placement,
+                                                         f"partial rollouts, k={self.staleness}")
 
     @property
     def step_s(self) -> float:
-        if self.placement == "one-step-off":
+        if self.placement in OVERLAPPED:
             return max(self.generation_s, self.training_s) + self.refit_s
         return self.generation_s + self.training_s + self.refit_s
 
@@ -438,16 +478,17 @@ class StepTime:
 
     def _waiting(self, other: float, own: float) -> float:
         """What a side waits for the other side's ``other`` seconds of work beside its ``own``:
-        nothing colocated (the same GPUs do both), all of it synchronous, the difference
-        one-step-off."""
+        nothing colocated (the same GPUs do both), all of it synchronous, the difference when
+        generation overlaps training."""
         if self.placement == "colocated":
             return 0.0
-        if self.placement == "one-step-off":
+        if self.placement in OVERLAPPED:
             return max(0.0, other - own)
         return other
 
     def as_dict(self) -> dict:
-        return dict(placement=self.placement, trainer_gpus=self.trainer_gpus,
+        return dict(placement=self.placement, staleness=self.staleness, label=self.label,
+                    trainer_gpus=self.trainer_gpus,
                     rollout_gpus=self.rollout_gpus, step_s=self.step_s,
                     generation_s=self.generation_s, training_s=self.training_s,
                     refit_s=self.refit_s, trainer_idle_s=self.trainer_idle_s,
@@ -459,9 +500,10 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
                colocated_kv_cache_bytes_per_gpu: float | None = None,
                train_layout: tuple[int, ...] = (1, 1),
                dedicated_train_layout: tuple[int, ...] | None = None,
-               gpus_per_node: int = 8) -> list[StepTime]:
+               gpus_per_node: int = 8, staleness: int | None = None) -> list[StepTime]:
     """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
-    0) dedicated engines on ``rollout_gpus`` of them, synchronous and one-step-off.
+    0) dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, and partial
+    rollouts at ``staleness`` (None: the least k that admits every response).
     ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
     one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP, CP) on all GPUs,
     ``dedicated_train_layout`` on the GPUs the engines leave (default the same);
@@ -479,14 +521,15 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
     if rollout_gpus:
         trainer = world - rollout_gpus
         tp, pp, cp = (tuple(dedicated_train_layout or train_layout) + (1,))[:3]
-        gen = generation_terms(desc, shape, hw, engines=rollout_gpus // engine_tp,
-                               engine_tp=engine_tp,
-                               kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
+        engines = dict(engines=rollout_gpus // engine_tp, engine_tp=engine_tp,
+                       kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)
+        gen = generation_terms(desc, shape, hw, **engines)
+        partial = partial_generation_terms(desc, shape, hw, staleness=staleness, **engines)
         train = training_terms(desc, shape, hw, gpus=trainer, tp=tp, pp=pp, cp=cp,
                                gpus_per_node=gpus_per_node)
         refit = refit_terms(desc, shape, hw, dedicated=True)
-        out += [StepTime(mode, trainer, rollout_gpus, gen["total"], train["total"],
-                         refit["total"], dict(generation=gen, training=train, refit=refit))
-                for mode in ("dedicated", "one-step-off")]
+        out += [StepTime(mode, trainer, rollout_gpus, g["total"], train["total"], refit["total"],
+                         dict(generation=g, training=train, refit=refit), k)
+                for mode, g, k in (("dedicated", gen, 0), ("one-step-off", gen, 1),
+                                   ("partial", partial, partial["staleness"]))]
     return out
-

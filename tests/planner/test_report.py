@@ -57,10 +57,14 @@ def test_explain_prints_the_step_time_terms(capsys):
                  "--hardware", "h100", "--explain"]) == 0
     out = capsys.readouterr().out
     section = out[out.index("step-time terms"):]
-    for placement in ("colocated (240 trainer GPUs)", "dedicated (160 trainer GPUs, 80 rollout GPUs)",
-                      "one-step-off (160 trainer GPUs, 80 rollout GPUs)"):
+    for placement in ("synchronous, colocated (240 trainer GPUs)",
+                      "synchronous, dedicated (160 trainer GPUs, 80 rollout GPUs)",
+                      "one-step-off, k=1 (160 trainer GPUs, 80 rollout GPUs)",
+                      "partial rollouts, k="):
         assert placement in section
-    for term in ("prefill", "bulk", "tail", "step overhead", "sampler", "update", "log-probs",
-                 "mfu", "pipeline", "TP communication", "refit", "fixed", "bytes", "tensors",
-                 "network", "dominates"):
+    for term in ("response lengths", "at the cap", "prefill", "bulk", "tail", "the longest of",
+                 "step overhead", "sampler", "update", "log-probs", "mfu", "pipeline",
+                 "TP communication", "refit", "fixed", "bytes", "tensors", "network",
+                 "dominates", "decode", "re-prefill", "in flight", "interrupts", "segments",
+                 "admits"):
         assert term in section, term

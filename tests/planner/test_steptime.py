@@ -1,12 +1,14 @@
 """megatron_dgpo/planner/steptime.py: the step-time formulas recomputed by hand from round
-hardware numbers, the generation tail's floor, monotonicity in the lengths, the MoE decode's
-touched experts and the seeded sampler's term."""
+hardware numbers (synchronous, one-step-off, partial rollouts), the staleness terms against a
+simulation, the tail partial rollouts avoid, the generation tail's floor, monotonicity in the
+lengths, the MoE decode's touched experts and the seeded sampler's term."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from megatron_dgpo.planner.catalogue import PUBLISHED
@@ -15,8 +17,9 @@ from megatron_dgpo.planner.memory_terms import kv_cache_bytes_per_token
 from megatron_dgpo.planner.parameters import param_count
 from megatron_dgpo.planner.steptime import (HARDWARE, StepShape, StepTime, active_params,
                                             experts_touched_share, generation_seconds,
-                                            generation_terms, refit_seconds, routed_expert_params,
-                                            shared_params, step_times, training_seconds,
+                                            generation_terms, partial_generation_terms,
+                                            refit_seconds, routed_expert_params, shared_params,
+                                            staleness_terms, step_times, training_seconds,
                                             weight_tensors)
 from tests.planner._inputs import R1_14B, ROUND, SMALL
 
@@ -31,30 +34,37 @@ def test_step_time_formulas_by_hand():
     shape = StepShape(prompts=8, group_size=4, max_response_tokens=1000, mean_prompt_tokens=100,
                       mean_response_tokens=400, max_num_seqs=4, per_request_seeded_draw=True)
     # 2 engines of 1 GPU: 16 responses each, 4 at a time (max_num_seqs; the KV room holds more):
-    # 1200 bulk steps of 4 running, then the longest response's 1000-step tail with 4 x 400 /
-    # 1000 = 1.6 running on average; every step reads the weights and its sequences' KV
-    # (mean context 100 + 400 / 2), or is compute-bound; plus its fixed cost and the sampler
-    # (each seeded request's own kernel: 1e-8 s per row and vocabulary entry)
+    # 1200 bulk steps of 4 running, then the tail: the longest of the last wave's 2 x 4
+    # responses (``lengths.expected_max``, checked against a Monte Carlo in test_lengths.py)
+    # with 4 x 400 / tail running on average; every step reads the weights and its sequences'
+    # KV (mean context 100 + E[X^2] / (2 E[X]): a long response is read at more steps), or is
+    # compute-bound; plus its fixed cost and the sampler (each seeded request's own kernel:
+    # 1e-8 s per row and vocabulary entry)
+    lengths = shape.lengths
+    context, tail = 100 + lengths.second_moment / 800, lengths.expected_max(8)
+    assert 400 < tail < 1000 and context > 100 + 400 / 2
 
     def step(c, per_row=1e-8):
-        return (max((2 * n + c * 300 * kv) / (1000e9 * 0.5), 2 * n * c / (100e12 * 0.5))
+        return (max((2 * n + c * context * kv) / (1000e9 * 0.5), 2 * n * c / (100e12 * 0.5))
                 + 0.001 + c * 1000 * per_row)
     prefill = 2 * n * 16 * 100 / (100e12 * 0.5)
-    expected = prefill + 1200 * step(4) + 1000 * step(1.6)
-    assert 1200 * 4 + 1000 * 1.6 == 16 * 400  # every response token decoded once
+    expected = prefill + 1200 * step(4) + tail * step(1600 / tail)
     got = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
                              kv_cache_bytes_per_engine_gpu=1e12)
     assert got == pytest.approx(expected, rel=1e-12)
     # one kernel for the batch (Model Runner V2, seeded or not): 1e-9 per row and vocabulary entry
     batched = generation_seconds(SMALL, replace(shape, per_request_seeded_draw=False), ROUND, engines=2,
                                  engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
-    assert batched == pytest.approx(prefill + 1200 * step(4, 1e-9) + 1000 * step(1.6, 1e-9),
+    assert batched == pytest.approx(prefill + 1200 * step(4, 1e-9) + tail * step(1600 / tail, 1e-9),
                                     rel=1e-12)
-    assert got - batched == pytest.approx((1200 * 4 + 1000 * 1.6) * 1000 * 9e-9, rel=1e-9)
-    # a KV cache of 2 responses' room halves the concurrency: more steps
+    # every response token decoded once: 1200 x 4 + tail x 1600 / tail = 16 x 400 rows sampled
+    assert got - batched == pytest.approx(16 * 400 * 1000 * 9e-9, rel=1e-9)
+    # a KV cache of 2 responses' room halves the concurrency: more steps, a wave of 2 x 2
     tight = generation_seconds(SMALL, shape, ROUND, engines=2, engine_tp=1,
                                kv_cache_bytes_per_engine_gpu=2 * 500 * kv)
-    assert tight == pytest.approx(prefill + 2800 * step(2) + 1000 * step(1), rel=1e-12)
+    tail = lengths.expected_max(4)
+    assert tight == pytest.approx(prefill + 2800 * step(2) + tail * step(max(1, 800 / tail)),
+                                  rel=1e-12)
     # training: 32 responses of 500 tokens, 5 passes (fwd, 2x bwd, recompute, old log-probs)
     shape_rc = replace(shape, recompute=True)
     per_token = 5 * (2 * n + 4 * 4 * 64 * 500 / 2)
@@ -74,7 +84,7 @@ def test_step_time_formulas_by_hand():
     assert refit_seconds(SMALL, offl, ROUND, dedicated=True, engine_tp=2) == pytest.approx(
         3.0 + w / 10e9 + 51 * 0.001 + w / 10e9, rel=1e-12)
 
-    colocated, dedicated, one_step_off = step_times(
+    colocated, dedicated, one_step_off, partial = step_times(
         SMALL, shape, ROUND, world=8, rollout_gpus=2, engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
     assert (colocated.trainer_gpus, dedicated.trainer_gpus, dedicated.rollout_gpus) == (8, 6, 2)
     assert colocated.generation_s == pytest.approx(generation_seconds(
@@ -91,6 +101,90 @@ def test_step_time_formulas_by_hand():
     assert one_step_off.trainer_idle_s == max(0.0, gen - train)
     assert one_step_off.engine_idle_s == max(0.0, train - gen)
     assert min(one_step_off.trainer_idle_s, one_step_off.engine_idle_s) == 0.0
+    # partial rollouts overlap as one-step-off does, with their own generation
+    assert (partial.placement, partial.staleness, partial.training_s) == (
+        "partial", 2, one_step_off.training_s)
+    assert partial.generation_s == pytest.approx(partial_generation_terms(
+        SMALL, shape, ROUND, engines=2, engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)["total"])
+    assert partial.step_s == pytest.approx(max(partial.generation_s, train) + partial.refit_s)
+    assert [t.label for t in (colocated, dedicated, one_step_off, partial)] == [
+        "synchronous, colocated", "synchronous, dedicated", "one-step-off, k=1",
+        "partial rollouts, k=2"]
+
+
+def test_partial_rollouts_by_hand():
+    """Engines that never wait for a batch's tail: 16 responses per engine through 4 slots that
+    never empty, 16 x 400 / 4 = 1600 decode steps of 4 at the mean context 100 + E[X^2] / (2
+    E[X]); the new prompts' prefill; at each refit the 4 responses in flight re-prefilled
+    (prompt + partial response: linear and attention FLOPs). A refit every 1600 decode steps
+    against a 1000-token cap: a response crosses at most one, a quarter of them (E[X] / 1600)
+    do, so k >= 2 admits all and at k = 1 that quarter is too old."""
+    shape = StepShape(prompts=8, group_size=4, max_response_tokens=1000, mean_prompt_tokens=100,
+                      mean_response_tokens=400, max_num_seqs=4)
+    n, kv = active_params(SMALL), kv_cache_bytes_per_token(SMALL)
+    context = 100 + shape.lengths.running_age
+    kw = dict(engines=2, engine_tp=1, kv_cache_bytes_per_engine_gpu=1e12)
+    terms = partial_generation_terms(SMALL, shape, ROUND, **kw)
+    step = (max((2 * n + 4 * context * kv) / (1000e9 * 0.5), 2 * n * 4 / (100e12 * 0.5))
+            + 0.001 + 4 * 1000 * 1e-9)
+    prefill = 2 * n * 16 * 100 / (100e12 * 0.5)
+    reprefill = 4 * context * (2 * n + 2 * 4 * 64 * context) / (100e12 * 0.5)
+    assert (terms["concurrent"], terms["decode_steps"]) == (4, 1600)
+    assert terms["reprefill_tokens"] == pytest.approx(4 * context)
+    assert terms["total"] == pytest.approx(prefill + 1600 * step + reprefill, rel=1e-12)
+    assert (terms["staleness"], terms["min_staleness"]) == (2, 2)
+    assert terms["interrupted"] == pytest.approx(0.25) and terms["segments"] == pytest.approx(1.25)
+    assert terms["over_bound"] == 0.0
+    at_one = partial_generation_terms(SMALL, shape, ROUND, staleness=1, **kw)
+    assert at_one["over_bound"] == pytest.approx(0.25) and at_one["total"] == terms["total"]
+    # the KV cache kept across refits (PipelineRL): no re-prefill
+    kept = partial_generation_terms(SMALL, shape, ROUND, reprefill=False, **kw)
+    assert kept["reprefill_s"] == 0 and kept["total"] == pytest.approx(prefill + 1600 * step)
+    # two responses in flight (over-provisioning) or KV room for two: 3200 decode steps of 2
+    for bound in (dict(in_flight=2), dict(kv_cache_bytes_per_engine_gpu=2.5 * context * kv)):
+        narrow = partial_generation_terms(SMALL, shape, ROUND, **{**kw, **bound})
+        assert (narrow["concurrent"], narrow["decode_steps"]) == (2, 3200)
+
+
+def test_staleness_terms_against_a_simulation():
+    """Responses of the capped lognormal started at a uniform phase of a refit every y decode
+    steps: the share interrupted, the segments per response, the largest staleness and the
+    share older than k, counted over 200,000 simulated responses."""
+    lengths = StepShape(prompts=1, group_size=1, max_response_tokens=8192, mean_prompt_tokens=1,
+                        mean_response_tokens=4096).lengths
+    rng = np.random.default_rng(0)
+    x = np.minimum(np.exp(rng.normal(lengths.mu, lengths.sigma, 200_000)), lengths.cap)
+    for y in (1500.0, 3280.0, 10000.0):
+        crossed = np.floor((rng.uniform(0, y, x.size) + x) / y)  # refits inside the response
+        for k in (1, 2, 4):
+            terms = staleness_terms(lengths, y, k)
+            assert terms["interrupted"] == pytest.approx((crossed >= 1).mean(), abs=0.005)
+            assert terms["segments"] == pytest.approx(1 + crossed.mean(), rel=0.005)
+            assert terms["over_bound"] == pytest.approx((1 + crossed > k).mean(), abs=0.005)
+        assert terms["min_staleness"] == 1 + crossed.max()
+
+
+def test_partial_rollouts_decode_the_mean_not_the_tail():
+    """At the same mean response a wider spread lengthens the synchronous engines' tail (the
+    longest of the batch, up to the cap) while engines running partial rollouts decode n r / c
+    steps whatever the spread; on A100s they are faster once the tail reaches past twice the
+    mean, and always without the re-prefill."""
+    desc, hw = R1_14B.description, HARDWARE["a100"]
+    kw = dict(engines=20, engine_tp=4, kv_cache_bytes_per_engine_gpu=60 * GIB)
+    tails = []
+    for sigma in (0.1, 0.4, 0.6, 1.0):
+        shape = StepShape(prompts=512, group_size=8, max_response_tokens=8192,
+                          mean_prompt_tokens=200, mean_response_tokens=2048, length_sigma=sigma)
+        sync = generation_terms(desc, shape, hw, **kw)
+        partial = partial_generation_terms(desc, shape, hw, **kw)
+        kept = partial_generation_terms(desc, shape, hw, reprefill=False, **kw)
+        assert partial["decode_steps"] == pytest.approx(205 * 2048 / 256)
+        assert sync["tail_steps"] == pytest.approx(shape.lengths.expected_max(4100))
+        tails.append(sync["tail_steps"])
+        assert kept["total"] < sync["total"]
+        if sync["tail_steps"] > 2 * 2048:
+            assert partial["total"] < sync["total"]
+    assert tails == sorted(tails) and tails[0] < 2 * 2048 and tails[-1] == pytest.approx(8192)
 
 
 def test_generation_has_a_tail_floor_that_more_engines_do_not_shorten():
