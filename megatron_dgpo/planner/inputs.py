@@ -13,13 +13,9 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class PlannedModel:
-    """The model a plan is for: a name for the planner's messages and the one model description
-    the model builder and the converter use (``megatron_dgpo.models.ModelDescription``: its
-    ``dims`` h, L, a, g, d, f, V, E, f_e, k and the QKV-bias, tying and q/k-norm flags). Dense
-    (Qwen2, Llama, Qwen3) or Qwen3-MoE (``dims.experts`` > 0, every layer an MoE layer).
-
-    Built from an HF config with ``from_hf_config`` (a published one, a local one, or any dict
-    ``megatron_dgpo.models.describe`` reads, for what-if estimates)."""
+    """The model a plan is for: a name for messages and its ``ModelDescription`` (the one the
+    builder and the converter use): dense (Qwen2, Llama, Qwen3) or Qwen3-MoE. ``from_hf_config``
+    builds it from any HF config ``megatron_dgpo.models.describe`` reads."""
 
     name: str
     description: ModelDescription
@@ -188,10 +184,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """TP x PP x CP x DP; Megatron's rank order puts TP innermost (within a node).
-
-    ``cp``: ``parallel.context_parallel`` (Megatron's order tp-cp-ep-dp-pp: CP between TP and
-    DP)."""
+    """TP x PP x CP x DP (x EP, expert TP); Megatron's rank order tp-cp-ep-dp-pp puts TP innermost
+    (within a node) and ``cp`` (``parallel.context_parallel``) between TP and DP."""
 
     tp: int
     pp: int

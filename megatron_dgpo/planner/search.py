@@ -28,21 +28,12 @@ def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
                       expert_parallel: int | None = None,
                       expert_tensor_parallel: int | None = None,
                       max_cp: int = max(CP_SIZES)) -> list[Layout]:
-    """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f (a dense
-    model's MLP); p | L; c in ``CP_SIZES`` up to ``max_cp`` (``parallel.context_parallel``),
-    c = 1 with the unfused and local attention backends (neither has context parallelism);
-    t c p | world; and D = world / (t c p) <= responses per update (every DP rank gets at
-    least one response). A colocated engine with c > 1 must lie in one TP group (t_r | t).
-
-    An MoE model's layouts add EP e and expert TP u (``expert_parallel`` /
-    ``expert_tensor_parallel`` fix them, else they are searched): e | E, u | f_e, u e | world
-    / p (Megatron's expert grid decomposes each stage's ranks again), u in {1, t} unless
-    fixed (whole experts per rank, or experts split like the dense layers: the two settings
-    Megatron users run); the allgather dispatcher needs p = 1. A colocated engine of a set
-    ``rollout.tensor_parallel_size`` t_r must lie in one replica's model-parallel group, as
-    the trainer requires (``rollout.placement.rollout_role``): t_r | t, or t_r | t p with
-    D = 1. Dedicated engines (``cluster.rollout_gpus`` of them, ``rollout_gpus / t_r``
-    engines) are shared out evenly over the DP replicas: D | engines."""
+    """The layouts the trainer can run: t | gpus_per_node, a, g and (dense) f; p | L; c in
+    ``CP_SIZES`` up to ``max_cp`` (1 with the unfused and local backends); D = world / (t p c) <=
+    responses per update; colocated engines inside one replica's model-parallel group (``_engine_fits``),
+    dedicated ones shared evenly over the D replicas. MoE adds e | E and u | f_e with e u | world / p,
+    u in {1, t} and e searched unless ``expert_tensor_parallel`` / ``expert_parallel`` fix them; the
+    allgather dispatcher needs p = 1. Why: docs/planner.md#candidates-and-the-choice."""
     dims, out = model.description.dims, []
     cps = [c for c in CP_SIZES if c <= max_cp and (c == 1 or work.attention not in SCORE_BACKENDS)]
     for t in range(1, cluster.gpus_per_node + 1):
@@ -87,11 +78,9 @@ def _engine_fits(work: Workload, t: int, p: int, d: int, c: int = 1) -> bool:
 
 
 def preference(e: Estimate) -> tuple:
-    """Smallest model-parallel size first; then PP after TP (TP stays on NVLink; PP adds
-    bubbles and holds p micro-batches on stage 0); for MoE then the smallest expert-parallel
-    group e u (fewer all-to-all peers, more tokens per expert GEMM; a group within a node
-    comes first as the smallest), at equal size whole experts first (smaller u: no expert-TP
-    collectives around GEMMs of f_e / u columns), then the lowest peak."""
+    """Sort key of the memory choice: the smallest model-parallel size t p, then the smaller p,
+    then (MoE) the smallest expert-parallel group e u and the smaller u, then the lowest peak
+    (docs/planner.md#candidates-and-the-choice says why)."""
     lay = e.layout
     return (lay.model_parallel, lay.pp, lay.ep * lay.expert_tp, lay.expert_tp, e.total)
 
@@ -337,14 +326,12 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
               expert_tensor_parallel: int | None = None, recipe_cp: int = 1,
               max_cp: int = max(CP_SIZES), shape: StepShape | None = None,
               hw: Hardware | None = None) -> Plan:
-    """Estimate every candidate layout and choose one: ``choose`` among the layouts with CP 1;
-    where none of them leaves headroom (``CP_WHEN``), among all, CP included, and with a step
-    ``shape`` and ``hw`` then by the step-time model (``by_step_time``). When nothing fits and the
-    recipe does not recompute activations, plan again with full recompute: if a layout fits
-    then, that plan is returned with ``required_overrides`` naming the switch.
-    ``expert_parallel`` / ``expert_tensor_parallel`` fix an MoE model's EP / expert TP (None:
-    searched); ``max_cp`` caps the CP sizes searched; ``recipe_*`` name the recipe's own
-    layout (``recipe_etp`` None = its TP)."""
+    """Estimate every candidate layout and choose one (``choose``) among those with CP 1; where
+    none leaves headroom (``CP_WHEN``) among all, by the step-time model (``by_step_time``) when
+    ``shape`` and ``hw`` are given. When nothing fits and the recipe does not recompute, plan again
+    with full recompute and name the switch in ``required_overrides``. ``expert_parallel`` /
+    ``expert_tensor_parallel`` fix EP / expert TP (None: searched), ``max_cp`` caps CP,
+    ``recipe_*`` name the recipe's own layout (``recipe_etp`` None = its TP)."""
     layouts = candidate_layouts(model, cluster, work, expert_parallel=expert_parallel,
                                 expert_tensor_parallel=expert_tensor_parallel, max_cp=max_cp)
     estimates = [estimate(model, cluster, lay, work) for lay in layouts]
