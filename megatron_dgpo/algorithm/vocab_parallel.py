@@ -116,10 +116,9 @@ def _compiled_kernels_work_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class _EagerChunks:
-    """The forward sums and the backward gradient of one chunk in torch ops, on float32 work
-    buffers [chunk, n_valid] made once per call (fresh allocations per chunk cost page faults
-    on CPU); a shorter last chunk uses their leading rows. Both methods take the chunk's whole
-    rows [rows, V_l] and leave the TP padding columns (>= n_valid) out."""
+    """The forward sums and backward gradient of one chunk in torch ops, on float32 work buffers
+    [chunk, n_valid] made once per call (a shorter last chunk uses their leading rows). Both take
+    the chunk's whole rows [rows, V_l] and leave the TP padding columns (>= n_valid) out."""
 
     def __init__(self, rows: int, n_valid: int, device, temperature: float):
         self.rows, self.n_valid, self.temperature = rows, n_valid, temperature
@@ -169,9 +168,8 @@ class _EagerChunks:
 
 
 def _z_and_valid(chunk, n_valid, m, temperature):
-    """z = (logits - m) / T in float32 over the chunk's whole rows, and the mask of the
-    columns that are not TP padding (a mask, not a slice: a slice would make the padded and
-    the whole shard two graphs)."""
+    """z = (logits - m) / T in float32 over the chunk's whole rows, and the mask of the columns that
+    are not TP padding (a mask, not a slice, so that padded and whole shards are one graph)."""
     valid = torch.arange(chunk.shape[1], device=chunk.device) < n_valid
     return (chunk.float() - m[:, None]) / temperature, valid
 
@@ -322,22 +320,16 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, group=None, tempera
                          chunk_size: int | None = None, entropy_grad: bool = False,
                          vocab_size: int | None = None,
                          kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """Per-token log pi(target) and full-vocabulary entropy from this rank's vocab shard.
+    """Per-token log pi(target) and full-vocabulary entropy from this rank's vocab shard:
+    ``(logprobs, entropy)``, float32 with the shape of ``targets``; ``logprobs`` differentiable
+    w.r.t. ``logits``, ``entropy`` too with ``entropy_grad`` (module docstring for the math).
 
-        Args:
-            logits: [..., V_l] this rank's contiguous vocab shard, any float dtype; never modified.
-            targets: [...] global token ids (int64 or int32), same leading shape.
-            group: the TP process group. None: Megatron's TP group if initialised, else one process.
-            temperature: logits are divided by it before the softmax (as the rollout sampler does).
-            chunk_size: tokens per chunk (default ``default_chunk_size``).
-            entropy_grad: make the entropy differentiable (otherwise it is a detached output).
-            vocab_size: the model's real vocabulary (HF ``vocab_size``); global columns >= it are
-                TP padding, outside the distribution. Default: V_l * group size.
-            kernel: ``"eager"``, ``"compiled"`` or ``"auto"`` (module docstring); else ValueError.
-
-        Returns:
-            ``(logprobs, entropy)``, float32 with the shape of ``targets``; ``logprobs`` is
-            differentiable w.r.t. ``logits`` (module docstring for the math)."""
+    ``logits`` [..., V_l]: this rank's contiguous shard, any float dtype, never modified.
+    ``targets`` [...]: global token ids. ``group``: the TP group (None: Megatron's if initialised,
+    else one process). ``temperature`` divides the logits as the sampler does. ``chunk_size``:
+    tokens per chunk (default ``default_chunk_size``). ``vocab_size``: the real vocabulary, columns
+    >= it being TP padding (default V_l x group size). ``kernel``: "eager", "compiled" or "auto"
+    (module docstring). Raises ``TypeError`` / ``ValueError`` on other dtypes, shapes or kernels."""
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor")
     if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():

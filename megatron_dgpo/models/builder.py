@@ -1,9 +1,7 @@
-"""Megatron-Core ``GPTModel`` chunks from an HF config of a registered family (Qwen2, Llama, Qwen3,
-Qwen3-MoE), read once by ``models.describe``: its ``TransformerConfig`` and layer spec
-(Transformer-Engine's with TE and CUDA, else Megatron's local RMSNorm spec). The last stage
-returns logits [B, S, V_pad / TP] (``parallel_output=True``), columns past the HF ``vocab_size``
-being padding. The field mapping, the specs' parameter names and the MoE settings:
-docs/training.md#the-model-an-hf-config-on-megatron-core and docs/moe.md."""
+"""Megatron-Core ``GPTModel`` chunks from an HF config of a registered family, read once by
+``models.describe``: its ``TransformerConfig`` and layer spec (TE's with Transformer-Engine and
+CUDA, else Megatron's local RMSNorm spec). How each field maps, the specs' parameter names and the
+MoE settings: docs/training.md#the-model-an-hf-config-on-megatron-core and docs/moe.md."""
 
 from __future__ import annotations
 
@@ -36,10 +34,10 @@ class ModelSpec:
 
 def transformer_config_from_hf(hf_config: Any, *, platform: Platform | None = None,
                                **overrides):
-    """``(TransformerConfig, ModelSpec)`` for an HF config of a family in ``FAMILIES``: RL's defaults
-    (no dropout, ``calculate_per_token_loss``, ``variable_seq_lengths``) and the machine's flags
-    (``gpu_flags.transformer_flags``; ``platform`` default ``Platform.detect()``, pass one to build a
-    GPU layout's config on CPU). ``overrides`` are ``TransformerConfig`` fields and win over
+    """``(TransformerConfig, ModelSpec)`` for an HF config of a family in ``FAMILIES``: RL's
+    defaults (no dropout, ``calculate_per_token_loss``, ``variable_seq_lengths``) and the machine's
+    flags (``gpu_flags.transformer_flags``; ``platform`` default ``Platform.detect()``, pass one to
+    build a GPU layout's config on CPU). ``overrides`` are ``TransformerConfig`` fields and win over
     everything. Raises ``ValueError`` on a config or MoE setting it cannot build."""
     from megatron.core.transformer import TransformerConfig
 
@@ -65,9 +63,9 @@ def model_spec(hf_config: Any) -> ModelSpec:
 
 def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
                        **overrides) -> dict:
-    """The keyword arguments ``transformer_config_from_hf`` builds ``TransformerConfig`` with: a pure
-    function of the HF config, the platform, the parallel sizes and ``overrides`` (tests check a GPU
-    layout's choices on CPU with it, where ``TransformerConfig`` would refuse some)."""
+    """The keyword arguments ``transformer_config_from_hf`` builds ``TransformerConfig`` with: a
+    pure function of the HF config, the platform, the parallel sizes and ``overrides`` (tests check
+    a GPU layout's choices on CPU with it, where ``TransformerConfig`` would refuse some)."""
     from megatron_dgpo.runtime import parallel
 
     desc = describe(hf_config_dict(hf_config))
@@ -127,8 +125,9 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
 
 
 def _default_attention_backend(platform: Platform):
-    """Megatron's ``local`` attention for the local spec, ``auto`` for TE's; the trainer overrides it
-    with ``gpu_flags.attention_backend``'s choice (docs/training.md#the-model-an-hf-config-on-megatron-core)."""
+    """Megatron's ``local`` attention for the local spec, ``auto`` for TE's; the trainer overrides
+    it with ``gpu_flags.attention_backend``'s choice
+    (docs/training.md#the-model-an-hf-config-on-megatron-core)."""
     from megatron.core.transformer.enums import AttnBackend
 
     return AttnBackend.auto if platform.transformer_engine else AttnBackend.local
@@ -227,11 +226,12 @@ def layer_spec(config=None, *, platform: Platform | None = None):
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
                 platform: Platform | None = None, **overrides) -> list:
     """This rank's model chunks, ``list[GPTModel]``, one per virtual pipeline stage, freshly
-    initialised on the current CUDA device or the CPU (load weights with the converters). Needs
-    Megatron's parallel state, which gives TP/PP/VPP (``RuntimeError`` otherwise). ``seed`` re-seeds
-    the model-parallel RNG first, so every layout of one seed starts from ``torch.manual_seed(seed)``.
-    Each chunk carries ``hf_spec`` (``ModelSpec``), ``config`` and ``transformer_engine`` (packed
-    rows then go in as THD); ``platform`` (default ``Platform.detect()``) decides spec and flags."""
+    initialised on the current CUDA device or the CPU, vocabulary padded and
+    ``parallel_output=True``. Needs Megatron's parallel state (TP/PP/VPP; ``RuntimeError``
+    otherwise). ``seed`` re-seeds the model-parallel RNG first (every layout of one seed starts
+    alike); ``platform`` (default ``Platform.detect()``) decides spec and flags. Each chunk carries
+    ``hf_spec`` (``ModelSpec``), ``config`` and ``transformer_engine`` (packed rows then go in as
+    THD)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_dgpo.runtime import parallel

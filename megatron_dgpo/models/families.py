@@ -1,9 +1,8 @@
-"""The model-family registry: one ``Family`` per supported HF decoder family (architectures,
-quirks, and the HF <-> Megatron-Core tensor map of ``ParamMap``s, whose ``kind`` is one of
-``convert.transforms``' layouts); ``FAMILIES``, ``family_for``, ``megatron_param_key`` (a live
-parameter -> map, layer, expert), ``iter_params`` and ``fused_groups`` (the export order).
-Megatron names are Megatron-Core 0.16's distributed-checkpoint keys, the same for the local and
-TE specs: docs/training.md#checkpoint-conversion."""
+"""The model-family registry: one ``Family`` per supported HF decoder family (architectures, quirks,
+its HF <-> Megatron-Core tensor map of ``ParamMap``s); ``FAMILIES``, ``family_for``,
+``megatron_param_key`` (a live parameter -> map, layer, expert), ``iter_params`` and
+``fused_groups`` (the export order). The map's conventions:
+docs/training.md#checkpoint-conversion."""
 
 from __future__ import annotations
 

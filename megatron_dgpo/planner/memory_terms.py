@@ -173,10 +173,10 @@ def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight
     ``activation_split``, m = ``in_flight``, L / p = ``layers``, u = ``etp``:
 
         no recompute:   m (L / p) tokens (W + S / t) b
-        full recompute: m (L / p) tokens h b / t'  +  tokens (W + S / t) b     (t' = t with SP, else 1)
+        full recompute: m (L / p) tokens h b / t' + tokens (W + S / t) b    (t' = t with SP, else 1)
 
-    ``sequence_parallel`` defaults to the trainer's GPU rule (``gpu_flags.sequence_parallel``;
-    off for ``attention="local"``). "unfused" and "local" add their padded Q, K, V
+    ``sequence_parallel`` defaults to the trainer's GPU rule (``gpu_flags.sequence_parallel``; off
+    for ``attention="local"``). "unfused" and "local" add their padded Q, K, V
     (``_attention_qkv_elements``) and ``attention_score_bytes`` (``max_sequence``: the longest
     sample). Derivation: docs/planner.md#activations."""
     if sequence_parallel is None:
@@ -341,10 +341,11 @@ FLASH_ATTN_SOURCES = {
 
 def planned_platform(device_name: str, capability: tuple[int, int] | None,
                      flash_attn: str = "image") -> Platform:
-    """The GPU platform a plan assumes: the pinned image's stack (``gpu_flags.GPU``) on a GPU
-    named ``device_name`` of ``capability``, with the FlashAttention ``flash_attn`` names
+    """The GPU platform a plan assumes: the pinned image's stack (``gpu_flags.GPU``) on a GPU named
+    ``device_name`` of ``capability``, with the FlashAttention ``flash_attn`` names
     (``FLASH_ATTN_SOURCES``: "image", "here", "none"), judged by
-    ``gpu_flags.flash_attention_status``. Raises ``ValueError`` naming ``--flash-attn`` otherwise."""
+    ``gpu_flags.flash_attention_status``. Raises ``ValueError`` naming ``--flash-attn`` on another
+    value."""
     require_choice("--flash-attn", flash_attn, tuple(FLASH_ATTN_SOURCES))
     versions = {"image": (FLASH_ATTN_PIN, None), "none": (None, None),
                 "here": (distribution_version("flash-attn"),

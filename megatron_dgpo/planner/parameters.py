@@ -15,7 +15,8 @@ def layer_params(desc: ModelDescription, tp: int = 1) -> int:
     """One transformer layer's parameters on one TP rank, routed experts excluded
     (``expert_layer_params``); norms and router replicated over TP:
 
-        (h (a d + 2 g d) + [bias] (a d + 2 g d) + a d h + [dense] 3 f h) / t + 2 h + [q/k norms] 2 d + [MoE] E h"""
+        (h (a d + 2 g d) + [bias] (a d + 2 g d) + a d h + [dense] 3 f h) / t
+        + 2 h + [q/k norms] 2 d + [MoE] E h"""
     d = desc.dims
     qkv_out = d.q_dim + 2 * d.kv_dim
     mlp = 0 if d.moe else 3 * d.ffn * d.hidden

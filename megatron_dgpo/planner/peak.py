@@ -65,8 +65,8 @@ class Estimate:
     @property
     def total(self) -> int:
         """weights + NCCL + overhead + the larger phase when vLLM sleeps during training (training:
-        grads + optimizer + activations + dispatch + logits + cache + graphs; rollout: vLLM, plus grads
-        + optimizer unless offloaded), else every term at once."""
+        grads + optimizer + activations + dispatch + logits + cache + graphs; rollout: vLLM, plus
+        grads + optimizer unless offloaded), else every term at once."""
         state = self.grads + self.optimizer
         training = self.activations + self.dispatch + self.logits + self.cache
         if self.vllm_sleeps:
@@ -129,13 +129,11 @@ def dedicated_split_problem(cluster: Cluster, work: Workload, dp: int) -> str | 
 
 
 def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
-    """The peak GPU of ``layout``: the ``Estimate`` of its pipeline stage with the largest
-    ``Estimate.total``, stage k holding min(p - k, micro-batches) micro-batches in flight (1F1B),
-    stage 0 the embedding, the last stage the output layer and the logits; vLLM's term where the
-    placement puts an engine (colocated: every stage; separate: the stages of global ranks 0 ..
-t_r - 1; dedicated: none, stage 0 the refit link).
-    With CP c every per-token term counts s / c tokens. Raises ``ValueError`` when the layout's
-    MoE-ness is not the model's. The rules: docs/planner.md#candidates-and-the-choice."""
+    """The peak GPU of ``layout``: the ``Estimate`` of its pipeline stage with the largest ``total``
+    (stage k: min(p - k, micro-batches) in flight, stage 0 the embedding, the last stage the output
+    layer and logits; vLLM where the placement puts an engine; with CP c, s / c tokens per row).
+    Raises ``ValueError`` when the layout's MoE-ness is not the model's. The rules:
+    docs/planner.md#candidates-and-the-choice."""
     desc = model.description
     if desc.dims.moe != layout.moe:
         raise ValueError(f"layout {layout} is {'an MoE' if layout.moe else 'a dense'} layout "

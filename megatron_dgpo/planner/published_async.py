@@ -1,6 +1,7 @@
 """Published speed-ups of asynchronous RL (AReaL, verl fully-async, PipelineRL, slime's APRIL)
 beside the step-time model's prediction for a comparable setting (``PUBLISHED_SPEEDUPS``,
-``predict_speedup``), and docs/planner.md's table of them (``speedup_table``); none fitted a constant."""
+``predict_speedup``), and docs/planner.md's table of them (``speedup_table``); none fitted a
+constant."""
 
 from __future__ import annotations
 

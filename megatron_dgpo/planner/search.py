@@ -1,8 +1,6 @@
-"""``dgpo-plan``'s search: every TP x PP x CP x DP (x EP for MoE) layout the trainer can run on a
-cluster (``candidate_layouts``), each estimated (``peak.estimate``), the one to pick and why
-(``choose``, then ``by_step_time`` among those that leave headroom; ``make_plan``: a ``Plan``);
-then the step time of the plan's schedules (``estimate_step_times``) and the dedicated GPUs
-that make one-step-off and partial rollouts fastest (``balanced_schedules``)."""
+"""``dgpo-plan``'s search: every layout the trainer can run on a cluster (``candidate_layouts``),
+each estimated, the one to pick and why (``make_plan``: a ``Plan``), the step time of its
+schedules (``estimate_step_times``) and the fastest dedicated splits (``balanced_schedules``)."""
 
 from __future__ import annotations
 
@@ -30,10 +28,10 @@ def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
                       max_cp: int = max(CP_SIZES)) -> list[Layout]:
     """The layouts the trainer can run: t | gpus_per_node, a, g and (dense) f; p | L; c in
     ``CP_SIZES`` up to ``max_cp`` (1 with the unfused and local backends); D = world / (t p c) <=
-    responses per update; colocated engines inside one replica's model-parallel group (``_engine_fits``),
-    dedicated ones shared evenly over the D replicas. MoE adds e | E and u | f_e with e u | world / p,
-    u in {1, t} and e searched unless ``expert_tensor_parallel`` / ``expert_parallel`` fix them; the
-    allgather dispatcher needs p = 1. Why: docs/planner.md#candidates-and-the-choice."""
+    responses per update; engines that fit the layout (``_engine_fits``, D | dedicated engines). MoE
+    adds e | E and u | f_e with e u | world / p, u in {1, t} and e searched unless
+    ``expert_tensor_parallel`` / ``expert_parallel`` fix them; allgather needs p = 1
+    (docs/planner.md#candidates-and-the-choice)."""
     dims, out = model.description.dims, []
     cps = [c for c in CP_SIZES if c <= max_cp and (c == 1 or work.attention not in SCORE_BACKENDS)]
     for t in range(1, cluster.gpus_per_node + 1):
@@ -387,11 +385,9 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
 
 def plan_attention(work: Workload, hw: Hardware, flash_attn: str = "image"
                    ) -> tuple[Workload, str, str]:
-    """``(work, basis, refusal)``: ``work`` with the attention backend the recipe runs on
-    ``hw``'s GPU generation with the FlashAttention ``flash_attn`` names
-    (``memory_terms.planned_platform``, ``resolve_attention``), the text saying what decided
-    it, and "" or, where the backend cannot run there, the trainer's refusal (``work`` then
-    unchanged)."""
+    """``(work, basis, refusal)``: ``work`` with the backend the recipe runs on ``hw``'s GPUs with
+    the FlashAttention ``flash_attn`` names (``memory_terms.resolve_attention``), what decided it,
+    and "" or the trainer's refusal where it cannot run there (``work`` then unchanged)."""
     platform = planned_platform(hw.name, hw.compute_capability, flash_attn)
     basis = attention_basis(platform, flash_attn)
     try:
@@ -402,9 +398,8 @@ def plan_attention(work: Workload, hw: Hardware, flash_attn: str = "image"
 
 def refused_plan(model: PlannedModel, cluster: Cluster, work: Workload, refusal: str, *,
                  basis: str = "") -> Plan:
-    """The plan of a recipe whose attention backend cannot run on the plan's GPUs: no layout
-    (none would run: the trainer stops at start-up with ``refusal``, its own message and fix),
-    rather than layouts that fit only with a backend that is not there."""
+    """The plan of a recipe whose attention backend cannot run on the plan's GPUs: no layout, the
+    trainer's ``refusal`` (its start-up message and fix) instead."""
     return Plan(model, cluster, work, [], None, "", None, hint=refusal,
                 attention_basis=basis, attention_refusal=refusal)
 
@@ -421,10 +416,8 @@ def rollout_tensor_parallel(plan: Plan) -> int:
 def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware, *,
                         staleness: int | None = None) -> list[StepTime]:
     """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
-    dedicated engines, on the plan's ``rollout_gpus`` (synchronous, one-step-off, partial
-    rollouts at ``staleness``). The colocated refit moves the pick's gradients and optimizer
-    state to the host and back when ``train.offload_training_state``. The trainer's TP x PP x
-    CP is the pick's (its TP and CP communication and pipeline bubble)."""
+    dedicated engines, on ``rollout_gpus``; the trainer at the pick's TP x PP x CP, its state moved
+    to the host and back at a colocated refit when ``train.offload_training_state``."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     reserve, weights, _ = engine_reserve(model.description, cluster, work, t_r)
@@ -443,10 +436,9 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware, *,
 
 def balanced_schedules(plan: Plan, shape: StepShape, hw: Hardware, *, headroom: float = 0.1,
                        staleness: int | None = None) -> dict[str, StepTime | None]:
-    """{"one-step-off" | "partial": the step on the dedicated GPUs (whole nodes on several
-    nodes, whole engines on one) that make it fastest, among those where the trainer still has
-    a layout and the engines fit}: generation and training about as long as each other there.
-    None where no split fits."""
+    """{"one-step-off" | "partial": the step on the dedicated GPUs (whole nodes, or whole engines on
+    one node) that make it fastest, where the trainer still has a layout and the engines fit}; None
+    where no split fits."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     unit = math.lcm(cluster.gpus_per_node if cluster.nodes > 1 else 1, t_r)
@@ -468,13 +460,11 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
                        mean_prompt_tokens: float = 200.0, mean_response_fraction: float = 0.5,
                        headroom: float = 0.1, hf_config: str | dict | None = None
                        ) -> dict[str, dict]:
-    """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
-    ``{"colocated" | "synchronous" | "one_step_off" | "partial": StepTime.as_dict()}``, the
-    latter three on the recipe's ``rollout.num_gpus``, and ``"balanced"`` /
-    ``"balanced_partial"``, one-step-off / partial rollouts on the dedicated GPUs that make each
-    fastest (``benchmarks/bench_async.py``). The attention backend is the one the recipe runs on
-    ``hardware`` with the pinned image (``memory_terms.resolve_attention``; its ``ValueError``
-    where it cannot run there). ``hf_config``: ``catalogue.architecture_for``'s."""
+    """A recipe with dedicated engines on ``cluster``: ``{"colocated" | "synchronous" |
+    "one_step_off" | "partial": StepTime.as_dict()}``, the last three on ``rollout.num_gpus``, and
+    ``"balanced"`` / ``"balanced_partial"`` on the fastest splits (``benchmarks/bench_async.py``),
+    the attention backend the recipe runs on ``hardware`` (``resolve_attention``'s ``ValueError``
+    where none does). ``hf_config``: ``catalogue.architecture_for``'s."""
     if run.rollout.placement != "dedicated":
         raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
                          f"{run.rollout.placement!r}")

@@ -197,7 +197,8 @@ def weight_tensors(desc: ModelDescription) -> int:
 def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float, context: float,
                         engine_tp: int, seeded: bool) -> dict[str, float]:
     """One decode step of an engine with ``running`` sequences of mean context ``context``:
-    ``{"memory" | "compute" | "overhead" | "sampling" | "total": seconds}`` (docs/planner.md#step-time)."""
+    ``{"memory" | "compute" | "overhead" | "sampling" | "total": seconds}``
+    (docs/planner.md#step-time)."""
     kv = running * context * kv_cache_bytes_per_token(desc)
     weights = 2 * (shared_params(desc) + routed_expert_params(desc)
                    * experts_touched_share(desc, running))
@@ -213,11 +214,9 @@ def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float,
 
 def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                      engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> dict[str, float]:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, each waiting for its
-    longest response, term by term: the per-engine counts (responses, concurrent, bulk and
-    tail steps, the tail's mean running sequences, the responses of the last wave over all
-    engines) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
-    fixed cost and of the sampler), ``total`` their sum."""
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, each waiting for its longest
+    response: the per-engine counts (responses, concurrent, bulk and tail steps, ...) and seconds
+    (prefill, bulk, tail, the fixed cost's and the sampler's shares), ``total`` their sum."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
     lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
@@ -247,7 +246,8 @@ def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, 
 
 def generation_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                        engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> float:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (``generation_terms``'s total)."""
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (``generation_terms``'s
+    total)."""
     return generation_terms(desc, shape, hw, engines=engines, engine_tp=engine_tp,
                             kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
 
@@ -272,10 +272,9 @@ def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardw
                              staleness: int | None = None, reprefill: bool = True,
                              in_flight: float | None = None) -> dict[str, float]:
     """One step's responses (P G / E per engine) on engines that never wait for a batch's tail
-    (partial rollouts, a refit every step), term by term with ``total`` the seconds
-    (docs/planner.md#schedules). ``reprefill`` False: the KV cache is kept across the refit.
-    ``in_flight``: the responses an engine may hold at once (None: as many as fit).
-    ``staleness``: as ``staleness_terms`` (None: its ``min_staleness``)."""
+    (partial rollouts, a refit every step), term by term, ``total`` the seconds. ``reprefill``
+    False: the KV cache is kept across the refit; ``in_flight``: responses an engine may hold
+    (None: as many as fit); ``staleness``: as ``staleness_terms`` (None: its ``min_staleness``)."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
     lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
@@ -308,11 +307,10 @@ def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardw
 def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float,
                       mean_sequence: float, tp: int, cp: int, gpus_per_node: int = 8,
                       mfu: float | None = None, dtype_bytes: int = 2) -> dict[str, float]:
-    """Context parallelism's K/V ring (TE's ``cp_comm_type="p2p"``) for one layer's forward of
-    one packed row of ``row_tokens`` on one rank: ``comm_s`` (the K/V chunks received),
-    ``attention_s`` (what hides them), ``layer_s``, ``exposed_s``, ``link`` and
-    ``cp_efficiency`` = 1 / (1 + exposed / layer). The formulas:
-    docs/planner.md#context-parallelism."""
+    """Context parallelism's K/V ring (TE's ``p2p``) for one layer's forward of one packed row of
+    ``row_tokens`` on one rank: ``comm_s``, ``attention_s`` (what hides it), ``layer_s``,
+    ``exposed_s``, ``link`` and ``cp_efficiency`` = 1 / (1 + exposed / layer)
+    (docs/planner.md#context-parallelism)."""
     d = desc.dims
     mfu = mfu if mfu is not None else (hw.moe_train_mfu if d.moe else hw.train_mfu)
     flops = hw.peak_tflops * 1e12 * mfu
@@ -343,10 +341,10 @@ def grad_reduce_terms(desc: ModelDescription, hw: Hardware, *, gpus: int, tp: in
 def training_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gpus: int,
                    tp: int = 1, pp: int = 1, cp: int = 1,
                    gpus_per_node: int = 8) -> dict[str, float]:
-    """The trainer's phases on ``gpus`` GPUs at TP ``tp`` x PP ``pp`` x CP ``cp``: ``update_s`` (forward,
-    backward, recompute and the exposed DP x CP gradient reduce), ``logprobs_s`` (the old log-probs'
-    forward, plus the reference model's when ``shape.reference_forward``), the pipeline, TP and CP
-    efficiency factors, and ``total``."""
+    """The trainer's phases on ``gpus`` GPUs at TP ``tp`` x PP ``pp`` x CP ``cp``: ``update_s``
+    (forward, backward, recompute and the exposed DP x CP gradient reduce), ``logprobs_s`` (the old
+    log-probs' forward, plus the reference model's when ``shape.reference_forward``), the pipeline,
+    TP and CP efficiency factors, and ``total``."""
     seq = shape.mean_prompt_tokens + shape.mean_response_tokens
     tokens = shape.prompts * shape.group_size * seq
     n = active_params(desc)
