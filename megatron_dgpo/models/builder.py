@@ -35,10 +35,10 @@ class ModelSpec:
 def transformer_config_from_hf(hf_config: Any, *, platform: Platform | None = None,
                                **overrides):
     """``(TransformerConfig, ModelSpec)`` for an HF config of a family in ``FAMILIES``: RL's
-    defaults (no dropout, ``calculate_per_token_loss``, ``variable_seq_lengths``) and the machine's
-    flags (``gpu_flags.transformer_flags``; ``platform`` default ``Platform.detect()``, pass one to
-    build a GPU layout's config on CPU). ``overrides`` are ``TransformerConfig`` fields and win over
-    everything. Raises ``ValueError`` on a config or MoE setting it cannot build."""
+    defaults and the machine's flags (``gpu_flags.transformer_flags`` on ``platform``, default
+    ``Platform.detect()``; pass one to build a GPU layout's config on CPU), ``overrides``
+    (``TransformerConfig`` fields) over everything. Raises ``ValueError`` on what it cannot
+    build."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(**transformer_kwargs(hf_config, platform=platform, **overrides)), \
@@ -63,9 +63,9 @@ def model_spec(hf_config: Any) -> ModelSpec:
 
 def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
                        **overrides) -> dict:
-    """The keyword arguments ``transformer_config_from_hf`` builds ``TransformerConfig`` with: a
-    pure function of the HF config, the platform, the parallel sizes and ``overrides`` (tests check
-    a GPU layout's choices on CPU with it, where ``TransformerConfig`` would refuse some)."""
+    """``transformer_config_from_hf``'s keyword arguments, a pure function of its inputs and the
+    parallel sizes (tests check GPU layouts on CPU with it, where ``TransformerConfig`` would
+    refuse)."""
     from megatron_dgpo.runtime import parallel
 
     desc = describe(hf_config_dict(hf_config))
@@ -126,8 +126,7 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
 
 def _default_attention_backend(platform: Platform):
     """Megatron's ``local`` attention for the local spec, ``auto`` for TE's; the trainer overrides
-    it with ``gpu_flags.attention_backend``'s choice
-    (docs/training.md#the-model-an-hf-config-on-megatron-core)."""
+    it (docs/training.md#the-model-an-hf-config-on-megatron-core)."""
     from megatron.core.transformer.enums import AttnBackend
 
     return AttnBackend.auto if platform.transformer_engine else AttnBackend.local
@@ -186,8 +185,7 @@ def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> di
 
 
 def unwrap_model(model):
-    """The ``GPTModel`` inside Megatron's wrappers (``DistributedDataParallel``,
-    ``Float16Module``): every wrapper keeps what it wraps in ``.module``; GPTModel has none."""
+    """The ``GPTModel`` inside Megatron's wrappers (each keeps what it wraps in ``.module``)."""
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -226,12 +224,10 @@ def layer_spec(config=None, *, platform: Platform | None = None):
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
                 platform: Platform | None = None, **overrides) -> list:
     """This rank's model chunks, ``list[GPTModel]``, one per virtual pipeline stage, freshly
-    initialised on the current CUDA device or the CPU, vocabulary padded and
-    ``parallel_output=True``. Needs Megatron's parallel state (TP/PP/VPP; ``RuntimeError``
-    otherwise). ``seed`` re-seeds the model-parallel RNG first (every layout of one seed starts
-    alike); ``platform`` (default ``Platform.detect()``) decides spec and flags. Each chunk carries
-    ``hf_spec`` (``ModelSpec``), ``config`` and ``transformer_engine`` (packed rows then go in as
-    THD)."""
+    initialised on the current CUDA device or the CPU. Needs Megatron's parallel state (TP/PP/VPP;
+    ``RuntimeError`` otherwise). ``seed`` re-seeds the model-parallel RNG first (every layout of one
+    seed starts alike); ``platform`` (default ``Platform.detect()``) decides spec and flags. Each
+    chunk carries ``hf_spec`` (``ModelSpec``), ``config`` and ``transformer_engine`` (THD input)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_dgpo.runtime import parallel

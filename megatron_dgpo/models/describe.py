@@ -162,9 +162,8 @@ def rope_of(cfg: dict) -> Rope:
 
 
 def describe(hf_config: Any, *, tp: int = 1, padded_vocab: int | None = None) -> ModelDescription:
-    """The model an HF config describes; ``ValueError`` naming the field on anything the
-    Megatron builder here cannot reproduce. ``padded_vocab`` defaults to
-    ``padded_vocab_size(vocab_size, tp)``."""
+    """The model an HF config describes (``padded_vocab`` default ``padded_vocab_size(vocab_size,
+    tp)``); ``ValueError`` naming the field on anything the builder cannot reproduce."""
     cfg = hf_config_dict(hf_config)
     family = family_for(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
@@ -218,10 +217,9 @@ def _moe_of(cfg: dict, family: Family) -> tuple[dict, Router]:
 
 
 def group_hf_tensors(hf_config: Any, tensors: Mapping[str, T]) -> list[list[tuple[str, T]]]:
-    """``tensors`` (HF name -> tensor of a model described by ``hf_config``) as the groups a
-    live model's export yields (``convert.export_hf_groups``): one list per fused group of the
-    family map (``families.fused_groups``), in export order; names absent from ``tensors`` are
-    left out. Raises ``KeyError`` naming a tensor the family map does not know."""
+    """``tensors`` (HF name -> tensor of ``hf_config``'s model) in the groups a live export yields:
+    one list per ``families.fused_groups`` group, in export order, absent names left out. Raises
+    ``KeyError`` naming a tensor the family map does not know."""
     description = describe(hf_config)
     cfg, dims = hf_config_dict(hf_config), description.dims
     groups, known = [], set()

@@ -177,9 +177,8 @@ def iter_params(params: Sequence[ParamMap], num_layers: int):
 
 def fused_groups(params: Sequence[ParamMap], num_layers: int
                  ) -> Iterator[list[tuple[ParamMap, int | None]]]:
-    """``iter_params``' (map, layer) pairs grouped as an engine must reload them: the maps of
-    one layer that share a ``fused`` name together, at the place of the first, every other map
-    alone."""
+    """``iter_params``' (map, layer) pairs as an engine must reload them: one layer's maps that
+    share a ``fused`` name together, at the first one's place; every other map alone."""
     order = list(iter_params(params, num_layers))
     members: dict[tuple, list] = {}
     for pm, layer in order:

@@ -1,6 +1,5 @@
-"""What a plan is for: the model (``PlannedModel``: a name and its ``ModelDescription``), the
-cluster (``Cluster``), what the recipe says that decides memory (``Workload``) and one TP x PP x
-CP x DP layout (``Layout``); ``GIB``, the unit of memory. Notation: ``megatron_dgpo.planner``."""
+"""What a plan is for: the model (``PlannedModel``), the cluster (``Cluster``), what the recipe says
+that decides memory (``Workload``), one layout (``Layout``); ``GIB``, the unit of memory."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class PlannedModel:
-    """The model a plan is for: a name for messages and its ``ModelDescription`` (the one the
-    builder and the converter use): dense (Qwen2, Llama, Qwen3) or Qwen3-MoE. ``from_hf_config``
-    builds it from any HF config ``megatron_dgpo.models.describe`` reads."""
+    """The model a plan is for: a name for messages and the ``ModelDescription`` the builder and the
+    converter use, dense (Qwen2, Llama, Qwen3) or Qwen3-MoE (``from_hf_config`` builds it)."""
 
     name: str
     description: ModelDescription
@@ -38,9 +36,8 @@ class PlannedModel:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> "PlannedModel":
-        """From an HF ``config.json`` dict of a registered family (``megatron_dgpo.models``:
-        the same dimensions and quirks the model builder and the converter use); errors name
-        the missing or unsupported field."""
+        """From an HF ``config.json`` dict of a registered family (``megatron_dgpo.models``); errors
+        name the missing or unsupported field."""
         try:
             desc = describe(cfg)
         except ValueError as exc:
@@ -153,10 +150,9 @@ class Workload:
 
     @classmethod
     def from_recipe(cls, run) -> "Workload":
-        """The memory-relevant fields of a ``RunConfig``. ``None`` means what it means on a GPU:
-        the distributed optimizer and sleep mode count as on, ``enforce_eager`` as off (CUDA
-        graphs); bf16 unless ``model.dtype: float32``. The attention backend is the recipe's
-        request; which one runs depends on the GPUs (``memory_terms.resolve_attention``)."""
+        """The memory-relevant fields of a ``RunConfig``, ``None`` read as on a GPU: distributed
+        optimizer and sleep mode on, ``enforce_eager`` off; bf16 unless ``model.dtype: float32``;
+        the recipe's attention request (which backend runs: ``memory_terms.resolve_attention``)."""
         dist_opt = run.optimizer.use_distributed_optimizer
         return cls(
             micro_batch_tokens=run.train.micro_batch_tokens,

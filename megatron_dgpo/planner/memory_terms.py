@@ -1,6 +1,5 @@
-"""Per-GPU memory, term by term, as pure functions of bytes (notation: ``megatron_dgpo.planner``),
-and the attention backend a plan's GPUs run (``planned_platform``, ``resolve_attention``: the
-trainer's own rule). ``peak`` adds the terms up; their assumptions and sources: docs/planner.md."""
+"""Per-GPU memory in bytes, term by term, as pure functions (notation: ``megatron_dgpo.planner``;
+assumptions and sources: docs/planner.md), and the attention backend a plan's GPUs run."""
 
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ def activation_elements_per_token_layer(desc: ModelDescription, etp: int = 1) ->
 
 def activation_split(desc: ModelDescription, sequence_parallel: bool, etp: int = 1
                      ) -> tuple[int, int]:
-    """``activation_elements_per_token_layer`` as (W, S): whole on every TP rank, sharded over
-    TP. With sequence parallelism (0, E); without it (4 h, E - 4 h). An MoE layer's routed part
-    counts as sharded."""
+    """``activation_elements_per_token_layer`` as (W, S), whole on every TP rank and sharded over
+    TP: (0, E) with sequence parallelism, else (4 h, E - 4 h); MoE routed parts count as sharded."""
     total = activation_elements_per_token_layer(desc, etp)
     if sequence_parallel:
         return 0, total
@@ -133,14 +131,12 @@ def attention_score_bytes(desc: ModelDescription, attention: str, tokens: int, l
                           in_flight: int, tp: int, recompute: bool, dtype_bytes: int = 2, *,
                           max_sequence: int | None = None,
                           softmax_kernels: bool = GPU.softmax_kernels) -> int:
-    """The [S, S] attention tensors on one GPU (0 for "flash" and "fused"), (b, S) =
-    ``score_row``, (saved, live) = ``score_layer_bytes``, m = ``in_flight``, L / p = ``layers``:
+    """The [S, S] attention tensors on one GPU (0 for "flash" and "fused"; ``tokens`` is the whole
+    row), (b, S) = ``score_row``, (saved, live) = ``score_layer_bytes``, m = ``in_flight``:
 
-        no recompute:    (m L / p - 1) saved + live
+        no recompute:    (m layers - 1) saved + live
         full recompute:  live
-        local adds:      m S^2 + b_e (a / t) S^2     (row masks, Megatron's global score buffer)
-
-    ``tokens`` is the whole row: neither backend has context parallelism."""
+        local adds:      m S^2 + b_e (a / t) S^2     (row masks, Megatron's global score buffer)"""
     if attention not in SCORE_BACKENDS:
         return 0
     rows, seq = score_row(attention, tokens, max_sequence, tp)
@@ -170,15 +166,14 @@ def activation_bytes(desc: ModelDescription, tokens: int, layers: int, in_flight
                      sequence_parallel: bool | None = None, etp: int = 1,
                      attention: str = "flash", max_sequence: int | None = None) -> int:
     """Activations kept for backward on one GPU, ``tokens`` = s / c per micro-batch, (W, S) =
-    ``activation_split``, m = ``in_flight``, L / p = ``layers``, u = ``etp``:
+    ``activation_split``, m = ``in_flight``, L / p = ``layers``, u = ``etp``, t' = t with sequence
+    parallelism (default: the trainer's GPU rule, ``gpu_flags.sequence_parallel``), else 1:
 
         no recompute:   m (L / p) tokens (W + S / t) b
-        full recompute: m (L / p) tokens h b / t' + tokens (W + S / t) b    (t' = t with SP, else 1)
+        full recompute: m (L / p) tokens h b / t' + tokens (W + S / t) b
 
-    ``sequence_parallel`` defaults to the trainer's GPU rule (``gpu_flags.sequence_parallel``; off
-    for ``attention="local"``). "unfused" and "local" add their padded Q, K, V
-    (``_attention_qkv_elements``) and ``attention_score_bytes`` (``max_sequence``: the longest
-    sample). Derivation: docs/planner.md#activations."""
+    "unfused" and "local" add ``_attention_qkv_elements`` and ``attention_score_bytes``
+    (``max_sequence``: the longest sample). Derivation: docs/planner.md#activations."""
     if sequence_parallel is None:
         platform = replace(GPU, transformer_engine=False) if attention == "local" else GPU
         sequence_parallel = gpu_sequence_parallel(tp, platform)
@@ -248,10 +243,9 @@ NCCL_CHANNEL_BYTES = (4 << 20) + 4_915_200 + (1 << 19)
 
 def nccl_communicators(layout: "Layout", *, tied: bool, engine_tp: int, has_engine: bool,
                        refit_link: bool = False) -> list[str]:
-    """The names of the NCCL communicators one trainer GPU of ``layout`` holds all job long: TP,
-    DP (DP x CP with CP), CP, PP, EP, expert-TP, expert-DP, model-parallel, embedding (``tied``
-    with p > 1), world, vLLM TP (``has_engine`` with ``engine_tp`` > 1) and the refit link, each
-    where its group has more than one rank (docs/planner.md, the nccl row)."""
+    """The NCCL communicators one trainer GPU of ``layout`` holds all job long, by name: TP, DP (DP
+    x CP with CP), CP, PP, EP, expert-TP, expert-DP, model-parallel, embedding, world, vLLM TP and
+    the refit link, each where the layout has it (docs/planner.md, the nccl row)."""
     t, p, d, c = layout.tp, layout.pp, layout.dp, layout.cp
     dp_group = ("DP x CP", d * c > 1) if c > 1 else ("DP", d > 1)
     named = [("TP", t > 1), dp_group, ("CP", c > 1), ("PP", p > 1),
@@ -283,23 +277,21 @@ def engine_weight_bytes(desc: ModelDescription, work: Workload, engine_tp: int) 
 
 def engine_reserve(desc: ModelDescription, cluster: Cluster, work: Workload, engine_tp: int
                    ) -> tuple[int, int, list[str]]:
-    """vLLM's reserve on one GPU of an engine of ``engine_tp`` GPUs, wherever the engine lives
-    (``vllm_bytes``), the weights' share of it (the rest is KV cache, activations, graphs) and
-    ``vllm_bytes``' notes."""
+    """``vllm_bytes``' reserve on one GPU of an engine of ``engine_tp`` GPUs wherever it lives, the
+    weights' share of it (the rest: KV cache, activations, graphs) and the notes."""
     reserve, notes = vllm_bytes(desc, cluster, replace(work, colocated_rollout=True,
                                                        rollout_tp=engine_tp))
     return reserve, engine_weight_bytes(desc, work, engine_tp), notes
 
 
 def vllm_bytes(desc: ModelDescription, cluster: Cluster, work: Workload) -> tuple[int, list[str]]:
-    """vLLM's share of one of its GPUs when colocated (0 otherwise), and notes:
+    """vLLM's share of one of its GPUs when colocated (0 otherwise), and notes; ``work.rollout_tp``
+    resolved (``engine_tp``):
 
         kv_cache_memory_bytes set:  N b_r / t_r + kv_cache_memory_bytes
         otherwise:                  gpu_memory_utilization x GPU memory
 
-    at least N b_r / t_r + one full-length sequence's KV cache (the least vLLM starts with; a note
-    says so, and another when fewer than ``max_num_seqs`` sequences fit).
-    ``work.rollout_tp`` must be resolved (``engine_tp``)."""
+    but at least N b_r / t_r + one full-length sequence's KV cache, the least vLLM starts with."""
     if not work.colocated_rollout:
         return 0, []
     weights = engine_weight_bytes(desc, work, work.rollout_tp)
@@ -341,11 +333,9 @@ FLASH_ATTN_SOURCES = {
 
 def planned_platform(device_name: str, capability: tuple[int, int] | None,
                      flash_attn: str = "image") -> Platform:
-    """The GPU platform a plan assumes: the pinned image's stack (``gpu_flags.GPU``) on a GPU named
-    ``device_name`` of ``capability``, with the FlashAttention ``flash_attn`` names
-    (``FLASH_ATTN_SOURCES``: "image", "here", "none"), judged by
-    ``gpu_flags.flash_attention_status``. Raises ``ValueError`` naming ``--flash-attn`` on another
-    value."""
+    """The image's stack (``gpu_flags.GPU``) on a GPU named ``device_name`` of ``capability`` with
+    the FlashAttention ``flash_attn`` names (``FLASH_ATTN_SOURCES``), as ``flash_attention_status``
+    judges it. Raises ``ValueError`` naming ``--flash-attn`` otherwise."""
     require_choice("--flash-attn", flash_attn, tuple(FLASH_ATTN_SOURCES))
     versions = {"image": (FLASH_ATTN_PIN, None), "none": (None, None),
                 "here": (distribution_version("flash-attn"),
@@ -362,10 +352,9 @@ def attention_basis(platform: Platform, flash_attn: str) -> str:
 
 
 def resolve_attention(work: Workload, platform: Platform) -> Workload:
-    """``work`` with ``attention`` set to the backend the trainer would run on ``platform``
-    (``gpu_flags.attention_backend`` on the recipe's request, ``without_transformer_engine`` and
-    dtype; no ``NVTE_*`` variable counts as set). Raises its ``ValueError`` where the recipe's
-    backend cannot run there."""
+    """``work`` with ``attention`` set to the backend the trainer runs on ``platform``
+    (``gpu_flags.attention_backend``; no ``NVTE_*`` variable set). Raises its ``ValueError`` where
+    the recipe's backend cannot run there."""
     import torch  # the dtype attention_backend compares; the planner's modules stay torch-free
 
     dtype = torch.float32 if work.dtype_bytes == 4 else torch.bfloat16

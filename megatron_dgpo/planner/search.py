@@ -226,9 +226,8 @@ class Plan:
             layout_step_s=dict(self.layout_step_s))
 
     def schedules(self) -> list[tuple[StepTime, str]]:
-        """Every schedule priced, with where its engines are: the plan's own GPUs ("recipe"),
-        then one-step-off and partial rollouts on their fastest split ("fastest split") where
-        that is not the recipe's."""
+        """Every schedule priced, with where its engines are: "recipe" (the plan's own GPUs), then
+        "fastest split" for one-step-off and partial rollouts where that is not the recipe's."""
         own = {(t.placement, t.rollout_gpus) for t in self.step_times}
         return [(t, "recipe") for t in self.step_times] + [
             (t, "fastest split") for t in self.balanced.values()
@@ -236,9 +235,8 @@ class Plan:
 
     @property
     def priced(self) -> StepTime | None:
-        """The schedule of the run (``schedule``): k = 0 synchronous, k >= 1 one-step-off (without
-        partial rollouts a refit waits for the responses in flight, whatever k), partial
-        rollouts; on the recipe's dedicated GPUs, else on the fastest split."""
+        """The run's schedule (``schedule``: k = 0 synchronous, k >= 1 one-step-off, or partial
+        rollouts) on the recipe's dedicated GPUs, else on the fastest split."""
         k, partial = self.schedule
         want = "partial" if partial else "one-step-off" if k >= 1 else (
             "dedicated" if self.cluster.rollout_gpus else "colocated")
@@ -273,9 +271,8 @@ preference decides among them): the step-time model is not that precise."""
 
 def layout_step_seconds(model: PlannedModel, cluster: Cluster, work: Workload, e: Estimate,
                         shape: StepShape, hw: Hardware) -> float:
-    """The step-time model's seconds per step with ``e``'s layout: the colocated step
-    (generation on engines of the layout's resolved TP, training at its TP x PP x CP), or with
-    dedicated engines the synchronous one (their generation does not depend on the layout)."""
+    """Seconds per step with ``e``'s layout: the colocated step (engines of its resolved TP,
+    training at its TP x PP x CP), or with dedicated engines the synchronous one."""
     plan = Plan(model, cluster, work, [e], e, "", None,
                 engine=dedicated_engine_estimate(model, cluster, work))
     times = estimate_step_times(plan, shape, hw)
@@ -283,10 +280,9 @@ def layout_step_seconds(model: PlannedModel, cluster: Cluster, work: Workload, e
 
 
 def by_step_time(plan: Plan, headroom: float, shape: StepShape, hw: Hardware) -> None:
-    """Re-choose ``plan.pick`` by the step-time model: among the layouts that leave
-    ``headroom`` (all that fit when none does), the fastest (``layout_step_seconds``);
-    within ``STEP_TIME_TIE`` of it, the memory preference (``preference``). The explanation
-    says what the step-time model weighed, CP layouts included."""
+    """Re-choose ``plan.pick``: among the layouts that leave ``headroom`` (all that fit when none
+    does), the fastest (``layout_step_seconds``), the memory ``preference`` deciding within
+    ``STEP_TIME_TIE``; the explanation says what was weighed."""
     pool = [e for e in plan.estimates if e.fits_with(headroom)] or \
         [e for e in plan.estimates if e.fits]
     if plan.pick is None or not pool:

@@ -157,9 +157,8 @@ def routed_expert_params(desc: ModelDescription) -> int:
 
 
 def active_params(desc: ModelDescription) -> int:
-    """N: the parameters one token's matmuls touch: every parameter of a dense model but the
-    input embedding (a lookup; a tied output layer still multiplies), an MoE layer's top-k
-    routed experts rather than all E."""
+    """N: the parameters one token's matmuls touch: all but the input embedding (a tied output layer
+    still multiplies), an MoE layer's top-k routed experts rather than all E."""
     d = desc.dims
     n = param_count(desc) - (0 if desc.tie_word_embeddings else d.vocab * d.hidden)
     if d.moe:
@@ -183,9 +182,8 @@ def experts_touched_share(desc: ModelDescription, running: float) -> float:
 
 
 def weight_tensors(desc: ModelDescription) -> int:
-    """The HF-layout weight tensors a refit hands over: per layer Q, K, V, O (+ 3 biases), two
-    norms (+ q/k norms), the MLP's gate, up, down (MoE: a router and 3 per expert); embedding,
-    final norm and output layer."""
+    """The HF-layout tensors a refit hands over: per layer Q, K, V, O (+ biases), norms (+ q/k
+    norms), gate, up, down (MoE: a router and 3 per expert); embedding, final norm, output layer."""
     per_layer = 4 + (3 if desc.qkv_bias else 0) + 2 + (2 if desc.qk_norm else 0)
     per_layer += 1 + 3 * desc.dims.experts if desc.dims.moe else 3
     return desc.dims.layers * per_layer + 2 + (0 if desc.tie_word_embeddings else 1)
@@ -462,9 +460,8 @@ class StepTime:
         return self._waiting(self.training_s, self.generation_s)
 
     def _waiting(self, other: float, own: float) -> float:
-        """What a side waits for the other side's ``other`` seconds of work beside its ``own``:
-        nothing colocated (the same GPUs do both), all of it synchronous, the difference when
-        generation overlaps training."""
+        """What a side waits for the other's ``other`` seconds beside its ``own``: nothing
+        colocated, all of it synchronous, the difference when generation overlaps training."""
         if self.placement == "colocated":
             return 0.0
         if self.placement in OVERLAPPED:
@@ -486,13 +483,12 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
                train_layout: tuple[int, ...] = (1, 1),
                dedicated_train_layout: tuple[int, ...] | None = None,
                gpus_per_node: int = 8, staleness: int | None = None) -> list[StepTime]:
-    """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
-    0) dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, and partial
-    rollouts at ``staleness`` (None: the least k that admits every response).
-    ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
-    one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP, CP) on all GPUs,
-    ``dedicated_train_layout`` on the GPUs the engines leave (default the same);
-    ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
+    """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` > 0)
+    dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, partial rollouts at
+    ``staleness`` (None: the least k admitting every response). ``train_layout``: (TP, PP[, CP])
+    on all GPUs, ``dedicated_train_layout`` on the rest (default the same); ``gpus_per_node``:
+    which links TP x CP and DP x CP cross; ``colocated_kv_cache_bytes_per_gpu`` default: the
+    dedicated engines' KV room."""
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
     tp, pp, cp = (tuple(train_layout) + (1,))[:3]
