@@ -1,30 +1,16 @@
 """Log-probabilities and entropy over a tensor-parallel vocabulary shard, chunked, no copies.
 
-Rank r of a group of size R holds the contiguous columns [r*V_l, (r+1)*V_l) of the logits
-(Megatron's ``parallel_output=True`` layout). With x = logits / T (T the sampling temperature,
-divided exactly as the rollout sampler does), m = max_j x_j over all ranks, z = x - m,
-S = sum_j exp(z_j) (all ranks):
+Rank r of a group of size R holds the columns [r V_l, (r+1) V_l) of the logits (Megatron's
+``parallel_output=True``). With x = logits / T (T the sampling temperature), m = max_j x_j and
+S = sum_j exp(x_j - m) over all ranks, z = x - m, p = softmax(x), g = dL/dlog p(t), h = dL/dH:
 
-    log p(t) = z_t - log S                      H = -sum_j p_j log p_j = log S - sum_j p_j z_j
-
-Gradients, with g = dL/dlog p(t) and h = dL/dH (per token), p = softmax(x):
-
+    log p(t) = z_t - log S        H = log S - sum_j p_j z_j
     dL/dlogits_j = ( g (1[j=t] - p_j)  -  h p_j (log p_j + H) ) / T
 
-Per chunk of tokens the forward needs two all-reduces (MAX of m; SUM of S, sum p z, z_t): three
-floats per token cross the network, never the vocabulary. The backward recomputes softmax from
-the saved (m, S, c = sum_j p_j z_j) one chunk at a time as p = exp(z) / S and uses
-log p + H = z - c. Both avoid a large rounded shift: exp(x - (m + log S)) with m + log S rounded
-to float32 has a relative error of ~|m + log S| * 6e-8 in every p, while x - m is exact where p
-is large (z is computed as (logits - max logits) / T, the subtraction exact near the maximum). The backward writes each chunk's gradient into the one gradient
-tensor autograd needs anyway. Nothing is written into ``logits``; no one-hot is built.
-
-Two implementations of the per-chunk passes (``kernel=``): ``"eager"`` torch ops on float32 work
-buffers, ``"compiled"`` fused ``torch.compile`` passes in the logits' dtype (no float32 chunk);
-``"auto"`` (the default) takes the compiled ones where inductor generates Triton code for the
-logits' device and dtype (``compiled_by_default``), the eager ones elsewhere. Why, and what
-each costs: docs/training.md, "Log-probs over a vocabulary shard".
-"""
+Per chunk of tokens two all-reduces (MAX of m; SUM of S, sum p z, z_t); ``logits`` is never
+written. ``kernel=``: ``"eager"`` torch ops, ``"compiled"`` fused ``torch.compile`` passes,
+``"auto"`` compiled where ``compiled_by_default``. Why this form, and what each kernel costs:
+docs/training.md#log-probs-over-a-vocabulary-shard."""
 
 from __future__ import annotations
 
@@ -87,10 +73,9 @@ def default_chunk_size(local_vocab: int, device: torch.device | str = "cpu", *,
 
 
 def compiled_by_default(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``kernel="auto"`` compiles for ``dtype`` logits on ``device``: where inductor
-    generates Triton code for it (CUDA with Triton importable and a GPU Triton supports) and the
-    fused passes build and run there in that dtype (``compiled_kernels_work``, once per device
-    and dtype), not merely where CUDA is present. CPU: False, nothing built (module docstring)."""
+    """Whether ``kernel="auto"`` compiles for ``dtype`` logits on ``device``: CUDA with Triton
+    importable and the fused passes built and run there in that dtype (``compiled_kernels_work``,
+    once per device and dtype). CPU: False, nothing built."""
     device = torch.device(device)
     return _inductor_makes_triton(device) and _compiled_kernels_work_on(device, dtype)
 
@@ -106,14 +91,10 @@ def _inductor_makes_triton(device: torch.device) -> bool:
 
 
 def compiled_kernels_work(device: torch.device, dtype: torch.dtype) -> bool:
-    """Build and run the fused passes for ``dtype`` logits on ``device`` once, as a training
-    step calls them: forward and backward of [1, 5, 8] logits in chunks of 2, 2 and 1 rows, the
-    gradient written in ``dtype``. Compiles the graphs every later call with logits of ``dtype``
-    reuses (``_compile``; a one-token first chunk excepted). A node can import Triton and still
-    fail to build kernels (no C compiler or Python headers for Triton's launcher, a Triton too
-    old for the GPU, a dtype its code generation fails on): then this warns with the reason and
-    returns False, and ``"auto"`` takes the eager kernels for that dtype, so a run starts either
-    way."""
+    """Build and run the fused passes for ``dtype`` logits on ``device`` once, as a training step
+    calls them (forward and backward of [1, 5, 8] logits in chunks of 2, 2 and 1 rows), compiling
+    the graphs later calls reuse. True if they ran; where they do not build, warns with the reason
+    and returns False (``"auto"`` then takes the eager kernels for that dtype)."""
     try:
         logits = torch.zeros(1, 5, 8, dtype=dtype, device=device, requires_grad=True)
         targets = torch.zeros(1, 5, dtype=torch.long, device=device)
@@ -135,10 +116,9 @@ def _compiled_kernels_work_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class _EagerChunks:
-    """The forward sums and the backward gradient of one chunk in torch ops, on float32 work
-    buffers [chunk, n_valid] made once per call (fresh allocations per chunk cost page faults
-    on CPU); a shorter last chunk uses their leading rows. Both methods take the chunk's whole
-    rows [rows, V_l] and leave the TP padding columns (>= n_valid) out."""
+    """The forward sums and backward gradient of one chunk in torch ops, on float32 work buffers
+    [chunk, n_valid] made once per call (a shorter last chunk uses their leading rows). Both take
+    the chunk's whole rows [rows, V_l] and leave the TP padding columns (>= n_valid) out."""
 
     def __init__(self, rows: int, n_valid: int, device, temperature: float):
         self.rows, self.n_valid, self.temperature = rows, n_valid, temperature
@@ -188,9 +168,8 @@ class _EagerChunks:
 
 
 def _z_and_valid(chunk, n_valid, m, temperature):
-    """z = (logits - m) / T in float32 over the chunk's whole rows, and the mask of the
-    columns that are not TP padding (a mask, not a slice: a slice would make the padded and
-    the whole shard two graphs)."""
+    """z = (logits - m) / T in float32 over the chunk's whole rows, and the mask of the columns that
+    are not TP padding (a mask, not a slice, so that padded and whole shards are one graph)."""
     valid = torch.arange(chunk.shape[1], device=chunk.device) < n_valid
     return (chunk.float() - m[:, None]) / temperature, valid
 
@@ -236,7 +215,7 @@ def _compile(fn):
 
 
 class _CompiledChunks:
-    """The same two per-chunk functions as ``_EagerChunks``, compiled (module docstring)."""
+    """The same two per-chunk functions as ``_EagerChunks``, compiled."""
 
     def __init__(self, n_valid: int, device, temperature: float):
         # made on the device by a fill, not by a host-to-device copy that would synchronise
@@ -341,27 +320,16 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, group=None, tempera
                          chunk_size: int | None = None, entropy_grad: bool = False,
                          vocab_size: int | None = None,
                          kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """Per-token log pi(target) and full-vocabulary entropy from this rank's vocab shard.
+    """Per-token log pi(target) and full-vocabulary entropy from this rank's vocab shard:
+    ``(logprobs, entropy)``, float32 with the shape of ``targets``; ``logprobs`` differentiable
+    w.r.t. ``logits``, ``entropy`` too with ``entropy_grad`` (module docstring for the math).
 
-    Args:
-        logits: [..., V_l] this rank's contiguous vocab shard (rank r holds global columns
-            [r*V_l, (r+1)*V_l)), any float dtype; never modified.
-        targets: [...] global token ids (int64 or int32), same leading shape.
-        group: the TP process group. None: Megatron's TP group if initialised, else one process.
-        temperature: logits are divided by it before the softmax (as the rollout sampler does).
-        chunk_size: tokens per chunk (default ``default_chunk_size``: eager, 8 MiB of float32
-            per chunk on CPU, 256 MiB on GPU; compiled on GPU, 2^28 logits).
-        entropy_grad: make the entropy differentiable (otherwise it is a detached output).
-        vocab_size: the model's real vocabulary (HF ``vocab_size``); global columns >= it are
-            TP padding and are excluded from the distribution. Default: V_l * group size.
-        kernel: the per-chunk passes: ``"eager"`` torch ops, ``"compiled"`` torch.compile'd
-            fused passes, ``"auto"`` compiled where
-            ``compiled_by_default(logits.device, logits.dtype)``.
-
-    Returns:
-        ``(logprobs, entropy)``, both float32 with the shape of ``targets``; ``logprobs`` is
-        differentiable w.r.t. ``logits`` (module docstring for the math).
-    """
+    ``logits`` [..., V_l]: this rank's contiguous shard, any float dtype, never modified.
+    ``targets`` [...]: global token ids. ``group``: the TP group (None: Megatron's if initialised,
+    else one process). ``temperature`` divides the logits as the sampler does. ``chunk_size``:
+    tokens per chunk (default ``default_chunk_size``). ``vocab_size``: the real vocabulary, columns
+    >= it being TP padding (default V_l x group size). ``kernel``: "eager", "compiled" or "auto"
+    (module docstring). Raises ``TypeError`` / ``ValueError`` on other dtypes, shapes or kernels."""
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor")
     if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():

@@ -1,55 +1,7 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config of a registered family (Qwen2, Llama,
-Qwen3, Qwen3-MoE).
-
-The HF config is read once, by ``megatron_dgpo.models.describe`` (family quirks, dimensions,
-RoPE; see ``megatron_dgpo/models``). This module maps that description onto Megatron:
-
-    dims.layers / hidden / heads / kv_heads / head_dim / ffn -> num_layers / hidden_size /
-        num_attention_heads / num_query_groups (GQA) / kv_channels / ffn_hidden_size
-    norm_eps -> layernorm_epsilon (normalization="RMSNorm"); SwiGLU: gated_linear_unit=True,
-        activation_func=F.silu; qkv_bias -> add_qkv_bias, no other bias
-    rope.theta / scaling / factor -> rotary_base / rope_scaling / rope_scaling_factor
-    tie_word_embeddings -> share_embeddings_and_output_weights
-    vocab_size -> padded_vocab_size(vocab_size, TP) (rows past vocab_size are padding)
-    qk_norm (Qwen3) -> qk_layernorm (RMSNorm per query / key head, in the layer spec too)
-
-Mixture of experts (Qwen3-MoE, ``dims.experts > 0``), every layer an MoE layer:
-
-    dims.experts / topk / moe_ffn -> num_moe_experts / moe_router_topk / moe_ffn_hidden_size
-    router.norm_topk_prob -> moe_router_pre_softmax = not norm_topk_prob, score function
-        softmax, router in fp32 (HF's semantics; a wrong setting moves logits by ~0.4)
-    load balancing: none with ``moe_aux_loss_coeff`` 0 (RL's default), else aux_loss
-    expert parallelism / expert TP: from Megatron's parallel state (``ParallelConfig``)
-    experts: TEGroupedMLP (``moe_grouped_gemm``, fused permutation ``moe_permute_fusion``) with
-        Transformer-Engine, else SequentialMLP
-    optimizer: experts always in their own (chained) optimizer, at EP = 1 too, so that the
-        optimizer checkpoint is the same at every EP (``_experts_in_their_own_optimizer``)
-    token dispatcher: ``moe_token_dispatcher_type`` (alltoall by default; allgather needs
-        fixed sequence lengths, which only PP = 1 affords)
-    TP > 1: Megatron requires sequence parallelism with MoE, on here only with CUDA (gloo has
-        no reduce-scatter), so an MoE model on CPU runs at TP 1 (EP and DP instead); an
-        explicit ``sequence_parallel`` override skips that refusal (the converter's models at
-        TP > 1 on CPU, which never run forward)
-
-Context parallelism: ``context_parallel_size`` from Megatron's parallel state; on a GPU
-``cp_comm_type="p2p"`` (Megatron-LM's default, TE's ring attention); on CPU the local attention
-takes it through ``runtime/cpu.py``'s patch 15.
-
-The model is built with ``parallel_output=True``: the last pipeline stage returns logits
-[B, S, V_padded / TP], this rank's contiguous vocab shard. Padded columns (global index >=
-``hf vocab_size``) are not part of the distribution: pass ``vocab_size`` to
-``vocab_parallel.logprobs_and_entropy`` to exclude them.
-
-Layer spec: Transformer-Engine (``get_gpt_layer_with_transformer_engine_spec``) when TE is
-importable and CUDA is available, else Megatron's local spec (``get_gpt_layer_local_spec``,
-RMSNorm). Parameter names differ between the two only in the fused norms: local
-``decoder.layers.{i}.input_layernorm.weight`` / ``pre_mlp_layernorm.weight`` are TE's
-``self_attention.linear_qkv.layer_norm_weight`` / ``mlp.linear_fc1.layer_norm_weight``.
-``decoder.layers.{i}`` numbers layers locally per (virtual) pipeline stage; the global index is
-``layer.layer_number - 1``. With tied embeddings and PP > 1 the last stage holds
-``output_layer.weight`` as a copy of ``embedding.word_embeddings.weight`` (Megatron keeps them
-in sync by summing their gradients over the embedding group).
-"""
+"""Megatron-Core ``GPTModel`` chunks from an HF config of a registered family, read once by
+``models.describe``: its ``TransformerConfig`` and layer spec (TE's with Transformer-Engine and
+CUDA, else Megatron's local RMSNorm spec). How each field maps, the specs' parameter names and the
+MoE settings: docs/training.md#the-model-an-hf-config-on-megatron-core and docs/moe.md."""
 
 from __future__ import annotations
 
@@ -82,19 +34,11 @@ class ModelSpec:
 
 def transformer_config_from_hf(hf_config: Any, *, platform: Platform | None = None,
                                **overrides):
-    """``(TransformerConfig, ModelSpec)`` for an HF config of a family in
-    ``megatron_dgpo.models.FAMILIES`` (dimensions and quirks come from ``models.describe``).
-
-    Defaults chosen for RL training: no dropout, ``calculate_per_token_loss=True`` (the train
-    step's normalisation relies on it), ``variable_seq_lengths=True`` (micro-batches of unequal
-    lengths under PP). The machine-dependent settings come from
-    ``gpu_flags.transformer_flags(platform, TP)``: on a GPU sequence parallelism with TP > 1,
-    fused RoPE with Transformer-Engine, gradient-accumulation fusion with apex, the bias /
-    softmax / norm fusions and GPU initialisation; all off on CPU. ``platform`` defaults to
-    ``Platform.detect()`` (pass one to build a GPU layout's config on CPU). ``overrides`` are
-    ``TransformerConfig`` fields (e.g. ``tensor_model_parallel_size``, ``params_dtype``,
-    ``bf16``, ``pipeline_dtype``, ``recompute_granularity``) and win over everything.
-    """
+    """``(TransformerConfig, ModelSpec)`` for an HF config of a family in ``FAMILIES``: RL's
+    defaults and the machine's flags (``gpu_flags.transformer_flags`` on ``platform``, default
+    ``Platform.detect()``; pass one to build a GPU layout's config on CPU), ``overrides``
+    (``TransformerConfig`` fields) over everything. Raises ``ValueError`` on what it cannot
+    build."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(**transformer_kwargs(hf_config, platform=platform, **overrides)), \
@@ -119,10 +63,9 @@ def model_spec(hf_config: Any) -> ModelSpec:
 
 def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
                        **overrides) -> dict:
-    """The ``TransformerConfig`` keyword arguments ``transformer_config_from_hf`` builds with
-    (a pure function of the HF config, the platform, the parallel sizes and ``overrides``:
-    tests check a GPU layout's choices on CPU with it, where ``TransformerConfig`` itself would
-    refuse e.g. ``apply_rope_fusion`` without Transformer-Engine)."""
+    """``transformer_config_from_hf``'s keyword arguments, a pure function of its inputs and the
+    parallel sizes (tests check GPU layouts on CPU with it, where ``TransformerConfig`` would
+    refuse)."""
     from megatron_dgpo.runtime import parallel
 
     desc = describe(hf_config_dict(hf_config))
@@ -182,13 +125,8 @@ def transformer_kwargs(hf_config: Any, *, platform: Platform | None = None,
 
 
 def _default_attention_backend(platform: Platform):
-    """Megatron's ``local`` attention for its local spec (as Megatron-LM pairs
-    ``--attention-backend local`` with ``--spec local``), its ``auto`` for the TE spec; the
-    trainer passes the backend ``gpu_flags.attention_backend`` chose (``policy.attention_overrides``).
-    The backend also sets TE's ``NVTE_*_ATTN`` switches in the process environment
-    (``LanguageModule._set_attention_backend``), and Megatron asserts they agree with any value
-    already there: a local-spec build leaves what a TE choice made under ``NVTE_FUSED_ATTN=0``
-    consistent."""
+    """Megatron's ``local`` attention for the local spec, ``auto`` for TE's; the trainer overrides
+    it (docs/training.md#the-model-an-hf-config-on-megatron-core)."""
     from megatron.core.transformer.enums import AttnBackend
 
     return AttnBackend.auto if platform.transformer_engine else AttnBackend.local
@@ -200,8 +138,9 @@ needs fixed sequence lengths), flex (DeepEP / HybridEP kernels, GPU only)."""
 
 
 def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> dict:
-    """The MoE fields of ``TransformerConfig`` for an MoE description (module docstring).
-    Expert-parallel sizes come from Megatron's parallel state when it is initialised."""
+    """The MoE fields of ``TransformerConfig`` for an MoE description (docs/moe.md), EP sizes from
+    Megatron's parallel state when initialised. Raises ``ValueError`` naming
+    ``model.moe_token_dispatcher`` or TP where the layout cannot run."""
     from megatron_dgpo.runtime import parallel
 
     dims, router = desc.dims, desc.router
@@ -246,8 +185,7 @@ def moe_kwargs(desc, platform: Platform, *, tp: int, pp: int, **overrides) -> di
 
 
 def unwrap_model(model):
-    """The ``GPTModel`` inside Megatron's wrappers (``DistributedDataParallel``,
-    ``Float16Module``): every wrapper keeps what it wraps in ``.module``; GPTModel has none."""
+    """The ``GPTModel`` inside Megatron's wrappers (each keeps what it wraps in ``.module``)."""
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -285,21 +223,11 @@ def layer_spec(config=None, *, platform: Platform | None = None):
 
 def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
                 platform: Platform | None = None, **overrides) -> list:
-    """This rank's model chunks: ``list[GPTModel]``, one per virtual pipeline stage (one w/o VPP).
-
-    Needs Megatron's parallel state initialised (``megatron_dgpo.runtime.parallel.initialize_parallel``);
-    TP/PP/VPP sizes are read from it. Each chunk gets ``pre_process`` / ``post_process`` for its
-    (virtual) stage, ``vp_stage`` under VPP, ``parallel_output=True`` and the vocabulary padded
-    with ``padded_vocab_size(vocab_size, TP)``. Weights are freshly initialised (use the
-    converters to load a checkpoint); ``seed`` re-seeds the model-parallel RNG first so every
-    TP/PP layout of the same seed starts from ``torch.manual_seed(seed)``.
-
-    Returns chunks on the current CUDA device (GPU) or the CPU; ``chunk.hf_spec`` holds the
-    ``ModelSpec`` (HF vocab size, RoPE, tying), ``chunk.config`` the ``TransformerConfig`` and
-    ``chunk.transformer_engine`` whether it has TE's layers (packed rows then go in as THD).
-    ``platform`` (default ``Platform.detect()``) decides the layer spec and the GPU flags
-    (``gpu_flags``); e.g. ``Platform(cuda=True)`` builds the local spec on a GPU.
-    """
+    """This rank's model chunks, ``list[GPTModel]``, one per virtual pipeline stage, freshly
+    initialised on the current CUDA device or the CPU. Needs Megatron's parallel state (TP/PP/VPP;
+    ``RuntimeError`` otherwise). ``seed`` re-seeds the model-parallel RNG first (every layout of one
+    seed starts alike); ``platform`` (default ``Platform.detect()``) decides spec and flags. Each
+    chunk carries ``hf_spec`` (``ModelSpec``), ``config`` and ``transformer_engine`` (THD input)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_dgpo.runtime import parallel
@@ -348,13 +276,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype = torch.float32, seed: int
 
 
 def _experts_in_their_own_optimizer(model) -> None:
-    """Mark routed-expert weights expert-parallel (``allreduce=False``) at EP = 1 too.
-
-    Megatron gives them their own optimizer (a ``ChainedOptimizer`` of dense + experts, whose
-    checkpoint keys carry ``chained_0.`` / ``chained_1.``) only when EP > 1; at EP = 1 they join
-    the dense one. The optimizer state saved at EP = 2 would then not load at EP = 1 or back.
-    With the mark, every EP has the same two optimizers; at EP = 1 the experts' gradients are
-    reduced over the expert-DP group, which then is the DP group."""
+    """Mark routed-expert weights expert-parallel (``allreduce=False``) at EP = 1 too, so that every
+    EP has the same two chained optimizers (why: docs/moe.md, "Optimizer and checkpoints")."""
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.allreduce = False

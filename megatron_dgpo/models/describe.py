@@ -1,28 +1,7 @@
-"""HF ``config.json`` -> one ``ModelDescription``: family, dimensions, RoPE, norm, tying.
-
-The only place that reads architecture fields of an HF config. Field mapping (HF -> here):
-
-    num_hidden_layers -> layers        hidden_size -> hidden     intermediate_size -> ffn
-    num_attention_heads -> heads       num_key_value_heads (default: heads) -> kv_heads (GQA)
-    head_dim (default: hidden / heads) -> head_dim                vocab_size -> vocab
-    padded_vocab_size(vocab, tp) -> padded_vocab (Megatron's embedding / output-layer rows)
-    rope theta (``rope_theta`` or transformers>=5 ``rope_parameters["rope_theta"]``) -> rope.theta
-    rope scaling: none/"default", or Llama-3 ("llama3") with Megatron's fixed constants
-        (low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)
-    ``family.norm_eps_field`` (rms_norm_eps) -> norm_eps; tie_word_embeddings -> tied
-    family.qkv_bias(cfg) -> qkv_bias; family.qk_norm -> qk_norm (Qwen3's per-head q/k RMSNorm)
-    fields in ``family.refused_fields`` must be falsy
-
-Mixture of experts (``family.moe``, Qwen3-MoE): every layer's MLP is a router + routed experts
-
-    num_experts (or num_local_experts) -> dims.experts   moe_intermediate_size -> dims.moe_ffn
-    num_experts_per_tok -> dims.topk   norm_topk_prob -> moe.norm_topk_prob
-    router_aux_loss_coef -> moe.hf_aux_loss_coef (what HF trains with; RL runs keep it off)
-    refused: decoder_sparse_step != 1 or a non-empty mlp_only_layers (dense layers between
-    MoE layers), shared experts
-
-Pure Python (no torch): the planner imports it.
-"""
+"""HF ``config.json`` -> one ``ModelDescription``: family, dimensions, RoPE, norm, tying, an MoE's
+router. The only place that reads an HF config's architecture fields; pure Python (the planner
+imports it). The field mapping and what is refused:
+docs/training.md#the-model-an-hf-config-on-megatron-core, docs/moe.md for MoE fields."""
 
 from __future__ import annotations
 
@@ -183,9 +162,8 @@ def rope_of(cfg: dict) -> Rope:
 
 
 def describe(hf_config: Any, *, tp: int = 1, padded_vocab: int | None = None) -> ModelDescription:
-    """The model an HF config describes; ``ValueError`` naming the field on anything the
-    Megatron builder here cannot reproduce. ``padded_vocab`` defaults to
-    ``padded_vocab_size(vocab_size, tp)``."""
+    """The model an HF config describes (``padded_vocab`` default ``padded_vocab_size(vocab_size,
+    tp)``); ``ValueError`` naming the field on anything the builder cannot reproduce."""
     cfg = hf_config_dict(hf_config)
     family = family_for(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
@@ -239,10 +217,9 @@ def _moe_of(cfg: dict, family: Family) -> tuple[dict, Router]:
 
 
 def group_hf_tensors(hf_config: Any, tensors: Mapping[str, T]) -> list[list[tuple[str, T]]]:
-    """``tensors`` (HF name -> tensor of a model described by ``hf_config``) as the groups a
-    live model's export yields (``convert.export_hf_groups``): one list per fused group of the
-    family map (``families.fused_groups``), in export order; names absent from ``tensors`` are
-    left out. Raises ``KeyError`` naming a tensor the family map does not know."""
+    """``tensors`` (HF name -> tensor of ``hf_config``'s model) in the groups a live export yields:
+    one list per ``families.fused_groups`` group, in export order, absent names left out. Raises
+    ``KeyError`` naming a tensor the family map does not know."""
     description = describe(hf_config)
     cfg, dims = hf_config_dict(hf_config), description.dims
     groups, known = [], set()

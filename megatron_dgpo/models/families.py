@@ -1,33 +1,8 @@
-"""The model-family registry: one ``Family`` entry per supported HF decoder family.
-
-A family says which HF architectures it covers, its quirks (QKV bias, fields the Megatron
-builder cannot honour, the norm-epsilon field, tying default) and its declarative
-HF <-> Megatron-Core tensor name map. The builder (``megatron_dgpo.models.builder``), the converter
-(``megatron_dgpo.convert``) and the planner (``megatron_dgpo.planner``) all read it through
-``megatron_dgpo.models.describe``; adding a family is one entry in ``FAMILIES`` below.
-
-Each ``ParamMap`` ties one Megatron tensor to the HF tensor(s) it is made of and names the
-transform between them (``transforms.py``). Names on the Megatron side are the
-*distributed-checkpoint keys* of Megatron-Core 0.16 (identical for the local and the
-Transformer-Engine layer specs): per-layer tensors live under ``decoder.layers.<suffix>`` with a
-leading layer axis in the checkpoint, and the fused-norm (TE) names are used for the layer norms.
-A live model's parameter names are mapped onto these keys by ``megatron_param_key``:
-
-    local spec                               TE spec / checkpoint key
-    decoder.layers.{i}.input_layernorm.weight    decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight
-    decoder.layers.{i}.pre_mlp_layernorm.weight  decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight
-
-``{i}`` in a live model is the layer index *within its (virtual) pipeline chunk*; the global HF
-layer number is ``chunk.decoder.layers[i].layer_number - 1``.
-
-Transform kinds (``kind``):
-    copy     one HF tensor, same layout
-    vocab    one HF tensor [V, H]; Megatron pads rows to the padded vocabulary [V_pad, H]
-    qkv      (q, k, v) -> rows interleaved per query group [q_g0, k_g0, v_g0, q_g1, ...]
-    gate_up  (gate, up) -> [gate; up] rows (each TP rank holds [gate_shard; up_shard])
-
-``tp_axis``: the axis Megatron splits across tensor-parallel ranks (None: replicated).
-"""
+"""The model-family registry: one ``Family`` per supported HF decoder family (architectures, quirks,
+its HF <-> Megatron-Core tensor map of ``ParamMap``s); ``FAMILIES``, ``family_for``,
+``megatron_param_key`` (a live parameter -> map, layer, expert), ``iter_params`` and
+``fused_groups`` (the export order). The map's conventions:
+docs/training.md#checkpoint-conversion."""
 
 from __future__ import annotations
 
@@ -202,9 +177,8 @@ def iter_params(params: Sequence[ParamMap], num_layers: int):
 
 def fused_groups(params: Sequence[ParamMap], num_layers: int
                  ) -> Iterator[list[tuple[ParamMap, int | None]]]:
-    """``iter_params``' (map, layer) pairs grouped as an engine must reload them: the maps of
-    one layer that share a ``fused`` name together, at the place of the first, every other map
-    alone."""
+    """``iter_params``' (map, layer) pairs as an engine must reload them: one layer's maps that
+    share a ``fused`` name together, at the first one's place; every other map alone."""
     order = list(iter_params(params, num_layers))
     members: dict[tuple, list] = {}
     for pm, layer in order:

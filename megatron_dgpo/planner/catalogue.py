@@ -71,10 +71,9 @@ it; the published step times do)."""
 
 
 def architecture_for(run, hf_config: str | dict | None = None) -> PlannedModel:
-    """The recipe's model shape: ``hf_config`` if given (a config.json or its folder; a dict:
-    the config of ``model.tiny``'s model, ``tasks.tiny.tiny_config``, which the driver passes);
-    else ``model.path`` when it is a local folder with config.json; else the built-in table
-    ``PUBLISHED`` keyed by hub id."""
+    """The recipe's model shape: ``hf_config`` if given (a config.json, its folder, or a dict such
+    as ``tasks.tiny.tiny_config``'s for ``model.tiny``); else ``model.path`` when it is a local
+    folder with config.json; else ``PUBLISHED`` by hub id."""
     if isinstance(hf_config, dict):
         return PlannedModel.from_hf_config(hf_config, name="tiny")
     if hf_config:

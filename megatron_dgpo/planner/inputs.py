@@ -1,6 +1,5 @@
-"""What a plan is for: the model (``PlannedModel``: a name and its ``ModelDescription``), the
-cluster (``Cluster``), what the recipe says that decides memory (``Workload``) and one TP x PP x
-CP x DP layout (``Layout``); ``GIB``, the unit of memory. Notation: ``megatron_dgpo.planner``."""
+"""What a plan is for: the model (``PlannedModel``), the cluster (``Cluster``), what the recipe says
+that decides memory (``Workload``), one layout (``Layout``); ``GIB``, the unit of memory."""
 
 from __future__ import annotations
 
@@ -13,13 +12,8 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class PlannedModel:
-    """The model a plan is for: a name for the planner's messages and the one model description
-    the model builder and the converter use (``megatron_dgpo.models.ModelDescription``: its
-    ``dims`` h, L, a, g, d, f, V, E, f_e, k and the QKV-bias, tying and q/k-norm flags). Dense
-    (Qwen2, Llama, Qwen3) or Qwen3-MoE (``dims.experts`` > 0, every layer an MoE layer).
-
-    Built from an HF config with ``from_hf_config`` (a published one, a local one, or any dict
-    ``megatron_dgpo.models.describe`` reads, for what-if estimates)."""
+    """The model a plan is for: a name for messages and the ``ModelDescription`` the builder and the
+    converter use, dense (Qwen2, Llama, Qwen3) or Qwen3-MoE (``from_hf_config`` builds it)."""
 
     name: str
     description: ModelDescription
@@ -42,9 +36,8 @@ class PlannedModel:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> "PlannedModel":
-        """From an HF ``config.json`` dict of a registered family (``megatron_dgpo.models``:
-        the same dimensions and quirks the model builder and the converter use); errors name
-        the missing or unsupported field."""
+        """From an HF ``config.json`` dict of a registered family (``megatron_dgpo.models``); errors
+        name the missing or unsupported field."""
         try:
             desc = describe(cfg)
         except ValueError as exc:
@@ -157,10 +150,9 @@ class Workload:
 
     @classmethod
     def from_recipe(cls, run) -> "Workload":
-        """The memory-relevant fields of a ``RunConfig``. ``None`` means what it means on a GPU:
-        the distributed optimizer and sleep mode count as on, ``enforce_eager`` as off (CUDA
-        graphs); bf16 unless ``model.dtype: float32``. The attention backend is the recipe's
-        request; which one runs depends on the GPUs (``memory_terms.resolve_attention``)."""
+        """The memory-relevant fields of a ``RunConfig``, ``None`` read as on a GPU: distributed
+        optimizer and sleep mode on, ``enforce_eager`` off; bf16 unless ``model.dtype: float32``;
+        the recipe's attention request (which backend runs: ``memory_terms.resolve_attention``)."""
         dist_opt = run.optimizer.use_distributed_optimizer
         return cls(
             micro_batch_tokens=run.train.micro_batch_tokens,
@@ -188,10 +180,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """TP x PP x CP x DP; Megatron's rank order puts TP innermost (within a node).
-
-    ``cp``: ``parallel.context_parallel`` (Megatron's order tp-cp-ep-dp-pp: CP between TP and
-    DP)."""
+    """TP x PP x CP x DP (x EP, expert TP); Megatron's rank order tp-cp-ep-dp-pp puts TP innermost
+    (within a node) and ``cp`` (``parallel.context_parallel``) between TP and DP."""
 
     tp: int
     pp: int

@@ -1,6 +1,5 @@
-"""Response lengths of a rollout batch: min(L, cap) with L lognormal, the family and its
-derivations in docs/planner.md#response-lengths. Pure functions of (mu, sigma, cap); the step-time
-model takes the moments, the expected longest of N responses and the share a refit interrupts."""
+"""Response lengths of a rollout batch, X = min(L, cap) with L lognormal, as pure functions of
+(mu, sigma, cap): the fit, moments, expected longest of N (docs/planner.md#response-lengths)."""
 
 from __future__ import annotations
 
@@ -81,9 +80,8 @@ class ResponseLengths:
 
     @property
     def running_age(self) -> float:
-        """E[X^2] / (2 E[X]): the tokens a running response has decoded, on average over every
-        decode step (a long response runs for more steps: length-biased), and the mean response
-        context over every decoded token."""
+        """E[X^2] / (2 E[X]): the tokens a running response has decoded, averaged over decode steps
+        (length-biased), which is also the mean response context over every decoded token."""
         return self.second_moment / (2 * self.mean)
 
     def expected_max(self, n: float) -> float:
@@ -104,8 +102,7 @@ def capped_moment(mu: float, sigma: float, cap: float, k: int) -> float:
 
 @lru_cache(maxsize=4096)
 def _expected_max(mu: float, sigma: float, cap: float, n: float) -> float:
-    """``ResponseLengths.expected_max`` by Simpson's rule in y = ln x; below y_lo = mu - 10 sigma
-    every draw is longer than x (1 - F^n = 1 to 1e-23), so that part is exp(y_lo)."""
+    """``ResponseLengths.expected_max`` by Simpson's rule in ln x (docs/planner.md)."""
     y_hi = math.log(cap)
     y_lo = min(mu - 10 * sigma, y_hi)
     if y_hi <= y_lo:

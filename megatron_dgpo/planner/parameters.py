@@ -1,6 +1,5 @@
-"""Parameter counts of a model per layer, pipeline stage and whole, as pure functions of its
-description (``megatron_dgpo.models.ModelDescription``: ``dims`` and the QKV-bias, tying and
-q/k-norm flags; notation: ``megatron_dgpo.planner``); Megatron's padded vocabulary."""
+"""Parameter counts per layer, pipeline stage and model, as pure functions of a
+``ModelDescription`` (notation: ``megatron_dgpo.planner``); Megatron's padded vocabulary."""
 
 from __future__ import annotations
 
@@ -8,22 +7,16 @@ from megatron_dgpo.models import ModelDescription, padded_vocab_size
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
-    """V_pad = ceil(V / (128 t)) 128 t: the rows Megatron allocates for the embedding and output
-    layer (``megatron_dgpo.models.padded_vocab_size``, the rule the model builder uses)."""
+    """V_pad = ceil(V / (128 t)) 128 t (``megatron_dgpo.models.padded_vocab_size``)."""
     return padded_vocab_size(vocab, tp)
 
 
 def layer_params(desc: ModelDescription, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank, routed experts excluded
-    (``expert_layer_params``):
+    """One transformer layer's parameters on one TP rank, routed experts excluded
+    (``expert_layer_params``); norms and router replicated over TP:
 
-        (h (a d + 2 g d)  [QKV]  + (a d + 2 g d) [QKV bias, if any]  + a d h [proj]
-         + 2 f h [fc1, gate and up] + f h [fc2]       (dense MLP only)) / t
-        + 2 h [two RMSNorm weights]  + 2 d [q/k norms, Qwen3]  + E h [router, MoE]
-
-    The norms and the router are replicated over TP (Megatron's ``TopKRouter`` weight is
-    [E, h] on every rank).
-    """
+        (h (a d + 2 g d) + [bias] (a d + 2 g d) + a d h + [dense] 3 f h) / t
+        + 2 h + [q/k norms] 2 d + [MoE] E h"""
     d = desc.dims
     qkv_out = d.q_dim + 2 * d.kv_dim
     mlp = 0 if d.moe else 3 * d.ffn * d.hidden
@@ -35,9 +28,8 @@ def layer_params(desc: ModelDescription, tp: int = 1) -> int:
 
 
 def expert_layer_params(desc: ModelDescription, ep: int = 1, etp: int = 1) -> int:
-    """One layer's routed-expert parameters on one rank: (E / e) 3 f_e h / u (each expert's
-    fc1 [2 f_e, h] and fc2 [h, f_e], E / e experts per EP rank, each split over expert TP
-    u); 0 for a dense model."""
+    """One layer's routed-expert parameters on one rank: (E / e) 3 f_e h / u; 0 for a dense
+    model. Raises ``ValueError`` unless e | E."""
     d = desc.dims
     if not d.moe:
         return 0
@@ -52,14 +44,9 @@ def embedding_params(desc: ModelDescription, vocab_rows: int, tp: int = 1) -> in
 
 
 def param_count(desc: ModelDescription, vocab_rows: int | None = None) -> int:
-    """Unique parameters of the whole model:
-
-        V h [embedding] + L (layer_params + expert_layer_params) + h [final norm]
-        + (0 if tied else V h) [output layer]
-
-    ``vocab_rows`` defaults to the HF vocabulary (what model cards count); pass
-    ``padded_vocab(V, t)`` for what Megatron builds.
-    """
+    """Unique parameters of the whole model: V h + L (layer_params + expert_layer_params) + h
+    + (0 if tied else V h), V = ``vocab_rows`` (default the HF vocabulary, what model cards count;
+    pass ``padded_vocab(V, t)`` for what Megatron builds)."""
     d = desc.dims
     rows = d.vocab if vocab_rows is None else vocab_rows
     vocab_mats = 1 if desc.tie_word_embeddings else 2
@@ -68,23 +55,19 @@ def param_count(desc: ModelDescription, vocab_rows: int | None = None) -> int:
 
 
 def stage_expert_params(desc: ModelDescription, pp: int, ep: int = 1, etp: int = 1) -> int:
-    """The routed-expert parameters on one GPU of any pipeline stage: (L / p) (E / e) 3 f_e h
-    / u. They are replicated over the D_e = world / (p e u) expert data-parallel ranks only,
-    which is what the distributed optimizer shards their state over."""
+    """The routed-expert parameters on one GPU of any stage: (L / p) (E / e) 3 f_e h / u, replicated
+    over the D_e expert data-parallel ranks only."""
     return desc.dims.layers // pp * expert_layer_params(desc, ep, etp)
 
 
 def stage_params(desc: ModelDescription, tp: int, pp: int, stage: int, ep: int = 1,
                  etp: int | None = None) -> int:
-    """Parameters held by one GPU of pipeline stage ``stage`` (0 .. p-1) at TP t (EP e and
-    expert TP u, default t, for an MoE model):
+    """Parameters on one GPU of pipeline stage ``stage`` (0 .. p-1), expert TP u default t:
 
-        (L / p) layer_params(t)  + stage_expert_params(e, u)  + [stage 0] V_pad h / t
-        + [stage p-1] (h + V_pad h / t)    (output layer: untied, or tied with p > 1, where
-                                            Megatron keeps a copy on the last stage)
+        (L / p) layer_params(t) + stage_expert_params + [stage 0] V_pad h / t
+        + [stage p-1] (h + V_pad h / t, the output layer unless tied with p = 1)
 
-    with V_pad = padded_vocab(V, t). Needs p | L (and e | E).
-    """
+    Raises ``ValueError`` unless p | L (and e | E)."""
     d = desc.dims
     if d.layers % pp:
         raise ValueError(f"pipeline_parallel {pp} does not divide {d.layers} layers")

@@ -64,10 +64,9 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        """weights + NCCL + overhead + the larger of the two phases when vLLM sleeps during
-        training (training: grads + optimizer + activations + dispatch + logits + cache + the
-        sleeping engine's graphs; rollout: vLLM, + grads + optimizer unless offloaded), else everything
-        at once."""
+        """weights + NCCL + overhead + the larger phase when vLLM sleeps during training (training:
+        grads + optimizer + activations + dispatch + logits + cache + graphs; rollout: vLLM, plus
+        grads + optimizer unless offloaded), else every term at once."""
         state = self.grads + self.optimizer
         training = self.activations + self.dispatch + self.logits + self.cache
         if self.vllm_sleeps:
@@ -130,22 +129,11 @@ def dedicated_split_problem(cluster: Cluster, work: Workload, dp: int) -> str | 
 
 
 def estimate(model: PlannedModel, cluster: Cluster, layout: Layout, work: Workload) -> Estimate:
-    """The peak GPU of ``layout``: the largest over pipeline stages k = 0 .. p-1 of weights +
-    gradients + optimizer + activations + logits + allocator cache + vLLM (+ a sleeping
-    engine's CUDA graphs) + NCCL + overhead (``Estimate.total``), where stage k holds
-    min(p - k, micro-batches) micro-batches in flight (1F1B), stage 0 the embedding, the last
-    stage the output layer and the logits. vLLM: colocated (the default), an engine of t_r GPUs
-    in every rank, on every stage, asleep during training with ``sleep_mode`` (then the stage
-    holds max(vLLM, activations + logits), not their sum); separate, the stages of global
-    ranks 0 .. t_r - 1 (stage k holds ranks k world / p .. (k + 1) world / p - 1: PP is
-    Megatron's outermost); dedicated, none (``dedicated_engine_estimate``), but stage 0 holds
-    the refit link. An MoE model's layout carries EP e and expert TP u: the experts
-    (``stage_expert_params``) have their optimizer state sharded over D_e, not D, and the
-    dispatcher's buffers (``dispatcher_bytes``) join training's terms. The activations follow
-    ``work.attention`` (``activation_bytes``: [s, s] tensors with the unfused and local
-    backends). With CP c a rank holds s / c tokens of every row (activations, dispatch, logits
-and the log-prob kernel's work; log-probs are CP-local) but all of its stage's weights and
-gradients; the distributed optimizer shards over D c."""
+    """The peak GPU of ``layout``: the ``Estimate`` of its pipeline stage with the largest ``total``
+    (stage k: min(p - k, micro-batches) in flight, stage 0 the embedding, the last stage the output
+    layer and logits; vLLM where the placement puts an engine; with CP c, s / c tokens per row).
+    Raises ``ValueError`` when the layout's MoE-ness is not the model's. The rules:
+    docs/planner.md#candidates-and-the-choice."""
     desc = model.description
     if desc.dims.moe != layout.moe:
         raise ValueError(f"layout {layout} is {'an MoE' if layout.moe else 'a dense'} layout "
@@ -245,10 +233,9 @@ class EngineEstimate:
 
 def dedicated_engine_estimate(model: PlannedModel, cluster: Cluster, work: Workload
                               ) -> EngineEstimate | None:
-    """A dedicated engine's GPU (``rollout.placement: dedicated``): vLLM's reserve
-    (``vllm_bytes``, engines of t_r = ``rollout.tensor_parallel_size`` GPUs, default 1) plus
-    the NCCL buffers of its TP group (t_r > 1) and of the refit link; no training state. None
-    unless the workload has dedicated engines."""
+    """A dedicated engine's GPU: vLLM's reserve (``vllm_bytes``, t_r =
+    ``rollout.tensor_parallel_size``, default 1) plus its TP and refit-link NCCL buffers; None
+    without dedicated engines."""
     if work.rollout_placement != "dedicated" or not cluster.rollout_gpus:
         return None
     t_r = work.rollout_tp or 1

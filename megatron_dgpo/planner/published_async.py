@@ -1,7 +1,6 @@
-"""Published speed-ups of asynchronous RL (AReaL, verl fully-async, PipelineRL, slime's APRIL)
-beside the step-time model's prediction for a comparable setting (``PUBLISHED_SPEEDUPS``,
-``predict_speedup``) and docs/planner.md's table of them (``speedup_table``;
-tests/planner/test_published_async.py). None of them fitted a constant."""
+"""Published speed-ups of asynchronous RL beside the step-time model's prediction for a comparable
+setting (``PUBLISHED_SPEEDUPS``, ``predict_speedup``) and docs/planner.md's table of them
+(``speedup_table``); none fitted a constant."""
 
 from __future__ import annotations
 
@@ -117,9 +116,8 @@ def _kv_room(row: PublishedSpeedup, utilization: float) -> float:
 
 
 def predict_speedup(row: PublishedSpeedup) -> dict:
-    """The model on ``row``'s setting: ``{"sync_s", "async_s", "ratio", "rollout_gpus"}``, the
-    synchronous colocated step (for "colocated partial", its generation) against the row's
-    schedule on the published split or the fastest one."""
+    """The model on ``row``'s setting, ``{"sync_s", "async_s", "ratio", "rollout_gpus"}``: the
+    synchronous colocated step (its generation for "colocated partial") against the row's."""
     hw, _ = PUBLISHED_HARDWARE[row.hardware]
     desc = PUBLISHED[row.model].description
     shape = StepShape(prompts=row.prompts, group_size=row.group_size,

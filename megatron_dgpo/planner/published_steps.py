@@ -1,8 +1,6 @@
-"""Published GRPO step times on H100s (``PUBLISHED_STEPS``: nine NeMo-RL rows, four
-of which fitted ``megatron_dgpo.planner.steptime``'s constants; ``HELD_OUT_STEPS``: rows no
-constant was fitted to), the step-time model on each row's workload (``predict_published``)
-and docs/planner.md's table of them (``published_table``;
-tests/planner/test_published_steps.py)."""
+"""Published GRPO step times on H100s (``PUBLISHED_STEPS``: nine NeMo-RL rows, four of them fitted
+``steptime``'s constants; ``HELD_OUT_STEPS``: none fitted), the model on each row's workload
+(``predict_published``) and docs/planner.md's table of them (``published_table``)."""
 
 from __future__ import annotations
 
@@ -22,15 +20,9 @@ NEMO_RL_PERF_V05 = "NeMo-RL docs/about/performance-summary.md, v0.5 (H100 BF16)"
 
 @dataclass(frozen=True)
 class PublishedStep:
-    """One published GRPO step time on H100s and the workload behind it, as NeMo-RL ran it:
-    64 prompts x 32 samples unless stated, 4 optimizer updates (train global batch 512),
-    packed rows of ``max_sequence`` tokens, a reference model's forward in the log-prob phase
-    (KL 0.01), unseeded vLLM requests (the batched sampler), vLLM's gpu_memory_utilization
-    0.6 colocated / 0.8 dedicated, max_num_seqs 1024 (vLLM's H100 default). Assumed where the
-    sources are silent: the mean prompt (128 tokens: the published tokens/s/GPU minus the
-    response lengths give 100-130), the longest response (the cap: max_sequence - prompt),
-    and the vLLM TP of the blog's Qwen3 rows (the later performance recipes': 4 for 32B, 2
-    for 30B-A3B)."""
+    """One published GRPO step time on H100s and the workload NeMo-RL ran it with (64 prompts x 32
+    samples unless stated); the workload's fixed parts and what is assumed where the sources are
+    silent: docs/planner.md#published-step-times."""
 
     label: str
     source: str

@@ -1,6 +1,6 @@
-"""``dgpo-plan``'s text: the table of every layout's memory terms with the pick and its reasons
-(``format_table``), and ``--explain``'s lines, every term of the pick with its formula
-(``explain``) and every term of each placement's step time (``explain_step_time``)."""
+"""``dgpo-plan``'s text: every layout's memory terms with the pick and its reasons
+(``format_table``), and ``--explain``'s terms of memory and step time (``explain``,
+``explain_step_time``)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ def _stage_index(e: Estimate) -> int:
 
 
 def explain(plan: Plan, e: Estimate | None = None) -> str:
-    """``dgpo-plan --explain``: every term of one estimate (default: the pick) as a line
-    ``term  formula = value  why``, the values those of ``e`` itself (docs/planner.md has the
-    same rows with their sources)."""
+    """``dgpo-plan --explain``: every term of one estimate (default: the pick) as ``term  formula =
+    value  why``, with ``e``'s own values."""
     e = e or plan.pick
     desc, work, lay = plan.model.description, plan.workload, e.layout
     dims = desc.dims

@@ -1,8 +1,6 @@
-"""``dgpo-plan``'s search: every TP x PP x CP x DP (x EP for MoE) layout the trainer can run on a
-cluster (``candidate_layouts``), each estimated (``peak.estimate``), the one to pick and why
-(``choose``, then ``by_step_time`` among those that leave headroom; ``make_plan``: a ``Plan``);
-then the step time of the plan's schedules (``estimate_step_times``) and the dedicated GPUs
-that make one-step-off and partial rollouts fastest (``balanced_schedules``)."""
+"""``dgpo-plan``'s search: every layout the trainer can run on a cluster (``candidate_layouts``),
+each estimated, the one to pick and why (``make_plan``: a ``Plan``), the step time of its
+schedules (``estimate_step_times``) and the fastest dedicated splits (``balanced_schedules``)."""
 
 from __future__ import annotations
 
@@ -28,21 +26,12 @@ def candidate_layouts(model: PlannedModel, cluster: Cluster, work: Workload, *,
                       expert_parallel: int | None = None,
                       expert_tensor_parallel: int | None = None,
                       max_cp: int = max(CP_SIZES)) -> list[Layout]:
-    """The layouts the trainer can run: t | gpus_per_node, t | a, t | g, t | f (a dense
-    model's MLP); p | L; c in ``CP_SIZES`` up to ``max_cp`` (``parallel.context_parallel``),
-    c = 1 with the unfused and local attention backends (neither has context parallelism);
-    t c p | world; and D = world / (t c p) <= responses per update (every DP rank gets at
-    least one response). A colocated engine with c > 1 must lie in one TP group (t_r | t).
-
-    An MoE model's layouts add EP e and expert TP u (``expert_parallel`` /
-    ``expert_tensor_parallel`` fix them, else they are searched): e | E, u | f_e, u e | world
-    / p (Megatron's expert grid decomposes each stage's ranks again), u in {1, t} unless
-    fixed (whole experts per rank, or experts split like the dense layers: the two settings
-    Megatron users run); the allgather dispatcher needs p = 1. A colocated engine of a set
-    ``rollout.tensor_parallel_size`` t_r must lie in one replica's model-parallel group, as
-    the trainer requires (``rollout.placement.rollout_role``): t_r | t, or t_r | t p with
-    D = 1. Dedicated engines (``cluster.rollout_gpus`` of them, ``rollout_gpus / t_r``
-    engines) are shared out evenly over the DP replicas: D | engines."""
+    """The layouts the trainer can run: t | gpus_per_node, a, g and (dense) f; p | L; c in
+    ``CP_SIZES`` up to ``max_cp`` (1 with the unfused and local backends); D = world / (t p c) <=
+    responses per update; engines that fit the layout (``_engine_fits``, D | dedicated engines). MoE
+    adds e | E and u | f_e with e u | world / p, u in {1, t} and e searched unless
+    ``expert_tensor_parallel`` / ``expert_parallel`` fix them; allgather needs p = 1
+    (docs/planner.md#candidates-and-the-choice)."""
     dims, out = model.description.dims, []
     cps = [c for c in CP_SIZES if c <= max_cp and (c == 1 or work.attention not in SCORE_BACKENDS)]
     for t in range(1, cluster.gpus_per_node + 1):
@@ -87,11 +76,9 @@ def _engine_fits(work: Workload, t: int, p: int, d: int, c: int = 1) -> bool:
 
 
 def preference(e: Estimate) -> tuple:
-    """Smallest model-parallel size first; then PP after TP (TP stays on NVLink; PP adds
-    bubbles and holds p micro-batches on stage 0); for MoE then the smallest expert-parallel
-    group e u (fewer all-to-all peers, more tokens per expert GEMM; a group within a node
-    comes first as the smallest), at equal size whole experts first (smaller u: no expert-TP
-    collectives around GEMMs of f_e / u columns), then the lowest peak."""
+    """Sort key of the memory choice: the smallest model-parallel size t p, then the smaller p,
+    then (MoE) the smallest expert-parallel group e u and the smaller u, then the lowest peak
+    (docs/planner.md#candidates-and-the-choice says why)."""
     lay = e.layout
     return (lay.model_parallel, lay.pp, lay.ep * lay.expert_tp, lay.expert_tp, e.total)
 
@@ -239,9 +226,8 @@ class Plan:
             layout_step_s=dict(self.layout_step_s))
 
     def schedules(self) -> list[tuple[StepTime, str]]:
-        """Every schedule priced, with where its engines are: the plan's own GPUs ("recipe"),
-        then one-step-off and partial rollouts on their fastest split ("fastest split") where
-        that is not the recipe's."""
+        """Every schedule priced, with where its engines are: "recipe" (the plan's own GPUs), then
+        "fastest split" for one-step-off and partial rollouts where that is not the recipe's."""
         own = {(t.placement, t.rollout_gpus) for t in self.step_times}
         return [(t, "recipe") for t in self.step_times] + [
             (t, "fastest split") for t in self.balanced.values()
@@ -249,9 +235,8 @@ class Plan:
 
     @property
     def priced(self) -> StepTime | None:
-        """The schedule of the run (``schedule``): k = 0 synchronous, k >= 1 one-step-off (without
-        partial rollouts a refit waits for the responses in flight, whatever k), partial
-        rollouts; on the recipe's dedicated GPUs, else on the fastest split."""
+        """The run's schedule (``schedule``: k = 0 synchronous, k >= 1 one-step-off, or partial
+        rollouts) on the recipe's dedicated GPUs, else on the fastest split."""
         k, partial = self.schedule
         want = "partial" if partial else "one-step-off" if k >= 1 else (
             "dedicated" if self.cluster.rollout_gpus else "colocated")
@@ -286,9 +271,8 @@ preference decides among them): the step-time model is not that precise."""
 
 def layout_step_seconds(model: PlannedModel, cluster: Cluster, work: Workload, e: Estimate,
                         shape: StepShape, hw: Hardware) -> float:
-    """The step-time model's seconds per step with ``e``'s layout: the colocated step
-    (generation on engines of the layout's resolved TP, training at its TP x PP x CP), or with
-    dedicated engines the synchronous one (their generation does not depend on the layout)."""
+    """Seconds per step with ``e``'s layout: the colocated step (engines of its resolved TP,
+    training at its TP x PP x CP), or with dedicated engines the synchronous one."""
     plan = Plan(model, cluster, work, [e], e, "", None,
                 engine=dedicated_engine_estimate(model, cluster, work))
     times = estimate_step_times(plan, shape, hw)
@@ -296,10 +280,9 @@ def layout_step_seconds(model: PlannedModel, cluster: Cluster, work: Workload, e
 
 
 def by_step_time(plan: Plan, headroom: float, shape: StepShape, hw: Hardware) -> None:
-    """Re-choose ``plan.pick`` by the step-time model: among the layouts that leave
-    ``headroom`` (all that fit when none does), the fastest (``layout_step_seconds``);
-    within ``STEP_TIME_TIE`` of it, the memory preference (``preference``). The explanation
-    says what the step-time model weighed, CP layouts included."""
+    """Re-choose ``plan.pick``: among the layouts that leave ``headroom`` (all that fit when none
+    does), the fastest (``layout_step_seconds``), the memory ``preference`` deciding within
+    ``STEP_TIME_TIE``; the explanation says what was weighed."""
     pool = [e for e in plan.estimates if e.fits_with(headroom)] or \
         [e for e in plan.estimates if e.fits]
     if plan.pick is None or not pool:
@@ -337,14 +320,12 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
               expert_tensor_parallel: int | None = None, recipe_cp: int = 1,
               max_cp: int = max(CP_SIZES), shape: StepShape | None = None,
               hw: Hardware | None = None) -> Plan:
-    """Estimate every candidate layout and choose one: ``choose`` among the layouts with CP 1;
-    where none of them leaves headroom (``CP_WHEN``), among all, CP included, and with a step
-    ``shape`` and ``hw`` then by the step-time model (``by_step_time``). When nothing fits and the
-    recipe does not recompute activations, plan again with full recompute: if a layout fits
-    then, that plan is returned with ``required_overrides`` naming the switch.
-    ``expert_parallel`` / ``expert_tensor_parallel`` fix an MoE model's EP / expert TP (None:
-    searched); ``max_cp`` caps the CP sizes searched; ``recipe_*`` name the recipe's own
-    layout (``recipe_etp`` None = its TP)."""
+    """Estimate every candidate layout and choose one (``choose``) among those with CP 1; where
+    none leaves headroom (``CP_WHEN``) among all, by the step-time model (``by_step_time``) when
+    ``shape`` and ``hw`` are given. When nothing fits and the recipe does not recompute, plan again
+    with full recompute and name the switch in ``required_overrides``. ``expert_parallel`` /
+    ``expert_tensor_parallel`` fix EP / expert TP (None: searched), ``max_cp`` caps CP,
+    ``recipe_*`` name the recipe's own layout (``recipe_etp`` None = its TP)."""
     layouts = candidate_layouts(model, cluster, work, expert_parallel=expert_parallel,
                                 expert_tensor_parallel=expert_tensor_parallel, max_cp=max_cp)
     estimates = [estimate(model, cluster, lay, work) for lay in layouts]
@@ -400,11 +381,9 @@ def make_plan(model: PlannedModel, cluster: Cluster, work: Workload, *, headroom
 
 def plan_attention(work: Workload, hw: Hardware, flash_attn: str = "image"
                    ) -> tuple[Workload, str, str]:
-    """``(work, basis, refusal)``: ``work`` with the attention backend the recipe runs on
-    ``hw``'s GPU generation with the FlashAttention ``flash_attn`` names
-    (``memory_terms.planned_platform``, ``resolve_attention``), the text saying what decided
-    it, and "" or, where the backend cannot run there, the trainer's refusal (``work`` then
-    unchanged)."""
+    """``(work, basis, refusal)``: ``work`` with the backend the recipe runs on ``hw``'s GPUs with
+    the FlashAttention ``flash_attn`` names (``memory_terms.resolve_attention``), what decided it,
+    and "" or the trainer's refusal where it cannot run there (``work`` then unchanged)."""
     platform = planned_platform(hw.name, hw.compute_capability, flash_attn)
     basis = attention_basis(platform, flash_attn)
     try:
@@ -415,9 +394,8 @@ def plan_attention(work: Workload, hw: Hardware, flash_attn: str = "image"
 
 def refused_plan(model: PlannedModel, cluster: Cluster, work: Workload, refusal: str, *,
                  basis: str = "") -> Plan:
-    """The plan of a recipe whose attention backend cannot run on the plan's GPUs: no layout
-    (none would run: the trainer stops at start-up with ``refusal``, its own message and fix),
-    rather than layouts that fit only with a backend that is not there."""
+    """The plan of a recipe whose attention backend cannot run on the plan's GPUs: no layout, the
+    trainer's ``refusal`` (its start-up message and fix) instead."""
     return Plan(model, cluster, work, [], None, "", None, hint=refusal,
                 attention_basis=basis, attention_refusal=refusal)
 
@@ -434,10 +412,8 @@ def rollout_tensor_parallel(plan: Plan) -> int:
 def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware, *,
                         staleness: int | None = None) -> list[StepTime]:
     """``steptime.step_times`` for the plan: engines colocated on all the job's GPUs and, with
-    dedicated engines, on the plan's ``rollout_gpus`` (synchronous, one-step-off, partial
-    rollouts at ``staleness``). The colocated refit moves the pick's gradients and optimizer
-    state to the host and back when ``train.offload_training_state``. The trainer's TP x PP x
-    CP is the pick's (its TP and CP communication and pipeline bubble)."""
+    dedicated engines, on ``rollout_gpus``; the trainer at the pick's TP x PP x CP, its state moved
+    to the host and back at a colocated refit when ``train.offload_training_state``."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     reserve, weights, _ = engine_reserve(model.description, cluster, work, t_r)
@@ -456,10 +432,9 @@ def estimate_step_times(plan: Plan, shape: StepShape, hw: Hardware, *,
 
 def balanced_schedules(plan: Plan, shape: StepShape, hw: Hardware, *, headroom: float = 0.1,
                        staleness: int | None = None) -> dict[str, StepTime | None]:
-    """{"one-step-off" | "partial": the step on the dedicated GPUs (whole nodes on several
-    nodes, whole engines on one) that make it fastest, among those where the trainer still has
-    a layout and the engines fit}: generation and training about as long as each other there.
-    None where no split fits."""
+    """{"one-step-off" | "partial": the step on the dedicated GPUs (whole nodes, or whole engines on
+    one node) that make it fastest, where the trainer still has a layout and the engines fit}; None
+    where no split fits."""
     model, cluster, work = plan.model, plan.cluster, plan.workload
     t_r = rollout_tensor_parallel(plan)
     unit = math.lcm(cluster.gpus_per_node if cluster.nodes > 1 else 1, t_r)
@@ -481,13 +456,11 @@ def step_time_estimate(run, cluster: Cluster, hardware: str = "a100", *,
                        mean_prompt_tokens: float = 200.0, mean_response_fraction: float = 0.5,
                        headroom: float = 0.1, hf_config: str | dict | None = None
                        ) -> dict[str, dict]:
-    """A recipe with dedicated engines (``rollout.placement: dedicated``) on ``cluster``:
-    ``{"colocated" | "synchronous" | "one_step_off" | "partial": StepTime.as_dict()}``, the
-    latter three on the recipe's ``rollout.num_gpus``, and ``"balanced"`` /
-    ``"balanced_partial"``, one-step-off / partial rollouts on the dedicated GPUs that make each
-    fastest (``benchmarks/bench_async.py``). The attention backend is the one the recipe runs on
-    ``hardware`` with the pinned image (``memory_terms.resolve_attention``; its ``ValueError``
-    where it cannot run there). ``hf_config``: ``catalogue.architecture_for``'s."""
+    """A recipe with dedicated engines on ``cluster``: ``{"colocated" | "synchronous" |
+    "one_step_off" | "partial": StepTime.as_dict()}``, the last three on ``rollout.num_gpus``, and
+    ``"balanced"`` / ``"balanced_partial"`` on the fastest splits (``benchmarks/bench_async.py``),
+    the attention backend the recipe runs on ``hardware`` (``resolve_attention``'s ``ValueError``
+    where none does). ``hf_config``: ``catalogue.architecture_for``'s."""
     if run.rollout.placement != "dedicated":
         raise ValueError(f"step_time_estimate needs rollout.placement: dedicated, got "
                          f"{run.rollout.placement!r}")

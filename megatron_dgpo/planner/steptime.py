@@ -1,10 +1,7 @@
 """How long an RL step takes where generation runs: a roofline model of generation, training and
-refit, and how each schedule combines them (``step_times``: ``StepTime`` rows, synchronous
-colocated or dedicated, one-step-off, partial rollouts at staleness k) for a ``StepShape`` on a
-``Hardware``. Each phase's ``*_terms`` gives its terms. The formulas, the schedules and the
-constants' sources (six fitted to four published NeMo-RL rows): docs/planner.md#step-time and
-#schedules.
-"""
+refit, and how each schedule combines them (``step_times``: ``StepTime`` rows) for a
+``StepShape`` on a ``Hardware``; each phase's ``*_terms`` gives its terms. The formulas and the
+constants' sources: docs/planner.md#step-time and #schedules."""
 
 from __future__ import annotations
 
@@ -160,9 +157,8 @@ def routed_expert_params(desc: ModelDescription) -> int:
 
 
 def active_params(desc: ModelDescription) -> int:
-    """N: the parameters one token's matmuls touch: every parameter of a dense model but the
-    input embedding (a lookup; a tied output layer still multiplies), an MoE layer's top-k
-    routed experts rather than all E."""
+    """N: the parameters one token's matmuls touch: all but the input embedding (a tied output layer
+    still multiplies), an MoE layer's top-k routed experts rather than all E."""
     d = desc.dims
     n = param_count(desc) - (0 if desc.tie_word_embeddings else d.vocab * d.hidden)
     if d.moe:
@@ -186,9 +182,8 @@ def experts_touched_share(desc: ModelDescription, running: float) -> float:
 
 
 def weight_tensors(desc: ModelDescription) -> int:
-    """The HF-layout weight tensors a refit hands over: per layer Q, K, V, O (+ 3 biases), two
-    norms (+ q/k norms), the MLP's gate, up, down (MoE: a router and 3 per expert); embedding,
-    final norm and output layer."""
+    """The HF-layout tensors a refit hands over: per layer Q, K, V, O (+ biases), norms (+ q/k
+    norms), gate, up, down (MoE: a router and 3 per expert); embedding, final norm, output layer."""
     per_layer = 4 + (3 if desc.qkv_bias else 0) + 2 + (2 if desc.qk_norm else 0)
     per_layer += 1 + 3 * desc.dims.experts if desc.dims.moe else 3
     return desc.dims.layers * per_layer + 2 + (0 if desc.tie_word_embeddings else 1)
@@ -200,7 +195,8 @@ def weight_tensors(desc: ModelDescription) -> int:
 def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float, context: float,
                         engine_tp: int, seeded: bool) -> dict[str, float]:
     """One decode step of an engine with ``running`` sequences of mean context ``context``:
-    ``{"memory" | "compute" | "overhead" | "sampling" | "total": seconds}`` (module docstring)."""
+    ``{"memory" | "compute" | "overhead" | "sampling" | "total": seconds}``
+    (docs/planner.md#step-time)."""
     kv = running * context * kv_cache_bytes_per_token(desc)
     weights = 2 * (shared_params(desc) + routed_expert_params(desc)
                    * experts_touched_share(desc, running))
@@ -216,11 +212,9 @@ def decode_step_seconds(desc: ModelDescription, hw: Hardware, *, running: float,
 
 def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                      engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> dict[str, float]:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, each waiting for its
-    longest response, term by term: the per-engine counts (responses, concurrent, bulk and
-    tail steps, the tail's mean running sequences, the responses of the last wave over all
-    engines) and seconds (prefill, bulk, tail; of the decode steps' seconds, those of the
-    fixed cost and of the sampler), ``total`` their sum."""
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs, each waiting for its longest
+    response: the per-engine counts (responses, concurrent, bulk and tail steps, ...) and seconds
+    (prefill, bulk, tail, the fixed cost's and the sampler's shares), ``total`` their sum."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
     lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
@@ -250,22 +244,18 @@ def generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, 
 
 def generation_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, engines: int,
                        engine_tp: int, kv_cache_bytes_per_engine_gpu: float) -> float:
-    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (module docstring)."""
+    """One rollout batch on ``engines`` engines of ``engine_tp`` GPUs (``generation_terms``'s
+    total)."""
     return generation_terms(desc, shape, hw, engines=engines, engine_tp=engine_tp,
                             kv_cache_bytes_per_engine_gpu=kv_cache_bytes_per_engine_gpu)["total"]
 
 
 def staleness_terms(lengths: ResponseLengths, tokens_per_refit: float,
                     staleness: int) -> dict[str, float]:
-    """Partial rollouts refitted every y = ``tokens_per_refit`` decode steps: a response of X
-    tokens started at a uniform phase crosses X / y refits on average, at most ceil(X / y), and
-    is trained one step after its last segment, so its oldest token is 1 + (refits crossed)
-    steps old:
-
-        interrupted     E[min(X, y)] / y                       responses of two or more segments
-        segments        1 + E[X] / y                           segments per response
-        min_staleness   1 + ceil(cap / y)                      the k that admits every response
-        over_bound      (E[min(X, k y)] - E[min(X, (k-1) y)]) / y   responses older than k"""
+    """Partial rollouts refitted every y = ``tokens_per_refit`` decode steps, for responses of
+    ``lengths``: ``interrupted`` E[min(X, y)] / y, ``segments`` 1 + E[X] / y, ``min_staleness``
+    1 + ceil(cap / y), ``over_bound`` (E[min(X, k y)] - E[min(X, (k-1) y)]) / y at k =
+    ``staleness`` (docs/planner.md#schedules)."""
     y = tokens_per_refit
     k = max(staleness, 0)
     return dict(staleness=k, tokens_per_refit=y, interrupted=lengths.mean_below(y) / y,
@@ -280,13 +270,9 @@ def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardw
                              staleness: int | None = None, reprefill: bool = True,
                              in_flight: float | None = None) -> dict[str, float]:
     """One step's responses (P G / E per engine) on engines that never wait for a batch's tail
-    (partial rollouts, a refit every step): c = min(max_num_seqs, KV room / context) responses
-    always in flight at the mean context p + E[X^2] / (2 E[X]); n r / c decode steps of c; the
-    new prompts' prefill; and at each refit the c interrupted responses re-prefilled (prompt +
-    partial response, ``reprefill``; False: the KV cache kept across the refit, as PipelineRL's
-    in-flight updates do). ``in_flight``: the responses an engine may hold at once (None: as
-    many as fit; over-provisioning bounds it). ``staleness_terms`` at ``staleness`` (None: its
-    ``min_staleness``); ``total`` the seconds."""
+    (partial rollouts, a refit every step), term by term, ``total`` the seconds. ``reprefill``
+    False: the KV cache is kept across the refit; ``in_flight``: responses an engine may hold
+    (None: as many as fit); ``staleness``: as ``staleness_terms`` (None: its ``min_staleness``)."""
     per_engine = math.ceil(shape.prompts * shape.group_size / engines)
     lengths = shape.lengths
     p, r = shape.mean_prompt_tokens, shape.mean_response_tokens
@@ -319,11 +305,10 @@ def partial_generation_terms(desc: ModelDescription, shape: StepShape, hw: Hardw
 def cp_exchange_terms(desc: ModelDescription, hw: Hardware, *, row_tokens: float,
                       mean_sequence: float, tp: int, cp: int, gpus_per_node: int = 8,
                       mfu: float | None = None, dtype_bytes: int = 2) -> dict[str, float]:
-    """Context parallelism's K/V ring (TE's ``cp_comm_type="p2p"``) for one layer's forward of
-    one packed row of ``row_tokens`` on one rank: ``comm_s`` (the K/V chunks received),
-    ``attention_s`` (what hides them), ``layer_s``, ``exposed_s``, ``link`` and
-    ``cp_efficiency`` = 1 / (1 + exposed / layer). The formulas:
-    docs/planner.md#context-parallelism."""
+    """Context parallelism's K/V ring (TE's ``p2p``) for one layer's forward of one packed row of
+    ``row_tokens`` on one rank: ``comm_s``, ``attention_s`` (what hides it), ``layer_s``,
+    ``exposed_s``, ``link`` and ``cp_efficiency`` = 1 / (1 + exposed / layer)
+    (docs/planner.md#context-parallelism)."""
     d = desc.dims
     mfu = mfu if mfu is not None else (hw.moe_train_mfu if d.moe else hw.train_mfu)
     flops = hw.peak_tflops * 1e12 * mfu
@@ -354,12 +339,10 @@ def grad_reduce_terms(desc: ModelDescription, hw: Hardware, *, gpus: int, tp: in
 def training_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *, gpus: int,
                    tp: int = 1, pp: int = 1, cp: int = 1,
                    gpus_per_node: int = 8) -> dict[str, float]:
-    """The trainer's phases on ``gpus`` GPUs laid out TP ``tp`` x PP ``pp`` x CP ``cp``:
-    ``update_s`` (forward, backward, recomputed forward, and the exposed part of the DP x CP
-    gradient reduce, ``grad_reduce_terms``), ``logprobs_s`` (the old log-probs' forward, plus
-    the reference model's when ``shape.reference_forward``), the efficiency factors (the
-    pipeline bubble, TP's and CP's communication, ``cp_exchange_terms``), and ``total``.
-    Attention and MLP FLOPs divide over all t c p D GPUs alike."""
+    """The trainer's phases on ``gpus`` GPUs at TP ``tp`` x PP ``pp`` x CP ``cp``: ``update_s``
+    (forward, backward, recompute and the exposed DP x CP gradient reduce), ``logprobs_s`` (the old
+    log-probs' forward, plus the reference model's when ``shape.reference_forward``), the pipeline,
+    TP and CP efficiency factors, and ``total``."""
     seq = shape.mean_prompt_tokens + shape.mean_response_tokens
     tokens = shape.prompts * shape.group_size * seq
     n = active_params(desc)
@@ -406,7 +389,7 @@ def training_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, 
 
 def refit_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *,
                 dedicated: bool) -> dict[str, float]:
-    """The trained weights into the engines, term by term (module docstring)."""
+    """The trained weights into the engines, term by term (docs/planner.md#step-time)."""
     weights = 2 * param_count(desc)
     out = dict(fixed_s=hw.wake_sleep_s, bytes_s=weights / (hw.refit_gb_per_s * 1e9),
                tensors_s=weight_tensors(desc) * hw.refit_s_per_tensor,
@@ -419,7 +402,7 @@ def refit_terms(desc: ModelDescription, shape: StepShape, hw: Hardware, *,
 
 def refit_seconds(desc: ModelDescription, shape: StepShape, hw: Hardware, *, dedicated: bool,
                   engine_tp: int = 1) -> float:
-    """The trained weights into the engines (module docstring; ``engine_tp`` is kept for
+    """The trained weights into the engines, seconds (``refit_terms``; ``engine_tp`` is kept for
     callers: the calibrated path moves the whole model whatever the engine's TP)."""
     return refit_terms(desc, shape, hw, dedicated=dedicated)["total"]
 
@@ -477,9 +460,8 @@ class StepTime:
         return self._waiting(self.training_s, self.generation_s)
 
     def _waiting(self, other: float, own: float) -> float:
-        """What a side waits for the other side's ``other`` seconds of work beside its ``own``:
-        nothing colocated (the same GPUs do both), all of it synchronous, the difference when
-        generation overlaps training."""
+        """What a side waits for the other's ``other`` seconds beside its ``own``: nothing
+        colocated, all of it synchronous, the difference when generation overlaps training."""
         if self.placement == "colocated":
             return 0.0
         if self.placement in OVERLAPPED:
@@ -501,13 +483,12 @@ def step_times(desc: ModelDescription, shape: StepShape, hw: Hardware, *, world:
                train_layout: tuple[int, ...] = (1, 1),
                dedicated_train_layout: tuple[int, ...] | None = None,
                gpus_per_node: int = 8, staleness: int | None = None) -> list[StepTime]:
-    """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` >
-    0) dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, and partial
-    rollouts at ``staleness`` (None: the least k that admits every response).
-    ``colocated_kv_cache_bytes_per_gpu``: a colocated engine's KV room (default: the dedicated
-    one's). ``train_layout``: the trainer's (TP, PP) or (TP, PP, CP) on all GPUs,
-    ``dedicated_train_layout`` on the GPUs the engines leave (default the same);
-    ``gpus_per_node`` decides which links TP x CP and DP x CP cross."""
+    """Colocated engines of ``engine_tp`` GPUs on all ``world`` GPUs, then (``rollout_gpus`` > 0)
+    dedicated engines on ``rollout_gpus`` of them: synchronous, one-step-off, partial rollouts at
+    ``staleness`` (None: the least k admitting every response). ``train_layout``: (TP, PP[, CP])
+    on all GPUs, ``dedicated_train_layout`` on the rest (default the same); ``gpus_per_node``:
+    which links TP x CP and DP x CP cross; ``colocated_kv_cache_bytes_per_gpu`` default: the
+    dedicated engines' KV room."""
     colocated_kv = (kv_cache_bytes_per_engine_gpu if colocated_kv_cache_bytes_per_gpu is None
                     else colocated_kv_cache_bytes_per_gpu)
     tp, pp, cp = (tuple(train_layout) + (1,))[:3]

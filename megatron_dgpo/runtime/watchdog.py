@@ -1,21 +1,8 @@
-"""A rank that hangs rather than dies ends the job in minutes, not at the collective timeout.
-
-A dead rank ends a torchrun job at once (torchrun sees the exit and stops the others). A rank that
-is stopped (SIGSTOP, a frozen node, a process stuck in the kernel) does not exit: every other
-rank waits in its next collective until ``parallel.timeout_minutes`` (2 hours by default, since
-one rank may legitimately generate for a long time while the others wait). The watchdog tells
-the two apart with heartbeats that do not depend on the training work: each rank's background
-thread bumps a counter in torchrun's store every ``watchdog_minutes / 10`` and watches the
-counter of the next rank in a ring (2 store operations per rank and beat, whatever the world
-size). A rank whose counter has not moved for ``parallel.watchdog_minutes`` is hung: its watcher
-prints which rank and exits its own process with ``EXIT_PEER_HUNG``; torchrun then stops the
-job (SIGTERM, SIGKILL after its ``--shutdown-timeout``), or restarts it with ``--max-restarts``.
-Bound: a hang ends the job within ``watchdog_minutes`` + one beat + torchrun's shutdown timeout.
-
-A rank that is only slow (generating, saving, waiting in a collective) keeps beating: its thread
-runs whenever the main thread is in C code that releases the GIL, which torch, gloo, NCCL and
-vLLM's kernels do.
-"""
+"""A rank that hangs rather than dies ends the job in minutes, not at the collective timeout: each
+rank's daemon thread beats a counter in torchrun's store every ``watchdog_minutes / 10`` and
+watches the next rank's in a ring; one still for ``parallel.watchdog_minutes`` makes the watcher
+name that rank and exit with ``EXIT_PEER_HUNG``, so torchrun stops (or restarts) the job.
+Why and the bound: docs/training.md#resuming-stop-signals-and-time-limits."""
 
 from __future__ import annotations
 

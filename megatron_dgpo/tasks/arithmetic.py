@@ -1,30 +1,13 @@
-"""A built-in task in the paper's regime: column addition with the carries written out.
-
-The paper's RL starts from a competent distilled policy that writes a chain of reasoning before
-its boxed answer; the built-in "repeat" task (one-token answers, a random policy) is nowhere near
-that regime. Here a response is a short worked chain, one column per line of thought, then the
-answer (3-digit operands, ~30 tokens with one token per digit):
+"""A built-in task in the paper's regime: column addition with the carries written out, a short
+worked chain before the boxed sum (why this task: docs/reproduction.md#setup):
 
     prompt:   "What is 478+385? Add column by column with carries, then put the sum in \\boxed{}."
     response: "8+5+0=13. 7+8+1=16. 4+3+1=8. \\boxed{863}"
 
-Each column reads two digits at known offsets in the prompt, adds the carry of the column before
-and writes the sum, so partial competence is graded: a policy can get most columns right and
-one wrong. A tiny model warm-started by supervised steps on worked solutions (``megatron_dgpo.sft``)
-reaches a mixed accuracy (some groups all right, some mixed, some all wrong), which is the regime
-where the group advantages carry signal and the methods' clipping differs.
-
-``make_task(out_dir)`` writes everything a study needs, disjoint by operand pair:
-
-    sft.jsonl        supervised pairs: {"prompt": [messages], "response": worked solution}
-    train.jsonl      RL prompts in DAPO-Math-17k's layout ({"prompt", "reward_model": {"ground_truth"}})
-    heldout.jsonl    evaluation problems in the benchmarks' layout ({"problem", "answer"}), for
-                     ``dgpo-eval --benchmarks heldout.jsonl``
-    initial_model/   a random tiny Qwen2 whose tokenizer (trained on this corpus) writes every
-                     digit as its own token, as Qwen2's does
-
-CLI: ``python -m megatron_dgpo.arithmetic OUT_DIR [--digits 3] [--seed 0]``.
-"""
+``make_task(out_dir)`` writes, disjoint by operand pair: ``sft.jsonl`` (supervised pairs),
+``train.jsonl`` (RL prompts in DAPO-Math-17k's layout), ``heldout.jsonl`` (problems for ``dgpo-eval
+--benchmarks``) and ``initial_model/`` (a random tiny Qwen2 whose tokenizer splits digits).
+CLI: ``python -m megatron_dgpo.arithmetic OUT_DIR [--digits 3] [--seed 0]``."""
 
 from __future__ import annotations
 
@@ -56,10 +39,8 @@ def prompt_text(a: int, b: int) -> str:
 
 
 def worked_solution(a: int, b: int, digits: int) -> str:
-    """The column-by-column solution of a + b (units first), ending with the boxed sum.
-
-    Every column is written as ``x+y+c=s`` with c the carry in (0 or 1), so each column has the
-    same shape; the last carry is the leading digit of the sum."""
+    """The column-by-column solution of a + b, units first: every column ``x+y+c=s`` with c the
+    carry in (0 or 1), the last carry the sum's leading digit, then the boxed sum."""
     columns, carry = [], 0
     for i in range(digits):
         x, y = a // 10**i % 10, b // 10**i % 10

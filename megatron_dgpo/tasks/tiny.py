@@ -1,33 +1,10 @@
-"""Tiny test/demo artifacts built locally, with no download: a tokenizer and a random model
-(Qwen2 by default).
+"""Tiny test/demo artifacts built locally, with no download: a byte-level BPE tokenizer
+(``train_tokenizer``) and a random model of any HF family with it (``make_tiny_model``; its config
+alone, ``tiny_config``), loadable by transformers and vLLM, deterministic in the seed and the
+overrides: docs/training.md#the-tiny-model-and-tokenizer.
 
-    from megatron_dgpo.tasks.tiny import make_tiny_model
     model_dir = make_tiny_model("/tmp/tiny")            # tokenizer + Qwen2 weights, fp32
-    model_dir = make_tiny_model("/tmp/tiny2", seed=1)   # same shapes and tokenizer, new weights
-    model_dir = make_tiny_model("/tmp/moe", family="qwen3_moe")  # 8 experts, top 2
-
-``train_tokenizer(texts, out_dir, vocab_size=512)``: byte-level BPE trained with ``tokenizers``
-on ``texts``, saved as a transformers tokenizer (``AutoTokenizer.from_pretrained(out_dir)``
-works, and so does vLLM). Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``,
-``<|im_end|>`` (eos, ends an assistant turn). Added (non-special) tokens: ``\\boxed{`` and
-``\\boxed{0}`` ... ``\\boxed{9}``, so a one-digit boxed answer is one token (see
-``megatron_dgpo.tasks.prompts``: this is what makes the easy families learnable by a random tiny model).
-The chat template is Qwen's ChatML:
-``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``.
-
-``make_tiny_model(out_dir, *, seed=0, family="qwen2", vocab_size=512, **config_overrides)``: a
-randomly initialised model of HF ``model_type`` ``family`` (transformers' auto classes; default:
-hidden 128, 4 heads of size 32, 2 KV heads, 2 layers, MLP 256, ~0.3M parameters; a family with
-routed experts, e.g. "qwen3_moe", gets 8 experts of width 64, top 2) saved in fp32 safetensors,
-with a ``generation_config.json`` (eos = ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer
-of ``tiny_tokenizer_texts()`` in the same folder. Head size 32 is the smallest vLLM's CPU
-attention accepts. The result depends only on ``seed`` and the overrides (deterministic). Any
-field of the family's config class can be overridden (e.g. ``num_hidden_layers=4``,
-``initializer_range=0.2``); ``vocab_size`` follows the tokenizer. ``tiny_config`` gives the
-model's config without building it (what ``dgpo-plan`` plans for a recipe's ``model.tiny``).
-Which families the trainer accepts is the family registry's business
-(``megatron_dgpo.models.families``), not this module's.
-"""
+    model_dir = make_tiny_model("/tmp/moe", family="qwen3_moe")  # 8 experts, top 2"""
 
 from __future__ import annotations
 
@@ -62,13 +39,10 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
 
 def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512, *,
                     individual_digits: bool = False) -> Path:
-    """Train a byte-level BPE tokenizer on ``texts`` and save it (transformers layout) in ``out_dir``.
-
-    vocab_size counts everything (256 byte symbols, merges, special and added tokens); it must
-    leave room for the byte alphabet. individual_digits: every digit is its own token (as in
-    Qwen2's and Llama's tokenizers), so numbers are never merged into multi-digit pieces: what
-    arithmetic tasks need (``megatron_dgpo.tasks.arithmetic``). Returns ``out_dir``.
-    """
+    """Train a byte-level BPE tokenizer on ``texts`` and save it (transformers layout) in
+    ``out_dir``; returns ``out_dir``. ``vocab_size`` counts everything (256 byte symbols, merges,
+    special and added tokens). ``individual_digits``: every digit its own token
+    (``tasks.arithmetic``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -133,12 +107,10 @@ def _config_class(family: str):
 def tiny_config(*, family: str = "qwen2", tie_word_embeddings: bool = False,
                 vocab_size: int = 512, seed: int = 0, tokenizer_texts: Iterable[str] | None = None,
                 individual_digits: bool = False, **config_overrides) -> dict:
-    """The HF config (``config.json`` fields) of the model ``make_tiny_model`` builds with the
-    same arguments, without building it: ``model_type`` ``family``, ``TINY_CONFIG`` (and
-    ``TINY_MOE`` for a family with routed experts) under ``config_overrides``. ``vocab_size`` is
-    the tokenizer's requested size (the built model takes the trained tokenizer's length);
-    ``seed`` and the tokenizer's arguments do not change the config. Raises ``ValueError`` on an
-    unknown family or field."""
+    """The HF config (``config.json`` fields) ``make_tiny_model`` builds with the same arguments:
+    ``model_type`` ``family``, ``TINY_CONFIG`` (+ ``TINY_MOE`` with routed experts) under
+    ``config_overrides``, ``vocab_size`` the tokenizer's requested size; ``seed`` and the
+    tokenizer's arguments do not change it. Raises ``ValueError`` on an unknown family or field."""
     del seed, tokenizer_texts, individual_digits  # the weights and the tokenizer only
     config_class = _config_class(family)
     known = set(config_class().to_dict())
@@ -157,14 +129,10 @@ def tiny_config(*, family: str = "qwen2", tie_word_embeddings: bool = False,
 def make_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0,
                     tokenizer_texts: Iterable[str] | None = None, individual_digits: bool = False,
                     **config_args) -> Path:
-    """Build and save a random tiny model (fp32 safetensors) plus its tokenizer in ``out_dir``.
-
-    ``config_args``: ``tiny_config``'s (``family``: an HF ``model_type``, "qwen2" by default;
-    ``vocab_size``; ``tie_word_embeddings``; fields of the family's config class). ``seed``
-    fixes the weights (the tokenizer does not depend on it). ``tokenizer_texts``: the
-    tokenizer's training corpus (default ``tiny_tokenizer_texts()``); ``individual_digits``:
-    see ``train_tokenizer``. Returns ``out_dir`` (loadable by transformers and vLLM).
-    """
+    """Build and save a random tiny model (fp32 safetensors) plus its tokenizer in ``out_dir``;
+    returns ``out_dir``. ``config_args``: ``tiny_config``'s. ``seed`` fixes the weights (not the
+    tokenizer); ``tokenizer_texts``: the tokenizer's corpus (default ``tiny_tokenizer_texts()``);
+    ``individual_digits``: see ``train_tokenizer``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

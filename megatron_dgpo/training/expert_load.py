@@ -1,22 +1,14 @@
-"""MoE telemetry: how evenly each layer's router spreads tokens over its experts.
-
-Forward hooks on every Megatron ``TopKRouter`` of the policy count, while ``recording()`` is
-open (the trainer opens it around the mini-batch updates), the tokens routed to each expert
-(a token counts once per expert of its top k) and the entropy of the router's softmax over
-all experts. ``metrics()`` sums them over the data- and context-parallel ranks (each sees its
-own tokens; TP ranks see the same ones), gathers the pipeline stages' layers, and returns:
+"""MoE telemetry: forward hooks on every Megatron ``TopKRouter`` of the policy count, while
+``recording()`` is open, the tokens routed to each expert (once per expert of a token's top k)
+and the entropy of the router's softmax; ``metrics()`` returns, summed over the world:
 
     moe/load_max_over_mean            mean over layers of max_e(tokens_e) / mean_e(tokens_e)
-                                      (1 = perfectly even; E / k = every token to the same k)
     moe/load_max_over_mean_worst      the same, the worst layer
-    moe/router_entropy                mean over layers and tokens, in nats (ln E = uniform)
-    moe/layer_<l>/load_max_over_mean, moe/layer_<l>/load_min_over_mean,
-    moe/layer_<l>/router_entropy      per layer (<l> = global layer number, from 1)
+    moe/router_entropy                mean over layers and tokens, in nats
+    moe/layer_<l>/load_max_over_mean, .../load_min_over_mean, .../router_entropy
+                                      per layer (l the global layer number, from 1)
 
-No token is ever dropped here (no expert capacity is set), so there is no dropped-token count.
-Every token the forward sees is counted, padding of packed rows included. Forwards that
-activation recomputation repeats inside the backward are not counted twice.
-"""
+What is counted and how to read it: docs/moe.md, "Telemetry"."""
 
 from __future__ import annotations
 

@@ -1,32 +1,7 @@
-"""Training state off the accelerator while vLLM refits and generates (``train.offload_training_state``).
-
-A colocated engine shares its GPUs with training. Sleep mode frees the engine's memory while
-training runs; this frees training's memory that is idle while the engine runs: the gradient
-buffers and the optimizer state (Adam moments and, with bf16 weights, the fp32 main weights),
-about 16 bytes per parameter of the rank's shard against 2 for the bf16 weights that stay
-(NeMo-RL offloads the same before its refit). The trainer offloads before the engines start
-(vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free then) and after
-every step's updates, and brings the state back before the next step's updates (and around a
-checkpoint save).
-
-How, per kind of tensor:
-
-* gradient buffers: Megatron's own ``DistributedDataParallel.offload_grad_buffers`` /
-  ``restore_grad_buffers`` (the storage is freed, every ``main_grad`` view stays valid; the
-  gradients come back zeroed, which is what the next update starts from anyway);
-* optimizer state: each storage the optimizer owns is copied to host memory (pinned on a GPU)
-  and resized to nothing, then resized and copied back. The tensor objects never change, so
-  Megatron's param groups, the distributed optimizer's shard views and checkpoint sharding
-  keep pointing at the right memory. Megatron's ``MegatronOptimizer.offload_to_cpu`` replaces
-  tensors by CPU copies instead, which with float32 weights also moves the model's own
-  parameters (they are the param groups' tensors then) and does nothing on CPU: storages shared
-  with the model (fp32 weights, the distributed optimizer's views into the param buffer) are
-  left in place here.
-
-The same code runs on CPU (tests check the round trip bit for bit and that an offloaded storage
-really is empty); on a GPU the copies go to pinned memory and the caching allocator is emptied
-after offloading so vLLM can take the memory.
-"""
+"""Training state off the accelerator while vLLM refits and generates
+(``train.offload_training_state``): gradient buffers freed by Megatron DDP (back zeroed), the
+optimizer's own storages moved to host memory and back bit for bit, the tensor objects unchanged.
+How and why: docs/training.md#training-state-off-the-gpu-while-vllm-runs."""
 
 from __future__ import annotations
 
