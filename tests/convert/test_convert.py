@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from megatron_dgpo.convert import (LazyHFReader, ShardedSafetensorsWriter, export_from_checkpoint,
                                    hf_to_megatron, megatron_to_hf)
 from megatron_dgpo.convert.safetensors_io import TensorBlocks, iter_hf_tensors
+from megatron_dgpo.runtime.errors import InputError
 from tests import _rank_fns_convert as fns
 from tests.distributed import run_ranks
 
@@ -197,7 +198,7 @@ def test_refusals(converted, tmp_path):
     del state["model.layers.0.mlp.gate_proj.bias"]
     del state["model.layers.1.self_attn.k_proj.weight"]
     save_file(state, str(wrong / "model.safetensors"))
-    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+    with pytest.raises(InputError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
         hf_to_megatron(str(wrong), str(tmp_path / "o6"))
     with pytest.raises(FileNotFoundError, match="dgpo_convert.json"):
         megatron_to_hf(hf_dir, str(tmp_path / "o7"))
