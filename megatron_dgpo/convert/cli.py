@@ -10,15 +10,17 @@ collectively when started under torchrun (world size a multiple of it). The chec
 at any TP/PP/EP either way. ``--format bridge`` writes Megatron-Bridge's container (NeMo-RL,
 verl): ``iter_0000000/`` with ``run_config.yaml``. megatron-to-hf reads this project's
 checkpoints (converted or from training) and Megatron-Bridge's (an ``iter_*`` folder or its
-parent, whose latest iteration it takes). OUT_DIR appears whole or not at all: a non-empty one
-is replaced only with --overwrite, a training run's checkpoints never. A mistake in the input
-is one line and exit status 2, before any rank starts.
+parent, whose latest iteration it takes), in one process (not under torchrun). OUT_DIR appears
+whole or not at all: a non-empty one is replaced only with --overwrite, a training run's
+checkpoints never. A mistake in the input is one line and exit status 2, before any rank
+starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -60,13 +62,28 @@ def _parser() -> argparse.ArgumentParser:
 @reported_as("dgpo-convert")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import torch.distributed as dist
+
     from megatron_dgpo.convert import hf_to_megatron, megatron_to_hf
+    from megatron_dgpo.runtime.parallel import init_distributed
 
     dtype = _DTYPES[args.dtype] if args.dtype else None
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # > 1: started by torchrun
+    own_group = world > 1 and not dist.is_initialized()
     if args.command == "hf-to-megatron":
-        hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
-                       dtype=dtype, progress=True, format=args.format, overwrite=args.overwrite)
+        if own_group:  # collective over torchrun's world (hf_to_megatron checks its size)
+            init_distributed()
+        try:
+            hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+                           dtype=dtype, progress=True, format=args.format,
+                           overwrite=args.overwrite)
+        finally:
+            if own_group:
+                dist.destroy_process_group()
     else:
+        if world > 1:
+            raise InputError(f"megatron-to-hf runs in one process; this is one of {world} "
+                             f"torchrun ranks: start it without torchrun")
         if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
             raise InputError(f"--max-shard-gb must be a number > 0, got {args.max_shard_gb}")
         megatron_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype,

@@ -85,8 +85,8 @@ def check_layout(dims, *, tp: int, pp: int, ep: int, world: int | None = None) -
 
 
 def _is_training_checkpoint(folder: Path) -> bool:
-    """A training checkpoint (``step_*`` with its trainer state) or a run's ``checkpoints``
-    folder (``latest`` naming a step, a complete or staged ``step_*``), whatever its name."""
+    """A training checkpoint (a folder with its trainer state) or a run's checkpoints folder
+    (``latest`` naming a step, or a save in flight: ``.incomplete-step_*``), whatever its name."""
     if (folder / RUN_STATE_FILE).is_file():
         return True
     latest = folder / RUN_LATEST_FILE
@@ -94,12 +94,9 @@ def _is_training_checkpoint(folder: Path) -> bool:
         if latest.is_file() and latest.stat().st_size < 256 and _STEP.fullmatch(
                 latest.read_text(errors="replace").strip()):
             return True
-        names = os.listdir(folder)
+        return any(name.startswith(RUN_INCOMPLETE_PREFIX + "step_") for name in os.listdir(folder))
     except OSError:
         return False
-    return any(name.startswith(RUN_INCOMPLETE_PREFIX + "step_")
-               or (_STEP.fullmatch(name) and (folder / name / RUN_STATE_FILE).is_file())
-               for name in names)
 
 
 def _subfolders(folder: Path) -> list[Path]:
@@ -140,6 +137,11 @@ def check_output(out_dir: str, *, overwrite: bool, inputs: tuple[str, ...] = ())
                              f"name another output folder")
     if out.exists() and not out.is_dir():
         raise InputError(f"{out_dir} is a file: the output is a folder")
+    existing = next(folder for folder in out.parents if folder.exists())
+    if not os.access(existing, os.W_OK):
+        raise InputError(f"{out_dir}: {existing} is not writable (the output is written there "
+                         f"first, as .{out.name}.incomplete, then renamed): name a folder in a "
+                         f"writable one")
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise InputError(f"{out_dir} is not empty: pass --overwrite to replace it whole "
                          f"(everything in it is removed), or name a new or empty folder")

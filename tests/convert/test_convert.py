@@ -134,6 +134,13 @@ def test_logit_parity_tp1_tp2_and_resharding(converted):
     assert max(errors.values()) <= 1e-5, errors
     # VPP: stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; export is still exact
     assert tp1[0]["vpp_layers"] == [[1], [3]] and tp1[1]["vpp_layers"] == [[2], [4]]
+    # dgpo-convert under torchrun's world of 2: what that world cannot run refused on both
+    # ranks (exit 2, nothing written), --tp 2 converted collectively
+    hf_dir = dirs["qwen2"][0]
+    assert [result["cli"] for result in tp1] == [[2, 2, 0]] * 2
+    assert not os.path.exists(hf_dir + "_cli_tp2pp2") and not os.path.exists(hf_dir + "_cli_hf")
+    megatron_to_hf(hf_dir + "_cli_tp2", hf_dir + "_cli_back")
+    _assert_bitwise(_hf_state(hf_dir + "_cli_back"), _hf_state(hf_dir), "dgpo-convert, torchrun")
     want_state = _hf_state(dirs["qwen2"][0])
     for rank in range(2):
         _assert_bitwise(tp1[rank]["vpp_export"], want_state, f"VPP export rank {rank}")

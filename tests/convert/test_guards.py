@@ -66,7 +66,8 @@ def test_a_training_runs_checkpoints_and_the_input_are_never_written(tmp_path):
     """A run's checkpoints are recognised by the training checkpoint's markers, whatever the
     folders are called: nothing is written into a checkpoint, beside the steps, or over the
     run folder, ``overwrite`` or not; a folder merely named ``checkpoints`` is an ordinary
-    one. The output cannot be the input either."""
+    one, and so is a folder a checkpoint was copied into. The output cannot be the input
+    either."""
     from megatron_dgpo.training import checkpoint as training
 
     assert (guards.RUN_STATE_FILE, guards.RUN_LATEST_FILE, guards.RUN_INCOMPLETE_PREFIX) == (
@@ -98,6 +99,10 @@ def test_a_training_runs_checkpoints_and_the_input_are_never_written(tmp_path):
     plain = tmp_path / "checkpoints" / "hf"  # just a name
     megatron_to_hf(str(QWEN3 / "bridge"), str(plain))
     assert (plain / "model.safetensors").is_file()
+    home = tmp_path / "home"  # a checkpoint copied out of its run: exported beside it
+    shutil.copytree(step, home / step.name)
+    megatron_to_hf(str(home / step.name), str(home / "hf"))
+    assert (home / "hf" / "model.safetensors").is_file()
 
 
 def test_a_failed_conversion_leaves_the_output_as_it_was(tmp_path, monkeypatch):
