@@ -124,4 +124,13 @@ def tp1_fn(rank, world_size, dirs: dict, tokens):
     out["vpp_layers"] = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
     out["vpp_export"] = {k: v.clone() for k, v in export_hf_weights(chunks)}
     destroy_parallel()
+    # `dgpo-convert` under torchrun (this launch's world of 2): collective at --tp 2; a layout
+    # this world is no multiple of (--tp 2 --pp 2: 4 ranks), and megatron-to-hf (one process),
+    # refused on every rank before anything is written
+    from megatron_dgpo.convert.cli import main
+
+    hf_dir = dirs["qwen2"][0]
+    out["cli"] = [main(["hf-to-megatron", hf_dir, hf_dir + "_cli_tp2pp2", "--tp", "2", "--pp", "2"]),
+                  main(["megatron-to-hf", dirs["qwen2"][1], hf_dir + "_cli_hf"]),
+                  main(["hf-to-megatron", hf_dir, hf_dir + "_cli_tp2", "--tp", "2"])]
     return out

@@ -529,6 +529,9 @@ def test_tied_embeddings_refit_keeps_the_engine_on_the_trained_policy(tmp_path):
                  for d in (run_dir / "initial_model", fixture / "hf"))
     # exact: a lossless conversion of the same values
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # the original's stop ids: the run samples as a run from fixture/hf does
+    assert ((run_dir / "initial_model" / "generation_config.json").read_bytes()
+            == (fixture / "hf" / "generation_config.json").read_bytes())
     records = read_metrics(run_dir)
     assert len(records) == 3
     for record in records:

@@ -9,6 +9,8 @@ Modules (one job each):
     checkpoint_format.py  dgpo_convert.json + the model's sharded-state-dict layout; the model
                           checkpoints read (``find_model_checkpoint``: ours, Megatron-Bridge's)
     bridge.py             Megatron-Bridge's container (iter_*, run_config.yaml), both ways
+    bridge_provider.py    Bridge's GPTModelProvider <-> HF config, every field judged
+    guards.py             checks before any work (layout, output folder); whole-folder output
     live_load.py          HF folder / checkpoint -> live model chunks (``load_model``)
     live_export.py        live model -> HF pairs, by fused group for refit (``export_hf_groups``)
     safetensors_io.py     lazy safetensors reads, sharded writes, side files
@@ -16,9 +18,9 @@ Modules (one job each):
 
 Public API:
     hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, *, dtype=None,    HF folder -> torch_dist checkpoint
-                   format="dgpo")                                 ("bridge": Bridge's container)
-    megatron_to_hf(ckpt_dir, out_dir, dtype=None)                 torch_dist checkpoint (ours or
-                                                                  Bridge's) -> HF folder
+                   format="dgpo", overwrite=False)                ("bridge": Bridge's container)
+    megatron_to_hf(ckpt_dir, out_dir, dtype=None, *,              torch_dist checkpoint (ours or
+                   overwrite=False)                               Bridge's) -> HF folder
     load_model(path, *, dtype=torch.float32, **overrides)         GPTModel chunks from any of them
     find_model_checkpoint(path)                                   the model checkpoint at path or None
     export_hf_weights(model_chunks, *, consumer="all")            live model -> (hf_name, tensor)

@@ -146,6 +146,12 @@ def plain_row_sharded(value) -> bool:
 
 # ----------------------------------------------------------------------------- reading
 
+def read_failures() -> tuple:
+    """What a DCP read of damaged files raises: any ``Exception``, and DCP's
+    ``CheckpointException`` (a ``BaseException``) carrying a rank's failure."""
+    return Exception, _dcp("", "CheckpointException")
+
+
 def checkpoint_reader(ckpt_dir: str):
     """DCP's filesystem reader of a torch_dist checkpoint folder."""
     return _dcp("", "FileSystemReader")(ckpt_dir)

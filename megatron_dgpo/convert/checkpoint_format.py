@@ -17,10 +17,13 @@ import torch
 
 from megatron_dgpo.convert import _megatron_compat as compat
 from megatron_dgpo.convert.bridge import (RUN_CONFIG, TOKENIZER_DIR, bridge_iteration,
-                                          hf_config_from_provider, read_run_config)
+                                          read_run_config)
+from megatron_dgpo.convert.bridge_provider import hf_config_from_provider
+from megatron_dgpo.convert.guards import described
 from megatron_dgpo.convert.safetensors_io import copy_side_files
 from megatron_dgpo.convert.transforms import megatron_shape
 from megatron_dgpo.models import describe, family_for, hf_config_dict
+from megatron_dgpo.runtime.errors import InputError, MissingInputError
 
 METADATA_FILE = "dgpo_convert.json"
 ASSETS_DIR = "hf_assets"
@@ -60,15 +63,22 @@ def write_metadata(ckpt_dir: str, hf_config, padded_vocab_size: int, dtype: torc
 def read_metadata(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, METADATA_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing file: {path} (not a checkpoint written by "
+        raise MissingInputError(f"missing file: {path} (not a checkpoint written by "
                                 f"megatron_dgpo.convert.hf_to_megatron; for another torch_dist "
                                 f"model checkpoint call convert.write_metadata first)")
-    with open(path, encoding="utf-8") as handle:
-        meta = json.load(handle)
-    if meta.get("format") != FORMAT or int(meta.get("format_version", -1)) > FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported format {meta.get('format')!r} version "
+    try:
+        with open(path, encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except ValueError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or int(meta.get("format_version", -1)) > FORMAT_VERSION:
+        meta = meta if isinstance(meta, dict) else {}
+        raise InputError(f"{path}: unsupported format {meta.get('format')!r} version "
                          f"{meta.get('format_version')!r} (this code reads {FORMAT} <= "
                          f"{FORMAT_VERSION})")
+    missing = [key for key in ("hf_config", "padded_vocab_size", "dtype") if key not in meta]
+    if missing:
+        raise InputError(f"{path}: no {missing[0]!r} field (write_metadata writes it)")
     return meta
 
 
@@ -117,15 +127,13 @@ def find_model_checkpoint(path: str) -> ModelCheckpoint | None:
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
         folder, meta, assets = path, read_metadata(path), os.path.join(path, ASSETS_DIR)
-        stored = compat.stored_tensors(compat.checkpoint_reader(folder))
+        described(meta.get("hf_config") or {}, os.path.join(path, METADATA_FILE))
+        stored = _stored(folder)
     else:
         folder = bridge_iteration(path)
         if folder is None:
             return None
-        if not os.path.isfile(os.path.join(folder, ".metadata")):
-            raise FileNotFoundError(f"missing file: {os.path.join(folder, '.metadata')} (the "
-                                    f"torch_dist index of the checkpoint's tensors)")
-        stored = compat.stored_tensors(compat.checkpoint_reader(folder))
+        stored = _stored(folder)
         meta, assets = _bridge_metadata(folder, stored), os.path.join(folder, TOKENIZER_DIR)
     checkpoint = ModelCheckpoint(folder, meta, assets, _renamed(meta, stored))
     _check_stored(checkpoint, stored)
@@ -133,15 +141,29 @@ def find_model_checkpoint(path: str) -> ModelCheckpoint | None:
 
 
 def open_model_checkpoint(path: str) -> ModelCheckpoint:
-    """``find_model_checkpoint``, raising ``FileNotFoundError`` for a folder that is neither."""
+    """``find_model_checkpoint``, raising ``MissingInputError`` for a folder that is neither."""
     checkpoint = find_model_checkpoint(path)
     if checkpoint is None:
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"missing file: {os.path.join(path, METADATA_FILE)} ({path} is not a checkpoint "
             f"written by megatron_dgpo.convert.hf_to_megatron or by training, nor a "
             f"Megatron-Bridge checkpoint ({RUN_CONFIG}, latest_checkpointed_iteration.txt); for "
             f"another torch_dist model checkpoint call convert.write_metadata first)")
     return checkpoint
+
+
+def _stored(folder: str) -> dict:
+    """The tensors a torch_dist folder's index lists; ``InputError`` when there is no readable
+    index."""
+    index = os.path.join(folder, ".metadata")
+    if not os.path.isfile(index):
+        raise MissingInputError(f"missing file: {index} (the torch_dist index of the "
+                                f"checkpoint's tensors)")
+    try:
+        return compat.stored_tensors(compat.checkpoint_reader(folder))
+    except Exception as exc:  # noqa: BLE001 - any failure to read it: a damaged file
+        raise InputError(f"{index}: unreadable ({type(exc).__name__}: {exc}): the checkpoint "
+                         f"is damaged or incomplete") from exc
 
 
 def _renamed(meta: dict, stored: dict) -> dict:
@@ -158,22 +180,23 @@ def _check_stored(checkpoint: ModelCheckpoint, stored: dict) -> None:
     cfg = checkpoint.meta["hf_config"]
     dims = describe(cfg, padded_vocab=checkpoint.meta["padded_vocab_size"]).dims
     if dims.padded_vocab < dims.vocab:
-        raise ValueError(f"the checkpoint {checkpoint.dir} stores {dims.padded_vocab} vocabulary "
+        raise InputError(f"the checkpoint {checkpoint.dir} stores {dims.padded_vocab} vocabulary "
                          f"rows, its config says vocab_size {dims.vocab}")
     read = set()
     for pm in family_for(cfg).active(cfg):
         key = checkpoint.stored_key(pm.key())
         if key not in stored:
-            raise KeyError(f"tensor {pm.key()!r} is missing from the checkpoint {checkpoint.dir}")
+            raise InputError(f"tensor {pm.key()!r} is missing from the checkpoint "
+                             f"{checkpoint.dir}")
         full = ((dims.layers,) if pm.per_layer else ()) + megatron_shape(pm, dims)
         if tuple(stored[key].size) != full:
-            raise ValueError(f"shape mismatch for tensor {key!r}: the checkpoint has "
+            raise InputError(f"shape mismatch for tensor {key!r}: the checkpoint has "
                              f"{tuple(stored[key].size)}, its config implies {full}")
         read.add(key)
     # Model tensors its config does not account for would be dropped silently (a config that
     # is not the checkpoint's): refuse them. Optimizer and RNG state are not model tensors.
     unread = sorted(k for k in stored if k.split(".")[0] in _MODEL_PREFIXES and k not in read)
     if unread:
-        raise ValueError(f"the checkpoint {checkpoint.dir} has {len(unread)} model tensor(s) its "
+        raise InputError(f"the checkpoint {checkpoint.dir} has {len(unread)} model tensor(s) its "
                          f"config ({checkpoint.meta['family']}) does not account for, e.g. "
                          f"{unread[:5]}")

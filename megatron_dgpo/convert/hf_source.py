@@ -7,13 +7,17 @@ the HF -> Megatron writer and by the HF -> live-model load.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from megatron_dgpo.convert.guards import described
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.convert.transforms import hf_tensors, megatron_box
 from megatron_dgpo.models import ParamMap, describe
 from megatron_dgpo.models.families import iter_params  # noqa: F401 - re-exported: readers of the map
 from megatron_dgpo.models.builder import transformer_config_from_hf
+from megatron_dgpo.runtime.errors import InputError
 
 
 class HFSource:
@@ -22,7 +26,8 @@ class HFSource:
     def __init__(self, hf_dir: str, padded_vocab: int | None = None, tp: int = 1):
         self.hf_dir = hf_dir
         self.config = read_hf_config(hf_dir)
-        description = describe(self.config, tp=tp, padded_vocab=padded_vocab)
+        self.where = os.path.join(hf_dir, "config.json")
+        description = described(self.config, self.where, tp=tp, padded_vocab=padded_vocab)
         self.family, self.dims = description.family, description.dims
         self.reader = LazyHFReader(hf_dir)
         self.params = self.family.active(self.config)
@@ -31,18 +36,20 @@ class HFSource:
     def _validate(self) -> None:
         """Refuse unsupported configs, missing or unmapped tensors and shape mismatches before
         anything is written."""
-        # the builder's refusals (RoPE scaling, act, ...)
-        transformer_config_from_hf(self.config, **conversion_overrides(self.config))
+        try:  # the builder's refusals (RoPE scaling, act, ...)
+            transformer_config_from_hf(self.config, **conversion_overrides(self.config))
+        except ValueError as exc:
+            raise InputError(f"{self.where}: {exc}") from exc
         consumed = set()
         for pm, layer in iter_params(self.params, self.dims.layers):
             for name, expected in hf_tensors(pm, layer, self.dims):
                 consumed.add(name)
                 if name not in self.reader:
-                    raise KeyError(f"tensor {name!r} is missing from the HF checkpoint "
+                    raise InputError(f"tensor {name!r} is missing from the HF checkpoint "
                                    f"{self.hf_dir}")
                 shape, _ = self.reader.shape_dtype(name)
                 if tuple(shape) != tuple(expected):
-                    raise ValueError(f"shape mismatch for tensor {name!r}: the checkpoint has "
+                    raise InputError(f"shape mismatch for tensor {name!r}: the checkpoint has "
                                      f"{tuple(shape)}, config.json implies {tuple(expected)}")
         # Tensors nothing maps would be dropped silently (e.g. mlp biases): refuse them. Tolerated:
         # RoPE caches, and a redundant lm_head.weight in checkpoints with tied embeddings.
@@ -50,7 +57,7 @@ class HFSource:
         unmapped = sorted(n for n in self.reader.names() if n not in consumed
                           and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
         if unmapped:
-            raise ValueError(f"the HF checkpoint {self.hf_dir} has {len(unmapped)} tensor(s) the "
+            raise InputError(f"the HF checkpoint {self.hf_dir} has {len(unmapped)} tensor(s) the "
                              f"{self.family.name} map does not convert, e.g. {unmapped[:5]}")
 
     @property

@@ -21,6 +21,7 @@ from megatron_dgpo.convert.safetensors_io import read_hf_config
 from megatron_dgpo.convert.transforms import expert_shape, megatron_shape, tp_shard_boxes
 from megatron_dgpo.models import megatron_param_key
 from megatron_dgpo.models.builder import build_model, unwrap_model
+from megatron_dgpo.runtime.errors import MissingInputError
 
 
 def load_hf_into(chunks, hf_dir: str) -> None:
@@ -93,6 +94,6 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, **overrides) ->
         chunks = build_model(read_hf_config(path), dtype=dtype, **overrides)
         load_hf_into(chunks, path)
         return chunks
-    raise FileNotFoundError(f"missing files: {path} holds neither {METADATA_FILE} (a converted "
+    raise MissingInputError(f"missing files: {path} holds neither {METADATA_FILE} (a converted "
                             f"checkpoint), {RUN_CONFIG} or {TRACKER} (a Megatron-Bridge "
                             f"checkpoint) nor config.json (an HF checkpoint)")

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from megatron_dgpo.runtime.errors import InputError, MissingInputError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,12 +32,24 @@ _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF1
 
 
 def read_hf_config(hf_dir: str) -> dict:
-    """config.json of an HF checkpoint folder; ``FileNotFoundError`` naming it if absent."""
+    """config.json of an HF checkpoint folder; ``MissingInputError`` naming it if absent,
+    ``InputError`` if it is no JSON object."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing file: {path} (an HF checkpoint folder needs config.json)")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+        raise MissingInputError(f"missing file: {path} (an HF checkpoint folder needs "
+                                f"config.json)")
+    return _json_object(path)
+
+
+def _json_object(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except ValueError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class LazyHFReader:
@@ -46,18 +60,19 @@ class LazyHFReader:
         index = os.path.join(hf_dir, INDEX_FILE)
         single = os.path.join(hf_dir, SINGLE_FILE)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as handle:
-                weight_map = json.load(handle)["weight_map"]
+            weight_map = _json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise InputError(f"{index}: no 'weight_map' object")
             self._file_of = {name: os.path.join(hf_dir, f) for name, f in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as handle:
+            with _opened(single) as handle:
                 self._file_of = {name: single for name in handle.keys()}
         else:
-            raise FileNotFoundError(f"missing files: neither {index} nor {single} exists "
+            raise MissingInputError(f"missing files: neither {index} nor {single} exists "
                                     f"(only safetensors HF checkpoints are supported)")
         for path in sorted(set(self._file_of.values())):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"missing file: {path} (listed in {INDEX_FILE})")
+                raise MissingInputError(f"missing file: {path} (listed in {INDEX_FILE})")
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def names(self) -> list[str]:
@@ -68,13 +83,13 @@ class LazyHFReader:
 
     def _file(self, name: str) -> str:
         if name not in self._file_of:
-            raise KeyError(f"tensor {name!r} is missing from the HF checkpoint {self.hf_dir}")
+            raise InputError(f"tensor {name!r} is missing from the HF checkpoint {self.hf_dir}")
         return self._file_of[name]
 
     def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype from the header only (no data read)."""
         if name not in self._meta:
-            with safe_open(self._file(name), framework="pt") as handle:
+            with _opened(self._file(name)) as handle:
                 sl = handle.get_slice(name)
                 dtype = _dtype_from_name(sl.get_dtype())
                 self._meta[name] = (tuple(sl.get_shape()), dtype)
@@ -82,18 +97,27 @@ class LazyHFReader:
 
     def read(self, name: str, box=None) -> torch.Tensor:
         """``tensor[box]`` (box: ``(start, stop)`` per leading dim) read without the rest."""
-        with safe_open(self._file(name), framework="pt") as handle:
+        with _opened(self._file(name)) as handle:
             if box is None:
                 return handle.get_tensor(name)
             sl = handle.get_slice(name)
             return sl[tuple(slice(a, b) for a, b in box)].contiguous()
 
 
+def _opened(path: str):
+    """``safe_open(path)``; a file safetensors cannot read is an ``InputError`` naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        raise InputError(f"{path}: not a readable safetensors file ({exc}): damaged or "
+                         f"incomplete") from exc
+
+
 def _dtype_from_name(name: str) -> torch.dtype:
     for dtype, short in _DTYPE_NAMES.items():
         if short == name:
             return dtype
-    raise ValueError(f"unsupported safetensors dtype {name!r}")
+    raise InputError(f"unsupported safetensors dtype {name!r}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,14 @@ class ShardedSafetensorsWriter:
         self._offset += nbytes
         self.total_bytes += nbytes
 
+    def abort(self) -> None:
+        """Remove the shards written so far (a failed write leaves no temporary file)."""
+        self._close_shard()
+        for path, _ in self._shards:
+            if os.path.exists(path):
+                os.remove(path)
+        self._shards.clear()
+
     def close(self) -> list[str]:
         """Finish the headers, name the shards, write the index. Returns the shard file names."""
         self._close_shard()
@@ -241,17 +273,21 @@ def write_hf_checkpoint(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str,
     ``dtype`` casts floating tensors; ``progress`` (e.g. a tqdm bar) is advanced per tensor.
     """
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes)
-    for name, tensor in pairs:
-        if isinstance(tensor, TensorBlocks):
-            writer.add_blocks(name, tensor.cast(dtype) if dtype is not None else tensor)
-            del tensor
-            continue
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        writer.add(name, tensor)
-        del tensor  # so that the next tensor is not produced while this one is alive
-        if progress is not None:
-            progress.update(1)
+    try:
+        for name, tensor in pairs:
+            if isinstance(tensor, TensorBlocks):
+                writer.add_blocks(name, tensor.cast(dtype) if dtype is not None else tensor)
+                del tensor
+                continue
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            writer.add(name, tensor)
+            del tensor  # so that the next tensor is not produced while this one is alive
+            if progress is not None:
+                progress.update(1)
+    except BaseException:
+        writer.abort()
+        raise
     writer.close()
     return writer.total_bytes
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,13 @@ from megatron_dgpo.convert import _megatron_compat as compat
 from megatron_dgpo.convert.bridge import (COMMON_STATE, CONTENT_METADATA, FIRST_ITERATION,
                                           write_bridge_files)
 from megatron_dgpo.convert.checkpoint_format import model_sharded_state_dict, write_metadata
+from megatron_dgpo.convert.guards import (check_layout, check_output, discard, fresh_staging,
+                                          publish, staging_dir)
 from megatron_dgpo.convert.hf_source import HFSource, conversion_overrides
 from megatron_dgpo.models.builder import build_model
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.cpu import cpu_only
+from megatron_dgpo.runtime.errors import InputError
 from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
 _CHUNK_BYTES = 64 * 1024**2  # largest stored chunk of embeddings / lm_head written by us
@@ -120,13 +124,6 @@ def _layout(tp: int, pp: int, ep: int) -> ParallelConfig:
                           expert_tensor_parallel=1 if ep > 1 else None)
 
 
-def _world(tp: int, pp: int, ep: int) -> int:
-    """Ranks a (tp, pp, ep) conversion runs on: each stage needs tp and ep ranks."""
-    if max(tp, ep) % min(tp, ep):
-        raise ValueError(f"hf_to_megatron: tp={tp} and ep={ep} must divide one another")
-    return max(tp, ep) * pp
-
-
 def _unpadded_vocab(sharded: dict, source: HFSource) -> dict:
     """Bridge's layout: the embedding and output layer store the HF vocabulary's rows only."""
     vocab = {pm.key() for pm in source.params if pm.kind == "vocab"}
@@ -134,10 +131,11 @@ def _unpadded_vocab(sharded: dict, source: HFSource) -> dict:
             if getattr(value, "key", None) in vocab else value for name, value in sharded.items()}
 
 
-def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
+def _convert_collective(hf_dir: str, out: Path, tp: int, pp: int, ep: int,
                         dtype: torch.dtype | None, progress: bool = False,
                         format: str = "dgpo") -> None:
-    """HF -> torch_dist on the current process group (world = a multiple of the layout's)."""
+    """HF -> torch_dist on the current process group (world = a multiple of the layout's),
+    written into ``staging_dir(out)`` and published as ``out`` once every rank has written."""
     from megatron.core import dist_checkpointing
 
     from megatron_dgpo.runtime import parallel
@@ -149,7 +147,7 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
         have = (parallel.tensor_parallel_size(), parallel.pipeline_parallel_size(),
                 parallel.expert_parallel_size())
         if have != (tp, pp, ep):
-            raise ValueError(f"hf_to_megatron(tp={tp}, pp={pp}, ep={ep}) called under an "
+            raise InputError(f"hf_to_megatron(tp={tp}, pp={pp}, ep={ep}) called under an "
                              f"initialised parallel state with (tp, pp, ep) = {have}")
     try:
         source = HFSource(hf_dir, tp=tp)
@@ -159,36 +157,42 @@ def _convert_collective(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int,
             chunks = build_model(source.config, dtype=dtype, perform_initialization=False,
                                  **conversion_overrides(source.config))
         sharded, extra = model_sharded_state_dict(chunks), {}
-        folder = out_dir
+        staging = staging_dir(out)
+        folder = staging
         if format == "bridge":
-            folder = os.path.join(out_dir, FIRST_ITERATION)
+            folder = staging / FIRST_ITERATION
             sharded = {**_unpadded_vocab(sharded, source), **COMMON_STATE}
             extra = {"content_metadata": CONTENT_METADATA}
         if dist.get_rank() == 0:
-            os.makedirs(folder, exist_ok=True)
+            fresh_staging(out)
+            folder.mkdir(exist_ok=True)
         comm.barrier()
-        dist_checkpointing.save(_split_large(sharded, _CHUNK_BYTES), folder,
+        dist_checkpointing.save(_split_large(sharded, _CHUNK_BYTES), str(folder),
                                 sharded_strategy=_streaming_save_strategy(
                                     source, progress and dist.get_rank() == 0), **extra)
         if dist.get_rank() == 0 and format == "bridge":
-            write_bridge_files(out_dir, folder, source.config, dtype, hf_dir=hf_dir)
+            write_bridge_files(str(staging), str(folder), source.config, dtype, hf_dir=hf_dir,
+                               final_dir=str(out))
         elif dist.get_rank() == 0:
-            write_metadata(out_dir, source.config, source.dims.padded_vocab, dtype, hf_dir=hf_dir,
-                           saved_tp=tp, saved_pp=pp, saved_ep=ep)
+            write_metadata(str(staging), source.config, source.dims.padded_vocab, dtype,
+                           hf_dir=hf_dir, saved_tp=tp, saved_pp=pp, saved_ep=ep)
+        comm.barrier()
+        if dist.get_rank() == 0:
+            publish(staging, out)
         comm.barrier()
     finally:
         if own_state:
             destroy_parallel()
 
 
-def _spawned_convert(rank: int, world: int, port: int, hf_dir, out_dir, tp, pp, ep, dtype,
+def _spawned_convert(rank: int, world: int, port: int, hf_dir, out, tp, pp, ep, dtype,
                      progress):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress)
+        _convert_collective(hf_dir, out, tp, pp, ep, dtype, progress)
     finally:
         dist.destroy_process_group()
 
@@ -210,7 +214,7 @@ def single_process_group():
 
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: int = 1,
                    dtype: torch.dtype | None = None, progress: bool = False,
-                   format: str = "dgpo") -> str:
+                   format: str = "dgpo", overwrite: bool = False) -> str:
     """Convert an HF checkpoint folder into a torch_dist checkpoint laid out for (tp, pp, ep).
 
     Under an initialised ``torch.distributed`` (e.g. torchrun) this is collective over the world
@@ -222,31 +226,38 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: i
     ``format="bridge"`` writes Megatron-Bridge's container instead of this project's
     (``bridge.py``: ``iter_0000000/`` with ``run_config.yaml``, the vocabulary unpadded), in one
     process at (tp, pp, ep) = 1, which Bridge's loader reshards like any other.
-    Raises before writing anything on an unsupported architecture, a missing file or tensor, or
-    a tensor whose shape disagrees with config.json.
+    ``out_dir`` appears whole or not at all (``guards``); a non-empty one is replaced only with
+    ``overwrite``, a training run's checkpoints never.
+    Raises ``InputError`` before any rank starts on an unsupported architecture, a missing file
+    or tensor, a tensor whose shape disagrees with config.json, a layout the model does not
+    divide into (``guards.check_layout``) or a refused output folder.
     """
     if format not in FORMATS:
-        raise ValueError(f"hf_to_megatron: format must be one of {FORMATS}, got {format!r}")
+        raise InputError(f"hf_to_megatron: format must be one of {FORMATS}, got {format!r}")
     if format == "bridge" and (tp, pp, ep) != (1, 1, 1):
-        raise ValueError(f"hf_to_megatron: format='bridge' writes at tp = pp = ep = 1 (Bridge "
-                         f"stores the vocabulary unpadded, which one process writes whole), got "
-                         f"tp={tp}, pp={pp}, ep={ep}; Bridge loads it at any layout")
-    source = HFSource(hf_dir, tp=tp)  # validate in the caller's process: errors surface here
-    if ep > 1 and source.dims.experts % ep:
-        raise ValueError(f"hf_to_megatron: ep={ep} must divide the model's "
-                         f"{source.dims.experts or 'no'} experts")
-    world = _world(tp, pp, ep)
-    if dist.is_initialized():
-        _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress, format)
-    elif world == 1:
-        with single_process_group():
-            _convert_collective(hf_dir, out_dir, tp, pp, ep, dtype, progress, format)
-    else:
-        import torch.multiprocessing as mp
+        raise InputError(f"--format bridge writes at --tp 1 --pp 1 --ep 1 (Bridge stores the "
+                         f"vocabulary unpadded, which one process writes whole), got --tp {tp} "
+                         f"--pp {pp} --ep {ep}; Bridge loads it at any layout")
+    source = HFSource(hf_dir)  # validate in the caller's process: errors surface here
+    world = check_layout(source.dims, tp=tp, pp=pp, ep=ep,
+                         world=dist.get_world_size() if dist.is_initialized() else None)
+    out = check_output(out_dir, overwrite=overwrite, inputs=(hf_dir,))
+    try:
+        if dist.is_initialized():
+            _convert_collective(hf_dir, out, tp, pp, ep, dtype, progress, format)
+        elif world == 1:
+            with single_process_group():
+                _convert_collective(hf_dir, out, tp, pp, ep, dtype, progress, format)
+        else:
+            import torch.multiprocessing as mp
 
-        from megatron_dgpo.runtime.parallel import free_port
+            from megatron_dgpo.runtime.parallel import free_port
 
-        mp.spawn(_spawned_convert,
-                 args=(world, free_port(), hf_dir, out_dir, tp, pp, ep, dtype, progress),
-                 nprocs=world, join=True)
+            mp.spawn(_spawned_convert,
+                     args=(world, free_port(), hf_dir, out, tp, pp, ep, dtype, progress),
+                     nprocs=world, join=True)
+    except BaseException:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            discard(staging_dir(out))
+        raise
     return out_dir

@@ -37,3 +37,7 @@ def reported_as(prog: str):
                 return EXIT_INPUT_ERROR
         return run
     return wrap
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """A file or folder the user named (or one it must hold) does not exist."""

@@ -26,6 +26,7 @@ from megatron_dgpo.convert import (find_model_checkpoint, hf_to_megatron, load_m
                                    megatron_to_hf, single_process_group, write_metadata)
 from megatron_dgpo.convert.safetensors_io import iter_hf_tensors
 from megatron_dgpo.models import describe
+from megatron_dgpo.runtime.errors import InputError
 from megatron_dgpo.runtime.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from tests._rank_fns_model import causal_mask
 
@@ -185,7 +186,7 @@ def test_dgpo_convert_writes_bridges_layout_with_bridges_names_and_config(tmp_pa
     assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(os.listdir(tokenizer))
     assert _run_config(tmp_path / "qwen2_tied" / "iter_0000000")["tokenizer"][
         "tokenizer_model"] == str(tokenizer)
-    with pytest.raises(ValueError, match="format='bridge' writes at tp = pp = ep = 1"):
+    with pytest.raises(InputError, match="--format bridge writes at --tp 1 --pp 1 --ep 1"):
         hf_to_megatron(str(FIXTURES / "qwen3" / "hf"), str(tmp_path / "x"), tp=2, format="bridge")
 
 
@@ -279,3 +280,93 @@ def test_bridges_loader_reads_what_dgpo_convert_writes(tmp_path):
     assert sum("all bitwise equal to Bridge's HF import" in line for line in report) == 8, report
     assert proc.stdout.strip().endswith("0 failure(s)")
     print("\n".join(report), file=sys.stderr)
+
+
+def test_every_field_bridge_writes_is_judged():
+    """The allow-list is Megatron-Bridge 0.6.2's GPTModelProvider, field for field: every field
+    of every fixture's run_config.yaml (which Bridge writes whole) is read, required at the
+    builder's value, or without effect, exactly one of them, and none is listed that Bridge
+    does not write."""
+    from megatron_dgpo.convert import bridge_provider as provider
+
+    groups = (provider._READ, set(provider._REQUIRED), provider._NO_EFFECT)
+    assert not any(a & b for i, a in enumerate(groups) for b in groups[i + 1:])
+    for case in CASES:
+        fields = set(_run_config(FIXTURES / case / "bridge" / "iter_0000000")["model"])
+        assert fields == set().union(*groups), (case, fields ^ set().union(*groups))
+
+
+def test_a_bridge_field_that_changes_the_model_is_refused_by_name(tmp_path):
+    """Each field whose value changes what the weights compute (softmax_scale, no_rope_freq,
+    glu_linear_offset ... : every required one off its value), a field the allow-list does
+    not know, another provider class: refused naming the field, through every reader. Fields
+    without effect take any value and give the same HF config; a softmax_scale of exactly
+    1/sqrt(head_dim) is the builder's."""
+    from megatron_dgpo.convert.bridge_provider import _REQUIRED, hf_config_from_provider
+
+    model = _run_config(FIXTURES / "qwen3" / "bridge" / "iter_0000000")["model"]
+    want = hf_config_from_provider(model, "run_config.yaml")
+    named = [("softmax_scale", 0.5), ("no_rope_freq", 2), ("glu_linear_offset", 1.0),
+             ("activation_func_clamp_value", 7.0), ("mup_output_mult", 2.0),
+             ("moe_router_load_balancing_type", "sinkhorn"),
+             ("moe_router_load_balancing_type", ["aux_loss", "sinkhorn"]),
+             ("transformer_layer_spec", {"_target_": "megatron.bridge.models.gpt_provider."
+                                                    "modelopt_transformer_layer_spec"}),
+             ("_target_", "megatron.bridge.models.gemma.gemma_provider.GemmaModelProvider")]
+    off_value = [(name, "not-" + str(allowed[0])) for name, (allowed, _) in _REQUIRED.items()]
+    for name, value in named + off_value:
+        with pytest.raises(InputError, match=rf"run_config\.yaml: model\.{name}=.* is not "
+                                             rf"supported \(this project builds"):
+            hf_config_from_provider({**model, name: value}, "run_config.yaml")
+    with pytest.raises(InputError, match=r"model\.a_new_field is a field this project has not "
+                                         r"judged"):
+        hf_config_from_provider({**model, "a_new_field": None}, "run_config.yaml")
+    with pytest.raises(InputError, match=r"model\.normalization='LayerNorm' is not supported"):
+        hf_config_from_provider({k: v for k, v in model.items() if k != "normalization"},
+                                "run_config.yaml")  # left out: Bridge's default, LayerNorm
+    no_effect = dict(tensor_model_parallel_size=8, apply_rope_fusion=True, hidden_dropout=0.1,
+                     fp8="hybrid", recompute_granularity="full", moe_grouped_gemm=True,
+                     softmax_scale=16 ** -0.5, moe_router_load_balancing_type=["aux_loss"])
+    assert hf_config_from_provider({**model, **no_effect}, "run_config.yaml") == want
+    folder = _copy("qwen3", tmp_path)
+    _edit_run_config(folder, softmax_scale=0.5)
+    for read in (find_model_checkpoint, load_model,
+                 lambda path: megatron_to_hf(path, str(tmp_path / "out"))):
+        with pytest.raises(InputError, match=r"iter_0000000/run_config\.yaml: model\."
+                                             r"softmax_scale=0\.5 is not supported"):
+            read(str(folder))
+
+
+def test_a_bridge_folder_takes_its_stop_ids_from_its_hf_original(tmp_path, caplog,
+                                                                 monkeypatch):
+    """Bridge writes no generation_config.json: the export takes the one of the HF original its
+    hf_model_id names (beside the checkpoint folder, as in the fixtures) and the original's
+    special token ids, so a run from it stops where a run from the original does. An
+    hf_model_id that names nothing, or another model, is not used: one warning names the stop
+    ids a run uses instead."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    original = FIXTURES / "qwen2_tied" / "hf"
+    out = tmp_path / "hf"
+    megatron_to_hf(str(FIXTURES / "qwen2_tied" / "bridge"), str(out))
+    assert (out / "generation_config.json").read_bytes() == (
+        original / "generation_config.json").read_bytes()
+    got, want = (json.loads((d / "config.json").read_text()) for d in (out, original))
+    assert [got.get(k) for k in ("eos_token_id", "pad_token_id")] == [
+        want[k] for k in ("eos_token_id", "pad_token_id")] == [2, 0]
+    eos = AutoTokenizer.from_pretrained(original).eos_token_id
+    for case, hf_model_id, why in (
+            ("qwen2_tied", "nowhere/no-such-model", "is neither a folder here nor a hub repo"),
+            ("qwen2_tied", str(FIXTURES / "qwen3" / "hf"), "describes another model")):
+        folder = _copy(case, tmp_path / why[:8].replace(" ", "_"))
+        _edit_run_config(folder, hf_model_id=hf_model_id)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megatron_dgpo.convert.bridge"):
+            megatron_to_hf(str(folder), str(folder.parent / "hf"))
+        assert not (folder.parent / "hf" / "generation_config.json").exists()
+        [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert why in record.getMessage() and f"stops at [{eos}]" in record.getMessage(), \
+            record.getMessage()

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from megatron_dgpo.convert import (LazyHFReader, ShardedSafetensorsWriter, export_from_checkpoint,
                                    hf_to_megatron, megatron_to_hf)
 from megatron_dgpo.convert.safetensors_io import TensorBlocks, iter_hf_tensors
+from megatron_dgpo.runtime.errors import InputError
 from tests import _rank_fns_convert as fns
 from tests.distributed import run_ranks
 
@@ -133,6 +134,13 @@ def test_logit_parity_tp1_tp2_and_resharding(converted):
     assert max(errors.values()) <= 1e-5, errors
     # VPP: stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; export is still exact
     assert tp1[0]["vpp_layers"] == [[1], [3]] and tp1[1]["vpp_layers"] == [[2], [4]]
+    # dgpo-convert under torchrun's world of 2: what that world cannot run refused on both
+    # ranks (exit 2, nothing written), --tp 2 converted collectively
+    hf_dir = dirs["qwen2"][0]
+    assert [result["cli"] for result in tp1] == [[2, 2, 0]] * 2
+    assert not os.path.exists(hf_dir + "_cli_tp2pp2") and not os.path.exists(hf_dir + "_cli_hf")
+    megatron_to_hf(hf_dir + "_cli_tp2", hf_dir + "_cli_back")
+    _assert_bitwise(_hf_state(hf_dir + "_cli_back"), _hf_state(hf_dir), "dgpo-convert, torchrun")
     want_state = _hf_state(dirs["qwen2"][0])
     for rank in range(2):
         _assert_bitwise(tp1[rank]["vpp_export"], want_state, f"VPP export rank {rank}")
@@ -197,7 +205,7 @@ def test_refusals(converted, tmp_path):
     del state["model.layers.0.mlp.gate_proj.bias"]
     del state["model.layers.1.self_attn.k_proj.weight"]
     save_file(state, str(wrong / "model.safetensors"))
-    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+    with pytest.raises(InputError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
         hf_to_megatron(str(wrong), str(tmp_path / "o6"))
     with pytest.raises(FileNotFoundError, match="dgpo_convert.json"):
         megatron_to_hf(hf_dir, str(tmp_path / "o7"))

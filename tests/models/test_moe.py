@@ -164,7 +164,7 @@ def test_hf_to_megatron_refuses_an_ep_that_does_not_divide_the_experts(models, t
     from megatron_dgpo.convert import hf_to_megatron
 
     dirs, _ = models
-    with pytest.raises(ValueError, match="ep=3 must divide"):
+    with pytest.raises(ValueError, match="--ep 3 does not divide the model.s 8 experts"):
         hf_to_megatron(dirs["qwen3_moe"], str(tmp_path / "x"), ep=3)
     assert not os.path.exists(tmp_path / "x")
 

@@ -129,13 +129,22 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step_000002"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".incomplete-step_000003", "latest",
                                                           "step_000002"]
-    # A training checkpoint is also a converter checkpoint: it exports to HF.
+    # A training checkpoint is also a converter checkpoint: it exports to HF, outside the run's
+    # checkpoints (a conversion never writes into them).
     from transformers import AutoModelForCausalLM
 
-    from megatron_dgpo.convert import megatron_to_hf
+    from megatron_dgpo.convert import hf_to_megatron, megatron_to_hf
+    from megatron_dgpo.runtime.errors import InputError
 
-    megatron_to_hf(str(tmp_path / "step_000002"), str(tmp_path / "hf"))
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 300
+    exported = tmp_path.with_name(tmp_path.name + "_hf")
+    megatron_to_hf(str(tmp_path / "step_000002"), str(exported))
+    assert AutoModelForCausalLM.from_pretrained(exported).config.vocab_size == 300
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(InputError, match="is inside a training run's checkpoints"):
+        megatron_to_hf(str(tmp_path / "step_000002"), str(tmp_path / "hf"))
+    with pytest.raises(InputError, match="is inside a training run's checkpoints"):
+        hf_to_megatron(str(exported), str(tmp_path / "step_000002"), overwrite=True)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_resume_modes(tmp_path):

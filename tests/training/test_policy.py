@@ -55,9 +55,15 @@ def test_a_megatron_bridge_checkpoint_is_converted_once_into_the_initial_hf_fold
     """model.path = a checkpoint folder Megatron-Bridge wrote (tests/convert/fixtures/bridge):
     the run's initial policy is its HF conversion in <run_dir>/initial_model, made once: the
     HF original's weights, a tokenizer that tokenizes as the original's. A partial folder is
-    refused naming what is missing."""
+    refused naming what is missing, a provider field that changes the model by name (the
+    same ``InputError`` dgpo-convert reports), both before any weight is read. The run stops
+    where a run from the HF original does: its generation config comes along."""
     import shutil
     from pathlib import Path
+
+    import yaml
+
+    from megatron_dgpo.runtime.errors import InputError
 
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -74,11 +80,22 @@ def test_a_megatron_bridge_checkpoint_is_converted_once_into_the_initial_hf_fold
     text = "<|im_start|>user\nRepeat the digit 3. Put it in \\boxed{}.<|im_end|>\n"
     assert (AutoTokenizer.from_pretrained(folder).encode(text)
             == AutoTokenizer.from_pretrained(fixture / "hf").encode(text))
+    assert ((folder / "generation_config.json").read_bytes()
+            == (fixture / "hf" / "generation_config.json").read_bytes())
     written = (folder / "model.safetensors").stat().st_mtime_ns
     assert initial_model(ModelConfig(path=str(fixture / "bridge")), run_dir, 0) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == written  # kept, not redone
     partial = tmp_path / "partial"
     shutil.copytree(fixture / "bridge", partial)
     (partial / "latest_checkpointed_iteration.txt").unlink()
-    with pytest.raises(FileNotFoundError, match="latest_checkpointed_iteration.txt"):
+    with pytest.raises(InputError, match="latest_checkpointed_iteration.txt"):
         initial_model(ModelConfig(path=str(partial)), tmp_path / "run2", 0)
+    changed = tmp_path / "changed"
+    shutil.copytree(fixture / "bridge", changed)
+    run_config = changed / "iter_0000000" / "run_config.yaml"
+    config = yaml.safe_load(run_config.read_text())
+    config["model"]["no_rope_freq"] = 2
+    run_config.write_text(yaml.safe_dump(config))
+    with pytest.raises(InputError, match=r"model\.no_rope_freq=2 is not supported"):
+        initial_model(ModelConfig(path=str(changed)), tmp_path / "run3", 0)
+    assert not (tmp_path / "run3" / "initial_model").exists()
