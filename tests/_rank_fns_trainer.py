@@ -188,6 +188,12 @@ class _HeldQueue:
         self.closed_with_pending = len(self.requests)
 
 
+def _extra_file(folder):
+    """A file of this rank's added to the checkpoint (as the batch generated ahead is)."""
+    (folder / "extra").mkdir(exist_ok=True)
+    (folder / "extra" / f"rank{torch.distributed.get_rank()}.txt").write_text("ahead")
+
+
 def checkpoint_round_trip(rank, world, root):
     """save (keep_last=1 prunes; the second save through the async path), load into a
     differently initialised model + optimizer, and the next update from both is identical."""
@@ -209,7 +215,7 @@ def checkpoint_round_trip(rank, world, root):
                                                              "pipeline_parallel": 3},
                                                   "note": "kept"}),
                         models, optimizer, keep_last=1, saver=saver if step == 2 else None,
-                        **meta)
+                        write_extra=_extra_file if step == 2 else None, **meta)
     # the async save is staged, not published: `latest` still names step 1, no shard written
     pending = {"pending": saver.pending,
                "latest": latest_checkpoint(root).name,

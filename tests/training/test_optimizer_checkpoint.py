@@ -4,6 +4,10 @@ hub id on two "nodes" with separate HF caches (``policy.initial_model``): one la
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 
 from tests import _rank_fns_trainer as fns
@@ -100,8 +104,16 @@ LAYOUT = {"tensor_parallel": 2, "pipeline_parallel": 1, "context_parallel": 1, "
           "expert_parallel": 1}
 
 
-def test_checkpoint_round_trip_resumes_exactly(tmp_path):
-    results = run_ranks(fns.checkpoint_round_trip, 2, str(tmp_path))
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    """The 2-rank save / load round trip (``fns.checkpoint_round_trip``): its results and the
+    folder of its checkpoints (``step_000002`` published, ``.incomplete-step_000003`` torn)."""
+    root = tmp_path_factory.mktemp("round_trip")
+    return run_ranks(fns.checkpoint_round_trip, 2, str(root)), root
+
+
+def test_checkpoint_round_trip_resumes_exactly(round_trip):
+    results, tmp_path = round_trip
     for result in results:
         assert result["differs_before"] and result["loaded_equal"] and result["next_equal"]
         assert (result["step"], result["consumed"]) == (2, 64)
@@ -127,8 +139,8 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     record = json.loads((tmp_path / "step_000002" / "trainer_state.json").read_text())
     assert record["extra"] == {"layout": LAYOUT, "note": "kept"}
     assert (tmp_path / "latest").read_text().strip() == "step_000002"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".incomplete-step_000003", "latest",
-                                                          "step_000002"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "faults") == [
+        ".incomplete-step_000003", "latest", "step_000002"]
     # A training checkpoint is also a converter checkpoint: it exports to HF.
     from transformers import AutoModelForCausalLM
 
@@ -138,20 +150,126 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 300
 
 
-def test_resume_modes(tmp_path):
+def test_resume_modes(round_trip, tmp_path):
     """checkpoint.resume: auto continues when there is a checkpoint and starts fresh otherwise;
-    require needs one; never refuses to start over a run that has one."""
+    require needs one; never refuses to start over a run that has one (each an InputError)."""
+    from megatron_dgpo.runtime.errors import InputError
     from megatron_dgpo.training.checkpoint import checkpoint_to_resume
 
     root = tmp_path / "checkpoints"
     assert checkpoint_to_resume(root, "auto") is None and checkpoint_to_resume(root, "never") is None
-    with pytest.raises(FileNotFoundError, match="checkpoint.resume=require: no complete checkpoint"):
+    with pytest.raises(InputError, match="checkpoint.resume=require: no complete checkpoint"):
         checkpoint_to_resume(root, "require")
-    (root / "step_000004").mkdir(parents=True)
-    (root / "step_000004" / "trainer_state.json").write_text("{}")
+    root.mkdir()
+    shutil.copytree(round_trip[1] / "step_000002", root / "step_000004")
     (root / "latest").write_text("step_000004\n")
     assert checkpoint_to_resume(root, "auto").name == checkpoint_to_resume(root, "require").name == "step_000004"
-    with pytest.raises(FileExistsError, match="checkpoint.resume=never: .* already holds step_000004"):
+    with pytest.raises(InputError, match="checkpoint.resume=never: .* already holds step_000004"):
         checkpoint_to_resume(root, "never")
     with pytest.raises(ValueError, match="checkpoint.resume must be one of"):
         checkpoint_to_resume(root, "sometimes")
+
+
+def _overwrite_middle(path: Path) -> None:
+    """4 KiB of 0xff in the middle of ``path``, its size unchanged (issue 45's corruption)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(b"\xff" * min(4096, size - size // 2))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_json(path: Path) -> None:
+    path.write_text(path.read_text().replace('"step": 2', '"step": 7'))
+
+
+FAULTS = {  # name -> (what is done to the newest checkpoint, what the one line must name)
+    "shard overwritten": (lambda c: _overwrite_middle(c / "__0_0.distcp"),
+                          r"__0_0.distcp does not match its checksum \(crc32"),
+    "shard truncated": (lambda c: _truncate(c / "__1_0.distcp"),
+                        r"__1_0.distcp does not match its checksum \(size"),
+    "shard deleted": (lambda c: (c / "__1_0.distcp").unlink(), r"lacks __1_0.distcp"),
+    "shard and its manifest deleted": (
+        lambda c: [(c / "__1_0.distcp").unlink(), (c / "checksums/rank00001-shards.json").unlink()],
+        r"lacks __1_0.distcp \(named by .metadata\)"),
+    "torch metadata deleted": (lambda c: (c / ".metadata").unlink(), r"lacks .metadata"),
+    "torch metadata overwritten": (lambda c: _overwrite_middle(c / ".metadata"),
+                                   r"\.metadata does not match its checksum"),
+    "megatron metadata deleted": (lambda c: (c / "metadata.json").unlink(), r"lacks metadata.json"),
+    "trainer state edited": (lambda c: _flip_json(c / "trainer_state.json"),
+                             r"trainer_state.json does not match its checksum"),
+    "trainer state deleted": (lambda c: (c / "trainer_state.json").unlink(),
+                              r"lacks trainer_state.json"),
+    "converter metadata overwritten": (lambda c: _overwrite_middle(c / "dgpo_convert.json"),
+                                       r"dgpo_convert.json does not match its checksum"),
+    "extra file overwritten": (lambda c: (c / "extra/rank1.txt").write_text("later"),
+                               r"extra/rank1.txt does not match its checksum"),
+    "checksums deleted": (lambda c: shutil.rmtree(c / "checksums"),
+                          r"lacks checksums/common.json"),
+    "shard manifest deleted": (lambda c: (c / "checksums/rank00000-shards.json").unlink(),
+                               r"holds __0_0.distcp, which no checksum manifest lists"),
+    "manifest garbled": (lambda c: (c / "checksums/common.json").write_text("{"),
+                         r"checksums/common.json is unreadable"),
+    "stray file": (lambda c: (c / "notes.txt").write_text("x"),
+                   r"holds notes.txt, which no checksum manifest lists"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_damaged_checkpoint_is_named_and_the_run_falls_back(round_trip, tmp_path, capfd, fault):
+    """Each damage to the newest of two real checkpoints (the 2-rank round trip's, with its
+    checksums recorded as written): the resume names it in one line, moves it aside and
+    continues from the older one, which it names too; ``latest`` then names the older one."""
+    from megatron_dgpo.training.checkpoint import checkpoint_to_resume
+
+    damage, named = FAULTS[fault]
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    for step in ("step_000001", "step_000002"):
+        shutil.copytree(round_trip[1] / "step_000002", root / step)
+    (root / "latest").write_text("step_000002\n")
+    damage(root / "step_000002")
+    assert checkpoint_to_resume(root, "auto") == root / "step_000001"
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert re.search(rf"checkpoint {root}/step_000002 fails verification: .*{named}", err[0]), err
+    assert "falling back to step_000001, the newest checkpoint that verifies" in err[1]
+    assert (root / ".corrupt-step_000002").is_dir() and not (root / "step_000002").exists()
+    assert (root / "latest").read_text() == "step_000001\n"
+
+
+def test_every_checkpoint_damaged_is_refused_unless_verification_is_off(round_trip, tmp_path):
+    from megatron_dgpo.runtime.errors import InputError
+    from megatron_dgpo.training.checkpoint import checkpoint_to_resume
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    shutil.copytree(round_trip[1] / "step_000002", root / "step_000002")
+    _overwrite_middle(root / "step_000002" / "__0_0.distcp")
+    assert checkpoint_to_resume(root, "auto", verify=False) == root / "step_000002"
+    with pytest.raises(InputError, match=r"no checkpoint under .* verifies \(step_000002: "
+                                         r"__0_0.distcp does not match its checksum"):
+        checkpoint_to_resume(root, "auto")
+
+
+def test_checksums_are_recorded_by_each_ranks_writer(round_trip):
+    """Each rank's writer recorded its own shard file (size and CRC taken as it wrote); rank 0
+    recorded every other file, those ``write_extra`` added on each rank in a subfolder
+    included; together they verify."""
+    import json
+    import zlib
+
+    from megatron_dgpo.training.integrity import verify
+
+    checkpoint = round_trip[1] / "step_000002"
+    for rank in (0, 1):
+        files = json.loads((checkpoint / f"checksums/rank{rank:05d}-shards.json").read_text())["files"]
+        data = (checkpoint / f"__{rank}_0.distcp").read_bytes()
+        assert files == {f"__{rank}_0.distcp": [len(data), zlib.crc32(data)]}
+    common = json.loads((checkpoint / "checksums/common.json").read_text())["files"]
+    assert {"trainer_state.json", ".metadata", "metadata.json", "dgpo_convert.json",
+            "extra/rank0.txt", "extra/rank1.txt"} <= set(common)
+    assert verify(checkpoint) == [] and verify(checkpoint, 1, 2) == []
