@@ -273,3 +273,95 @@ def test_checksums_are_recorded_by_each_ranks_writer(round_trip):
     assert {"trainer_state.json", ".metadata", "metadata.json", "dgpo_convert.json",
             "extra/rank0.txt", "extra/rank1.txt"} <= set(common)
     assert verify(checkpoint) == [] and verify(checkpoint, 1, 2) == []
+
+
+MOMENTS = {"writing": "step_000001", "publishing": "step_000001", "published": "step_000002"}
+
+
+def test_a_trainer_killed_during_an_async_save_leaves_no_process_and_a_checkpoint(tmp_path):
+    """SIGKILL to the trainer process alone (its children get no signal: the OOM killer, or
+    torchrun killing a rank) at three moments of an async save (``tests/_killed_during_async_save.py``,
+    the three at once): 10 s later none of its processes lives (the checkpoint writer, its
+    result queue's manager, the grader worker, the resource tracker), and the newest
+    checkpoint is the one published last, and verifies."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from megatron_dgpo.training.checkpoint import checkpoint_to_resume
+
+    root = Path(__file__).resolve().parents[2]
+    jobs = {moment: subprocess.Popen(
+        [sys.executable, "tests/_killed_during_async_save.py", moment, str(tmp_path / moment)],
+        cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for moment in MOMENTS}
+    def alive(pids):
+        return [pid for pid in pids if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+    for moment, job in jobs.items():
+        _, err = job.communicate(timeout=300)
+        assert job.returncode == -9, f"{moment}: exit {job.returncode}\n{err[-3000:]}"
+        killed_at = time.monotonic()
+        children = json.loads((tmp_path / moment / "children.json").read_text())
+        assert len(children) >= 4, (moment, children)  # writer, manager, grader, tracker
+        while alive(children) and time.monotonic() < killed_at + 10:
+            time.sleep(0.2)
+        left = alive(children)
+        for pid in left:  # not to leave them to the next test
+            psutil.Process(pid).kill()
+        assert not left, moment
+        assert checkpoint_to_resume(tmp_path / moment / "checkpoints", "auto").name == MOMENTS[moment]
+
+
+def test_a_resume_lists_recipe_changes_and_refuses_those_that_change_the_run(tmp_path, capfd):
+    """Against the recipe a checkpoint was saved with: a change of method, loss, seed, data,
+    group size or batch size is refused (InputError naming each) unless allowed; any accepted
+    change is printed in one line and kept in checkpoints/config_changes.jsonl."""
+    import json
+
+    from megatron_dgpo.recipe import load_recipe
+    from megatron_dgpo.runtime.config import to_dict
+    from megatron_dgpo.runtime.errors import InputError
+    from megatron_dgpo.training.checkpoint import resume_config_changes
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
+    checkpoint = tmp_path / "checkpoints" / "step_000004"
+    checkpoint.mkdir(parents=True)
+    saved = to_dict(load_recipe(recipe))
+    assert resume_config_changes(checkpoint, saved, saved, allowed=False, record=True) == {}
+    for override, key in (("algorithm.method=grpo", "algorithm.method"),
+                          ("algorithm.loss.eps_low=0.3", "algorithm.loss.eps_low"),
+                          ("train.seed=7", "train.seed"), ("rollout.group_size=4", "rollout.group_size"),
+                          ("train.rollout_batch_prompts=16", "train.rollout_batch_prompts"),
+                          ("data.builtin_families=[add]", "data.builtin_families")):
+        current = to_dict(load_recipe(recipe, [override, "train.steps=60"]))
+        with pytest.raises(InputError, match=rf"resuming {checkpoint} would change what the run "
+                                             rf"means \({re.escape(key)}: .* -> .*\): use another "
+                                             rf"run_dir, or set checkpoint.allow_config_change=true"):
+            resume_config_changes(checkpoint, saved, current, allowed=False, record=True)
+    assert not (checkpoint.parent / "config_changes.jsonl").exists()
+    capfd.readouterr()
+    current = to_dict(load_recipe(recipe, ["train.seed=7", "train.steps=60"]))
+    assert resume_config_changes(checkpoint, saved, current, allowed=True, record=True) == {
+        "train.seed": (42, 7), "train.steps": (50, 60)}
+    assert capfd.readouterr().err == ("[megatron-dgpo] the recipe differs from the one step_000004 "
+                                      "was saved with: train.seed: 42 -> 7, train.steps: 50 -> 60\n")
+    kept = json.loads((checkpoint.parent / "config_changes.jsonl").read_text())
+    assert kept["resumed_from"] == "step_000004"
+    assert kept["changes"] == {"train.seed": [42, 7], "train.steps": [50, 60]}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("checkpoint.keep_last=0", "keep_last must be >= 1"),
+    ("checkpoint.save_every=-1", "save_every must be >= 0")])
+def test_checkpoint_config_bounds(override, message):
+    from megatron_dgpo.recipe import load_recipe
+    from megatron_dgpo.runtime.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        load_recipe(None, ["model.tiny={num_hidden_layers: 1}", override])
