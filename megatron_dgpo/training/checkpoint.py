@@ -506,7 +506,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():
             shutil.rmtree(staging)
-        (staging / integrity.MANIFEST_DIR).mkdir(parents=True)
+        staging.mkdir()  # empty: Megatron warns of "overwriting" a folder that is not
     comm.barrier()
     _quiet_mcore_async_notice()
     integrity.install_writer_hook()

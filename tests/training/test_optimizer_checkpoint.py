@@ -133,14 +133,25 @@ def test_checkpoint_round_trip_resumes_exactly(round_trip):
         assert ctrl_c["requested"] and ctrl_c["delivered"] and ctrl_c["interrupted"]
         assert ctrl_c["latest"] == "step_000002"
         assert ctrl_c["listing"] == [".incomplete-step_000003", "latest", "step_000002"]
+        # never published: a step not finite on one rank, a save that does not read back
+        unpublished = result["unpublished"]
+        assert unpublished["non_finite"] == ("step 5: rank 1: parameter embedding.word_embeddings"
+                                             ".weight is not finite: not saved, the last "
+                                             "checkpoint stays the one to resume from")
+        assert re.search(r"\.incomplete-step_000006 does not read back as written: __1_0.distcp "
+                         r"does not match its checksum \(crc32 .*\); not published, latest stays "
+                         r"the previous checkpoint", unpublished["unverified"]), unpublished
+        assert unpublished["latest"] == "step_000002"
+        assert unpublished["listing"] == [".incomplete-step_000003", ".incomplete-step_000006",
+                                          "latest", "step_000002"]
     # the layout recorded is the one saved at (TP=2), not the stale one in the state passed in
     import json
 
     record = json.loads((tmp_path / "step_000002" / "trainer_state.json").read_text())
     assert record["extra"] == {"layout": LAYOUT, "note": "kept"}
     assert (tmp_path / "latest").read_text().strip() == "step_000002"
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "faults") == [
-        ".incomplete-step_000003", "latest", "step_000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".incomplete-step_000003", ".incomplete-step_000006", "latest", "step_000002"]
     # A training checkpoint is also a converter checkpoint: it exports to HF.
     from transformers import AutoModelForCausalLM
 
@@ -213,8 +224,6 @@ FAULTS = {  # name -> (what is done to the newest checkpoint, what the one line 
                                r"holds __0_0.distcp, which no checksum manifest lists"),
     "manifest garbled": (lambda c: (c / "checksums/common.json").write_text("{"),
                          r"checksums/common.json is unreadable"),
-    "stray file": (lambda c: (c / "notes.txt").write_text("x"),
-                   r"holds notes.txt, which no checksum manifest lists"),
 }
 
 
@@ -239,6 +248,18 @@ def test_a_damaged_checkpoint_is_named_and_the_run_falls_back(round_trip, tmp_pa
     assert "falling back to step_000001, the newest checkpoint that verifies" in err[1]
     assert (root / ".corrupt-step_000002").is_dir() and not (root / "step_000002").exists()
     assert (root / "latest").read_text() == "step_000001\n"
+
+
+def test_a_file_added_later_is_not_a_damage(round_trip, tmp_path):
+    """A file put into a checkpoint after it was saved (notes, a plot) is not read by a resume:
+    the checkpoint still verifies."""
+    from megatron_dgpo.training.checkpoint import checkpoint_to_resume
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    shutil.copytree(round_trip[1] / "step_000002", root / "step_000002")
+    (root / "step_000002" / "notes.txt").write_text("lr looked high")
+    assert checkpoint_to_resume(root, "auto") == root / "step_000002"
 
 
 def test_every_checkpoint_damaged_is_refused_unless_verification_is_off(round_trip, tmp_path):
