@@ -17,8 +17,6 @@ with the process (``lifetime``).
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,10 +38,8 @@ from megatron_dgpo.runtime.parallel import init_distributed, initialize_parallel
 from megatron_dgpo.runtime.run_lock import RunLock
 from megatron_dgpo.tasks.tiny import make_tiny_model
 from megatron_dgpo.training import policy
-from megatron_dgpo.training.checkpoint import (STATE_FILE, AsyncSaver, TrainerState,
-                                               checkpoint_to_resume, export_latest,
-                                               load_checkpoint, resume_config_changes,
-                                               save_checkpoint)
+from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, export_latest,
+                                               load_checkpoint, resume_point, save_checkpoint)
 from megatron_dgpo.training.optimizer import build_optimizer, use_distributed_optimizer
 
 
@@ -71,16 +67,7 @@ class TrainingRun:
         self.lock = _lock_run_dir(self.run_dir, self.rank0)
         # the checkpoint to continue, verified, and the recipe checked against it: before the
         # model is built, so that a refusal costs seconds
-        self.resumed_from = checkpoint_to_resume(self.run_dir / "checkpoints",
-                                                 cfg.checkpoint.resume, verify=cfg.checkpoint.verify)
-        if self.resumed_from is not None:
-            saved = json.loads((self.resumed_from / STATE_FILE).read_text())
-            if self.rank0:
-                print(f"[megatron-dgpo] resuming from step {saved['step']} ({self.resumed_from})",
-                      file=sys.stderr, flush=True)
-            resume_config_changes(self.resumed_from, saved.get("extra", {}).get("config", {}),
-                                  to_dict(cfg), allowed=cfg.checkpoint.allow_config_change,
-                                  record=self.rank0)
+        self.resumed_from = resume_point(self.run_dir / "checkpoints", cfg.checkpoint, to_dict(cfg))
         # the replicas (DP without CP): CP ranks share their replica's samples
         self.dp_rank, self.dp_size = parallel.data_parallel_rank(), parallel.data_parallel_size()
         self.dp_group = parallel.data_parallel_group()

@@ -1,8 +1,9 @@
 """A trainer's helpers, then a SIGKILL to the trainer alone at one moment of an async save.
 
-One gloo rank holds the tiny model, Megatron's optimizer, a ``RewardPool`` (its grader
-workers) and an ``AsyncSaver`` (Megatron's persistent writer process, its result queue's
-manager, multiprocessing's resource tracker), saves step 1 in the background, then step 2, and
+One gloo rank holds the tiny model, Megatron's optimizer and an ``AsyncSaver`` (Megatron's
+persistent writer process, its result queue's manager, multiprocessing's resource tracker; the
+trainer's other children, graders and engines, are in tests/test_trainer.py's killed run),
+saves step 1 in the background, then step 2, and
 kills itself (``os.kill(os.getpid(), SIGKILL)``: its children are not signalled) at ``MOMENT``:
 
 * ``writing``: the step-2 request just handed to the writer process;
@@ -36,7 +37,6 @@ def main() -> int:
     from megatron_dgpo.convert import single_process_group
     from megatron_dgpo.runtime.lifetime import children_die_with_this_process
     from megatron_dgpo.runtime.parallel import ParallelConfig, initialize_parallel
-    from megatron_dgpo.tasks.rewards import RewardPool
     from megatron_dgpo.training import checkpoint
     from tests._rank_fns_model import TINY_QWEN2
     from megatron_dgpo.training.optimizer import step_if_finite
@@ -46,7 +46,6 @@ def main() -> int:
     with single_process_group():
         initialize_parallel(ParallelConfig(), seed=1)
         models, optimizer = _setup()
-        pool = RewardPool(num_workers=1)
         saver = checkpoint.AsyncSaver()
         meta = dict(hf_config=TINY_QWEN2, padded_vocab_size=models[0].module.vocab_size,
                     dtype=torch.float32)
@@ -70,7 +69,6 @@ def main() -> int:
             checkpoint.save_checkpoint(root / "checkpoints", checkpoint.TrainerState(step=step),
                                        models, optimizer, saver=saver, **meta)
         saver.wait()
-        pool.close()
     return 1  # not reached: killed above
 
 

@@ -212,6 +212,22 @@ def checkpoint_to_resume(root: str | os.PathLike, mode: str, verify: bool = True
     return None
 
 
+def resume_point(root: Path, config: CheckpointConfig, recipe: dict) -> Path | None:
+    """Collective: the checkpoint a run continues from (``checkpoint_to_resume``), announced in
+    one line, with the recipe ``recipe`` (``config.to_dict``) checked against the one it was
+    saved with (``resume_config_changes``). Raises ``InputError``."""
+    path = checkpoint_to_resume(root, config.resume, verify=config.verify)
+    if path is None:
+        return None
+    saved = json.loads((path / STATE_FILE).read_text())
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        _log_line(f"resuming from step {saved['step']} ({path})")
+    resume_config_changes(path, saved.get("extra", {}).get("config", {}), recipe,
+                          allowed=config.allow_config_change, record=rank0)
+    return path
+
+
 def verify_checkpoint(path: str | os.PathLike) -> list[str]:
     """Collective (when torch.distributed is initialized): what is wrong with checkpoint
     ``path`` (``integrity.verify``), each rank reading back its share of the files; every rank
