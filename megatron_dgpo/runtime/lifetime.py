@@ -4,12 +4,10 @@
 process starts afterwards through ``multiprocessing``, spawned (reward workers, Megatron's
 checkpoint writer and its result queue's manager, vLLM's engine processes) or forked from the
 main thread, ask the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), first
-thing, and exit at once if the parent is already gone. Started from another thread, a child
-is left as it is: the kernel would kill it when that thread ends. A spawned child sets it in the ``-c``
-program multiprocessing runs, before anything is imported. The multiprocessing resource
-tracker exits by itself once every process holding its pipe is gone. Without it a trainer
-killed by the OOM killer or a scheduler left its checkpoint writer (~550 MB, ignoring SIGTERM)
-and resource tracker running (issue 45).
+thing (a spawned child in the ``-c`` program multiprocessing runs, before any import), and
+exit at once if the parent is already gone. A child started from another thread is left as it
+is: the kernel would kill it when that thread ends. The resource tracker exits by itself once
+every process holding its pipe is gone.
 """
 
 from __future__ import annotations
