@@ -2,8 +2,10 @@
 
 Three jobs share this module (each starts its own vLLM engine, ~30 s):
 * the recipe as written (50 steps): reward rises, telemetry complete, checkpoint + HF export;
-* the same recipe killed in the middle of writing its step-4 checkpoint, then ``--resume``d:
-  the previous checkpoint survives, and the resumed run's metrics equal the uninterrupted run's;
+* the same recipe killed (the trainer process alone) in the middle of writing its step-4
+  checkpoint: no process of it survives; its step-3 checkpoint then damaged, and ``--resume``d:
+  the damage is named, the run falls back to step 2, and its metrics equal the uninterrupted
+  run's;
 * the same recipe at TP=2 (torchrun, 2 gloo ranks, one TP=2 colocated engine): step 1 equals
   the TP=1 run's;
 * the same recipe at CP=2 (torchrun, 2 gloo ranks, one replica) with overlong filtering and
