@@ -35,9 +35,11 @@ class LoggingConfig:
 class MetricsLogger:
     """Writes ``{"step": s, "time": t, **metrics}`` per step to ``<run_dir>/metrics.jsonl``.
 
-    Appends, so a resumed run continues the same file; ``truncate_after(step)`` drops lines a
-    crashed run wrote past the checkpoint it resumes from, so the file never shows a step twice.
-    Non-finite numbers are written as JSON ``null`` (the line stays valid JSON).
+    Appends, so a resumed run continues the same file; ``truncate_after(step)`` moves the lines
+    a run wrote past the checkpoint it resumes from (steps it will run again) to
+    ``metrics.replaced.jsonl``, and ``log`` refuses a step not after the last one logged, so the
+    file never shows a step twice. Non-finite numbers are written as JSON ``null`` (the line
+    stays valid JSON).
     """
 
     def __init__(self, run_dir: str | os.PathLike, config: LoggingConfig | None = None,
@@ -46,6 +48,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = self._wandb = None
+        self._last_step = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,11 +64,19 @@ class MetricsLogger:
                                      dir=str(run_dir), resume="allow")
 
     def truncate_after(self, step: int) -> None:
-        """Remove lines of steps > ``step`` (written after the checkpoint being resumed)."""
+        """Move lines of steps > ``step`` (written after the checkpoint being resumed) to
+        ``metrics.replaced.jsonl``; the next line logged must be of a later step."""
+        self._last_step = step
         if not (self.enabled and self.path.exists()):
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        kept, dropped = [], []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                (kept if json.loads(line)["step"] <= step else dropped).append(line)
+        if not dropped:
+            return
+        with open(self.path.with_name("metrics.replaced.jsonl"), "a") as replaced:
+            replaced.write("".join(line + "\n" for line in dropped))
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
@@ -73,6 +84,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        if self._last_step is not None and step <= self._last_step:
+            raise RuntimeError(f"{self.path}: step {step} logged after step {self._last_step}")
+        self._last_step = step
         record = {"step": int(step), "time": time.time()}
         record.update({key: _finite_or_none(value) for key, value in metrics.items()})
         with open(self.path, "a") as f:

@@ -5,10 +5,13 @@
         return run.loop(step)              # step(k) -> metrics; logged, saved on schedule, stopped
 
 ``cfg`` is a run config with the sections both loops have (``run_dir``, ``model``, ``parallel``,
-``optimizer``, ``checkpoint``, ``logging``: ``recipe.RunConfig`` or ``sft.SFTRunConfig``). A
-run directory holding a checkpoint is continued (``checkpoint.resume``); a stop signal or the
+``optimizer``, ``checkpoint``, ``logging``: ``recipe.RunConfig`` or ``sft.SFTRunConfig``). One job
+at a time holds the run directory (``run_lock``). A run directory holding a checkpoint is
+continued (``checkpoint.resume``: the newest checkpoint that verifies; the recipe's changes
+against it listed, and refused where they change what the run means); a stop signal or the
 time budget ends the run at a step boundary every rank agrees on, with a checkpoint
-(``interrupt``); a run that completes exports its final policy as an HF folder.
+(``interrupt``); a run that completes exports its final policy as an HF folder. Children die
+with the process (``lifetime``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from megatron_dgpo.models.builder import padded_vocab_of
 from megatron_dgpo.recipe import save_recipe
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.config import to_dict
+from megatron_dgpo.runtime.errors import InputError
 from megatron_dgpo.runtime.interrupt import EXIT_STOPPED, TimeBudget, stop_requests
 from megatron_dgpo.runtime import parallel
+from megatron_dgpo.runtime.lifetime import children_die_with_this_process
 from megatron_dgpo.runtime.parallel import init_distributed, initialize_parallel
+from megatron_dgpo.runtime.run_lock import RunLock
 from megatron_dgpo.tasks.tiny import make_tiny_model
 from megatron_dgpo.training import policy
-from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, checkpoint_to_resume,
-                                               export_latest, load_checkpoint, save_checkpoint)
+from megatron_dgpo.training.checkpoint import (AsyncSaver, TrainerState, export_latest,
+                                               load_checkpoint, resume_point, save_checkpoint)
 from megatron_dgpo.training.optimizer import build_optimizer, use_distributed_optimizer
 
 
@@ -50,6 +56,7 @@ class TrainingRun:
                  routing_replay: str = "off", rollout_ranks: int = 0,
                  progress: dict[str, tuple[str, str]] = telemetry.RL_PROGRESS):
         self.budget = TimeBudget(max_minutes)  # counted from the start, setup included
+        children_die_with_this_process()  # engines, graders, checkpoint writers: a SIGKILL too
         init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
                          watchdog_minutes=cfg.parallel.watchdog_minutes,
                          tensor_parallel=cfg.parallel.tensor_parallel,
@@ -57,6 +64,10 @@ class TrainingRun:
         initialize_parallel(cfg.parallel, seed=seed)
         self.cfg, self.steps, self._progress = cfg, steps, progress
         self.rank0, self.run_dir = dist.get_rank() == 0, Path(cfg.run_dir)
+        self.lock = _lock_run_dir(self.run_dir, self.rank0)
+        # the checkpoint to continue, verified, and the recipe checked against it: before the
+        # model is built, so that a refusal costs seconds
+        self.resumed_from = resume_point(self.run_dir / "checkpoints", cfg.checkpoint, to_dict(cfg))
         # the replicas (DP without CP): CP ranks share their replica's samples
         self.dp_rank, self.dp_size = parallel.data_parallel_rank(), parallel.data_parallel_size()
         self.dp_group = parallel.data_parallel_group()
@@ -76,14 +87,14 @@ class TrainingRun:
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None  # its writer starts now
         # the checkpoint records the layout itself (it decides whether a resume restores RNG)
         self.state = TrainerState(extra={"learning_rate": self.lr, "config": to_dict(cfg)})
-        self.resumed_from = checkpoint_to_resume(self.run_dir / "checkpoints",
-                                                 cfg.checkpoint.resume)
         if self.resumed_from is not None:
             self.state = load_checkpoint(self.resumed_from, self.models, self.optimizer)
+            self.state.extra["config"] = to_dict(cfg)  # the next checkpoint records this recipe
         self.logger = self._stop = self._exit = None
 
     def __enter__(self) -> TrainingRun:
         self._exit = contextlib.ExitStack()
+        self._exit.callback(self.lock.release)
         self._stop = self._exit.enter_context(stop_requests())
         if self.saver is not None:  # nothing half-written is kept, a second signal included
             self._exit.callback(self.saver.abort)
@@ -110,7 +121,7 @@ class TrainingRun:
                         padded_vocab_size=padded_vocab_of(self.models),
                         keep_last=self.cfg.checkpoint.keep_last, saver=self.saver,
                         optimizer_sharding=self.cfg.checkpoint.optimizer_sharding,
-                        write_extra=write_extra)
+                        write_extra=write_extra, verify=self.cfg.checkpoint.verify)
 
     def loop(self, step: Callable[[int], dict[str, float]],
              save: Callable[[], None] | None = None) -> int:
@@ -153,6 +164,20 @@ class TrainingRun:
             export_latest(self.run_dir, self.cfg.checkpoint.export_dtype)
         comm.barrier()
         return EXIT_STOPPED if stopped else 0
+
+
+def _lock_run_dir(run_dir: Path, rank0: bool) -> RunLock:
+    """Collective: rank 0 takes ``run_dir``'s lock; every rank raises its refusal."""
+    lock, refusal = RunLock(run_dir), None
+    if rank0:
+        try:
+            lock.acquire()
+        except InputError as exc:
+            refusal = str(exc)
+    refusal = comm.broadcast_object(refusal, src=0)
+    if refusal is not None:
+        raise InputError(refusal)
+    return lock
 
 
 def _seconds(call: Callable[[], None]) -> float:

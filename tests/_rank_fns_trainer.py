@@ -188,6 +188,12 @@ class _HeldQueue:
         self.closed_with_pending = len(self.requests)
 
 
+def _extra_file(folder):
+    """A file of this rank's added to the checkpoint (as the batch generated ahead is)."""
+    (folder / "extra").mkdir(exist_ok=True)
+    (folder / "extra" / f"rank{torch.distributed.get_rank()}.txt").write_text("ahead")
+
+
 def checkpoint_round_trip(rank, world, root):
     """save (keep_last=1 prunes; the second save through the async path), load into a
     differently initialised model + optimizer, and the next update from both is identical."""
@@ -209,7 +215,7 @@ def checkpoint_round_trip(rank, world, root):
                                                              "pipeline_parallel": 3},
                                                   "note": "kept"}),
                         models, optimizer, keep_last=1, saver=saver if step == 2 else None,
-                        **meta)
+                        write_extra=_extra_file if step == 2 else None, **meta)
     # the async save is staged, not published: `latest` still names step 1, no shard written
     pending = {"pending": saver.pending,
                "latest": latest_checkpoint(root).name,
@@ -239,7 +245,51 @@ def checkpoint_round_trip(rank, world, root):
     return {"differs_before": differs_before, "loaded_equal": loaded_equal,
             "next_equal": next_equal, "step": state.step, "consumed": state.prompts_consumed,
             "rng_restored": rng_restored, "extra": state.extra, "async": pending,
-            "ctrl_c": _ctrl_c_in_writer(root, fresh, fresh_optimizer, meta)}
+            "ctrl_c": _ctrl_c_in_writer(root, fresh, fresh_optimizer, meta),
+            "unpublished": _never_published(root, fresh, fresh_optimizer, meta)}
+
+
+def _never_published(root, models, optimizer, meta) -> dict:
+    """Two saves that must not be published: step 5 with a NaN in one parameter of rank 1 only
+    (refused on both ranks before anything is written), and step 6 whose shard of rank 1 is
+    damaged between its write and its publication (its read-back fails on both ranks). Each
+    time ``latest`` and the checkpoints kept (``keep_last=1``) stay as they were."""
+    import os
+
+    from megatron_dgpo.training import checkpoint, integrity
+
+    errors = {}
+    param = next(models[0].module.parameters())
+    kept = param.detach().clone()
+    if torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            param.view(-1)[3] = float("nan")
+    try:
+        checkpoint.save_checkpoint(root, checkpoint.TrainerState(step=5), models, optimizer,
+                                   keep_last=1, **meta)
+    except checkpoint.NonFiniteState as exc:
+        errors["non_finite"] = str(exc)
+    with torch.no_grad():
+        param.copy_(kept)
+    record = integrity.record_common
+
+    def damage_then_record(folder):
+        with open(folder / "__1_0.distcp", "r+b") as handle:
+            handle.seek(100)
+            handle.write(b"\xff" * 64)
+        record(folder)
+
+    integrity.record_common = damage_then_record
+    try:
+        checkpoint.save_checkpoint(root, checkpoint.TrainerState(step=6), models, optimizer,
+                                   keep_last=1, **meta)
+    except RuntimeError as exc:
+        errors["unverified"] = str(exc)
+    finally:
+        integrity.record_common = record
+    torch.distributed.barrier()
+    return {**errors, "latest": checkpoint.latest_checkpoint(root).name,
+            "listing": sorted(os.listdir(root))}
 
 
 def _ctrl_c_in_writer(root, models, optimizer, meta) -> dict:

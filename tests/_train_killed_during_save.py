@@ -1,15 +1,19 @@
 """Run the trainer, SIGKILL-ing it in the middle of saving checkpoint ``step_<N>`` (after every
-rank's shards are written, before the folder is renamed into place).
+rank's files are written, before the folder is renamed into place: ``checkpoint._publish``).
 
-The whole process group dies at once (start this in a new session), as when a scheduler kills
-a job: the trainer, its vLLM engine processes and its reward workers.
+The trainer process alone is killed (as by the OOM killer, or torchrun killing a rank): its
+vLLM engine, reward workers and checkpoint helpers get no signal and must die with it
+(``runtime.lifetime``). Before dying it writes the pids of all its descendants to
+``<run_dir>/children.json``.
 
-    python tests/_train_killed_during_save.py N RECIPE [key=value ...]
+    python tests/_train_killed_during_save.py N RECIPE run_dir=DIR [key=value ...]
 """
 
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 
 def main() -> int:
@@ -17,17 +21,21 @@ def main() -> int:
     # first: the trainer's CLI module sets its OpenMP default before torch loads, so this run
     # computes with the same threads (and float rounding) as `python -m megatron_dgpo.train`
     from megatron_dgpo.train import main as train_main
-    from megatron.core import dist_checkpointing
+    from megatron_dgpo.training import checkpoint
 
-    real_save = dist_checkpointing.save
+    import psutil
 
-    def save_then_die(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        result = real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        if checkpoint_dir.endswith(f"step_{kill_step:06d}"):
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        return result
+    run_dir = Path(next(a for a in argv if a.startswith("run_dir=")).split("=", 1)[1])
+    publish = checkpoint._publish
 
-    dist_checkpointing.save = save_then_die
+    def die_before_publishing(root, name, *args):
+        if name == checkpoint.checkpoint_name(kill_step):
+            children = [p.pid for p in psutil.Process().children(recursive=True)]
+            (run_dir / "children.json").write_text(json.dumps(children))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(root, name, *args)
+
+    checkpoint._publish = die_before_publishing
     return train_main(argv)
 
 

@@ -44,6 +44,12 @@ def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
     resumed.log(3, {"rollout/reward_mean": 0.33})
     assert [(r["step"], r["rollout/reward_mean"]) for r in read_metrics(tmp_path)] == [
         (1, 0.1), (2, 0.2), (3, 0.33)]
+    # the lines dropped are kept aside, not lost
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.replaced.jsonl")] == [3, 4]
+    # a step logged twice (a second writer, or a resumed run replaying a step) is refused
+    with pytest.raises(RuntimeError, match="step 3 logged after step 3"):
+        resumed.log(3, {"rollout/reward_mean": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):

@@ -2,8 +2,10 @@
 
 Three jobs share this module (each starts its own vLLM engine, ~30 s):
 * the recipe as written (50 steps): reward rises, telemetry complete, checkpoint + HF export;
-* the same recipe killed in the middle of writing its step-4 checkpoint, then ``--resume``d:
-  the previous checkpoint survives, and the resumed run's metrics equal the uninterrupted run's;
+* the same recipe killed (the trainer process alone) in the middle of writing its step-4
+  checkpoint: no process of it survives; its step-3 checkpoint then damaged, and ``--resume``d:
+  the damage is named, the run falls back to step 2, and its metrics equal the uninterrupted
+  run's;
 * the same recipe at TP=2 (torchrun, 2 gloo ranks, one TP=2 colocated engine): step 1 equals
   the TP=1 run's;
 * the same recipe at CP=2 (torchrun, 2 gloo ranks, one replica) with overlong filtering and
@@ -225,27 +227,60 @@ def test_load_model_reads_the_jobs_training_checkpoint(full_run):
 
 
 def test_killed_mid_save_then_resumed_equals_uninterrupted(full_run, tmp_path):
+    """SIGKILL to the trainer process alone while it saves step 4 (files written, not yet
+    published): none of its processes outlives it by 10 s, and ``latest`` names step 3. Then
+    step 3's shard is overwritten in its middle (size unchanged, issue 45's corruption): the
+    resume names it, moves it aside, continues from step 2 (the newest checkpoint that
+    verifies) and equals the uninterrupted run exactly; the steps logged past step 2 are moved
+    to metrics.replaced.jsonl. The resume's recipe change (offloading) is listed and kept in
+    checkpoints/config_changes.jsonl."""
+    import time
+
+    import psutil
+
     run_dir = tmp_path / "killed"
+    schedule = ["train.steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2"]
     killed = _run(["tests/_train_killed_during_save.py", "4", str(RECIPE), f"run_dir={run_dir}",
-                   *QUIET, "train.steps=4", "checkpoint.save_every=2"])
+                   *QUIET, *schedule])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    children = json.loads((run_dir / "children.json").read_text())
+    assert children  # the reward workers at least
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(psutil.Process(p)) for p in children
+                                              if psutil.pid_exists(p)):
+        time.sleep(0.2)
+    assert not [p for p in children if psutil.pid_exists(p) and _running(psutil.Process(p))]
     checkpoints = run_dir / "checkpoints"
-    assert (checkpoints / "latest").read_text().strip() == "step_000002"
+    assert (checkpoints / "latest").read_text().strip() == "step_000003"
     assert (checkpoints / ".incomplete-step_000004").is_dir()  # the torn save, never read
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]  # logged before saving
+    shard = checkpoints / "step_000003" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(b"\xff" * 4096)
 
     # resumed with the training state offloaded between updates (and brought back around the
     # step-4 save): still exactly the uninterrupted run
-    resumed = _train(run_dir, "train.steps=4", "checkpoint.save_every=2",
-                     "train.offload_training_state=true", resume=True)
+    resumed = _train(run_dir, *schedule, "train.offload_training_state=true", resume=True)
     _check(resumed)
+    assert re.search(r"checkpoint \S+step_000003 fails verification: __0_0.distcp does not match "
+                     r"its checksum", resumed.stderr), resumed.stderr[-3000:]
+    assert "falling back to step_000002, the newest checkpoint that verifies" in resumed.stderr
+    assert f"resuming from step 2 ({checkpoints / 'step_000002'})" in resumed.stderr
+    assert "train.offload_training_state: False -> True" in resumed.stderr
+    change = json.loads((checkpoints / "config_changes.jsonl").read_text())
+    assert change["resumed_from"] == "step_000002"
+    assert change["changes"] == {"train.offload_training_state": [False, True]}
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # steps 3-4 of the killed run replaced
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.replaced.jsonl")] == [3, 4]
     reference = read_metrics(full_run)[:4]
     for got, want in zip(records, reference):
         _assert_same_metrics(got, want)
     assert (checkpoints / "latest").read_text().strip() == "step_000004"
     assert not list(checkpoints.glob(".incomplete-*"))
+    assert (checkpoints / ".corrupt-step_000003").is_dir()
 
 
 def _torchrun(run_dir: Path, *overrides: str, ranks: int = 2):

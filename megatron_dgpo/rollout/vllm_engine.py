@@ -32,6 +32,7 @@ from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES
                                          RefitStats, run_bucketed_refit)
 from megatron_dgpo.rollout.vllm_worker import is_cpu_platform
 from megatron_dgpo.runtime.config import require_choice
+from megatron_dgpo.runtime.lifetime import children_die_with_this_process
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +250,7 @@ class VLLMEngine(RolloutEngine):
         # vLLM reads these in its engine process: set before it starts.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        children_die_with_this_process()  # a separate engine's processes die with this one
         from vllm import LLM
 
         self.config = config

@@ -53,6 +53,7 @@ from numbers import Real
 from typing import Literal, Sequence
 
 from megatron_dgpo.runtime.interrupt import children_keep_running
+from megatron_dgpo.runtime.lifetime import children_die_with_this_process
 
 MAX_ANSWER_CHARS = 1000
 MAX_ANSWER_DEPTH = 20
@@ -340,6 +341,7 @@ class RewardPool:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         self._ctx = mp.get_context(self.start_method)
+        children_die_with_this_process()  # the workers too, if this process is SIGKILLed
         self._workers: list[_Worker] = [self._spawn() for _ in range(self.num_workers)]
 
     def _spawn(self) -> _Worker:

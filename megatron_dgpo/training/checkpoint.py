@@ -6,8 +6,11 @@ Layout of ``<run_dir>/checkpoints``::
     step_000010/           a complete checkpoint (torch_dist files of every rank)
         trainer_state.json   step, prompts consumed, parallel layout, the run's config
         dgpo_convert.json    model metadata: ``megatron_to_hf`` / ``load_model`` read it
+        checksums/           every file's size and CRC, recorded as written (``integrity``)
     latest                 the name of the newest complete checkpoint (one line)
+    config_changes.jsonl   recipe changes accepted on a resume (``resume_config_changes``)
     .incomplete-step_000020/   a save in progress (or killed): never read, removed later
+    .corrupt-step_000030/  a checkpoint that failed verification on a resume, moved aside
 
 Atomicity: every rank writes into ``.incomplete-<name>``; after a barrier, rank 0 renames the
 folder to ``<name>`` (one ``rename`` on one file system) and only then replaces ``latest``
@@ -15,6 +18,13 @@ folder to ``<name>`` (one ``rename`` on one file system) and only then replaces 
 naming a complete checkpoint. An async save (``AsyncSaver``) keeps that order: the rename
 and ``latest`` run as the save's finalize step, after every rank's writer has finished. The model keys are those of ``convert.hf_to_megatron``, so a
 training checkpoint is also a converter checkpoint: ``dgpo-convert megatron-to-hf`` exports it.
+
+Integrity (``checkpoint.verify``). A step whose parameters or optimizer state are not finite is
+not saved (the run stops, ``latest`` keeps the previous step). Before the rename the ranks read
+the new checkpoint back against its checksums; one that fails is not published, so ``latest``
+and retention (``keep_last``, which counts only published checkpoints) always keep a checkpoint
+that verified and trained finitely. A resume verifies its checkpoint before loading; one that
+fails is named, moved aside, and the next older one is tried (``checkpoint_to_resume``).
 
 Another layout. Model and optimizer are resharded by dist_checkpointing, so a run saved at one
 TP/PP layout resumes at another. The RNG states are per (PP, TP) rank (as in Megatron's
@@ -35,22 +45,29 @@ import logging
 import os
 import random
 import shutil
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_dgpo.runtime import comm, parallel
+from megatron_dgpo.runtime.config import Bounds, check_bounds, require_choice
+from megatron_dgpo.runtime.errors import InputError
 from megatron_dgpo.runtime.interrupt import children_keep_running, stop_requests
+from megatron_dgpo.training import integrity
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 INCOMPLETE_PREFIX = ".incomplete-"
+CORRUPT_PREFIX = ".corrupt-"
+CHANGES_FILE = "config_changes.jsonl"
 LAYOUT_KEY = "layout"
 
 _log = logging.getLogger(__name__)
@@ -60,10 +77,11 @@ _log = logging.getLogger(__name__)
 class CheckpointConfig:
     """Saving, resuming and the final HF export."""
 
-    save_every: int = 50
+    save_every: Annotated[int, Bounds(ge=0)] = 50
     """Save a checkpoint every this many steps (and after the last step). 0: only the last."""
-    keep_last: int = 2
-    """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    keep_last: Annotated[int, Bounds(ge=1)] = 2
+    """Checkpoints kept on disk (older ones are deleted once a newer one is published, i.e.
+    written finite and verified)."""
     export_hf: bool = True
     """Write the final policy as an HF folder (``<run_dir>/hf``) through the converter."""
     export_dtype: Literal["float32", "bfloat16"] | None = None
@@ -86,6 +104,22 @@ class CheckpointConfig:
     (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``): the state is gathered per
     parameter at save (more memory and time on data-parallel rank 0), and the run resumes at any
     TP / PP / DP layout. A resume reads the type the checkpoint was saved with."""
+    verify: bool = True
+    """Read every checkpoint back against the checksums recorded as it was written: after a
+    save (before it is published: ``latest`` names only checkpoints that verified) and before
+    a resume (a checkpoint that fails is named and moved aside to ``.corrupt-<name>``, and the
+    run falls back to the newest one that verifies). Costs a read of the checkpoint per save and
+    per resume, spread over the ranks (benchmarks/README.md). False: neither; checksums are
+    still recorded."""
+    allow_config_change: bool = False
+    """Resume even when the recipe changes what the run means (``MEANING_KEYS``: the method,
+    the loss, the seed, the data, the group size, the batch sizes) against the one the
+    checkpoint was saved with. Every change accepted on a resume is printed and appended to
+    ``checkpoints/config_changes.jsonl``."""
+
+    def __post_init__(self):
+        check_bounds(self)
+        require_choice("resume", self.resume, RESUME_MODES)
 
     def saves_at(self, step: int, last_step: int) -> bool:
         """Whether a checkpoint is written after ``step``: every ``save_every`` steps and after
@@ -140,20 +174,124 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 RESUME_MODES = ("auto", "never", "require")
 
 
-def checkpoint_to_resume(root: str | os.PathLike, mode: str) -> Path | None:
-    """The checkpoint a run starts from under ``checkpoint.resume`` = ``mode``: ``auto``, the
-    newest complete one under ``root`` if any (a requeued or restarted job continues); ``require``,
-    the same but a run without one is an error; ``never``, none, and a run directory that already
-    holds one is an error (starting over would overwrite its metrics and checkpoints)."""
-    if mode not in RESUME_MODES:
-        raise ValueError(f"checkpoint.resume must be one of {RESUME_MODES}, got {mode!r}")
-    latest = latest_checkpoint(root)
-    if mode == "require" and latest is None:
-        raise FileNotFoundError(f"checkpoint.resume=require: no complete checkpoint under {root}")
-    if mode == "never" and latest is not None:
-        raise FileExistsError(f"checkpoint.resume=never: {root} already holds {latest.name}; use "
-                              f"another run_dir, or checkpoint.resume=auto to continue that run")
-    return latest
+def checkpoint_to_resume(root: str | os.PathLike, mode: str, verify: bool = True) -> Path | None:
+    """Collective: the checkpoint a run starts from under ``checkpoint.resume`` = ``mode``:
+    ``auto``, the newest one under ``root`` that verifies (``verify``; a requeued or restarted
+    job continues), or None without any; ``require``, the same but a run without one is an
+    error; ``never``, none, and a run directory that already holds one is an error (starting
+    over would overwrite its metrics and checkpoints). A checkpoint that fails verification is
+    named in one line and moved aside to ``.corrupt-<name>``; when every one fails, the run is
+    refused. Raises ``InputError``."""
+    require_choice("checkpoint.resume", mode, RESUME_MODES)
+    root = Path(root)
+    candidates = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    if mode == "never" and candidates:
+        raise InputError(f"checkpoint.resume=never: {root} already holds {candidates[0].name}; "
+                         f"use another run_dir, or checkpoint.resume=auto to continue that run")
+    if mode == "require" and not candidates:
+        raise InputError(f"checkpoint.resume=require: no complete checkpoint under {root}")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    failed = []
+    for path in candidates:
+        problems = verify_checkpoint(path) if verify else (
+            [] if (path / STATE_FILE).is_file() else [f"lacks {STATE_FILE}"])
+        if not problems:
+            if failed and rank0:
+                _replace_text(root / LATEST_FILE, path.name + "\n")
+                _log_line(f"falling back to {path.name}, the newest checkpoint that verifies")
+            return path
+        failed.append(f"{path.name}: {_one_line(problems)}")
+        if rank0:
+            _log_line(f"checkpoint {path} fails verification: {_one_line(problems)}; moved "
+                      f"aside to {CORRUPT_PREFIX}{path.name}")
+            os.replace(path, root / f"{CORRUPT_PREFIX}{path.name}")
+        comm.barrier()
+    if failed:
+        raise InputError(f"no checkpoint under {root} verifies ({'; '.join(failed)}): start over "
+                         f"in another run_dir, or set checkpoint.verify=false to load one anyway")
+    return None
+
+
+def resume_point(root: Path, config: CheckpointConfig, recipe: dict) -> Path | None:
+    """Collective: the checkpoint a run continues from (``checkpoint_to_resume``), announced in
+    one line, with the recipe ``recipe`` (``config.to_dict``) checked against the one it was
+    saved with (``resume_config_changes``). Raises ``InputError``."""
+    path = checkpoint_to_resume(root, config.resume, verify=config.verify)
+    if path is None:
+        return None
+    saved = json.loads((path / STATE_FILE).read_text())
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        _log_line(f"resuming from step {saved['step']} ({path})")
+    resume_config_changes(path, saved.get("extra", {}).get("config", {}), recipe,
+                          allowed=config.allow_config_change, record=rank0)
+    return path
+
+
+def verify_checkpoint(path: str | os.PathLike) -> list[str]:
+    """Collective (when torch.distributed is initialized): what is wrong with checkpoint
+    ``path`` (``integrity.verify``), each rank reading back its share of the files; every rank
+    gets the same list (empty: it verifies)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = comm.gather_objects(integrity.verify(path, rank, world))
+    return list(dict.fromkeys(problem for problems in found for problem in problems))
+
+
+def _one_line(problems: list[str]) -> str:
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+def _log_line(message: str) -> None:
+    print(f"[megatron-dgpo] {message}", file=sys.stderr, flush=True)
+
+
+MEANING_KEYS = ("algorithm", "data", "train.seed", "rollout.group_size",
+                "train.rollout_batch_prompts", "train.mini_batch_prompts",
+                "sft.data", "sft.seed", "sft.batch_samples")
+"""Recipe keys (and sections) whose change on a resume changes what the run is: refused unless
+``checkpoint.allow_config_change``."""
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
+    """The recipe keys whose value differs between ``saved`` and ``current`` (nested dicts, as
+    ``config.to_dict`` gives), as dotted key -> (saved, current); a key absent on one side is
+    None there."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict) and value:
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    old, new = flat(saved), flat(current)
+    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)}
+
+
+def resume_config_changes(checkpoint: Path, saved: dict, current: dict, *,
+                          allowed: bool, record: bool) -> dict[str, tuple]:
+    """The recipe changes of a resume from ``checkpoint`` (``config_changes``): printed (on the
+    ``record`` rank), refused with ``InputError`` when one changes ``MEANING_KEYS`` and not
+    ``allowed``, else appended to ``checkpoints/config_changes.jsonl`` (``record``)."""
+    changes = config_changes(saved, current)
+    if not changes:
+        return changes
+    listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
+    meaning = [key for key in changes if any(key == k or key.startswith(k + ".")
+                                             for k in MEANING_KEYS)]
+    if meaning and not allowed:
+        raise InputError(f"resuming {checkpoint} would change what the run means ("
+                         + ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in meaning)
+                         + "): use another run_dir, or set checkpoint.allow_config_change=true")
+    if record:
+        _log_line(f"the recipe differs from the one {checkpoint.name} was saved with: {listed}")
+        line = {"resumed_from": checkpoint.name, "time": time.time(),
+                "changes": {key: list(pair) for key, pair in changes.items()}}
+        with open(checkpoint.parent / CHANGES_FILE, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(line, default=str) + "\n")
+    return changes
 
 
 OPTIMIZER_SHARDING_KEY = "distrib_optim_sharding_type"  # Megatron-LM's metadata key
@@ -343,7 +481,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
                     hf_config: dict, padded_vocab_size: int, dtype: torch.dtype,
                     hf_dir: str | None = None, keep_last: int = 2,
                     saver: AsyncSaver | None = None, write_extra=None,
-                    optimizer_sharding: str = "dp_reshardable") -> Path:
+                    optimizer_sharding: str = "dp_reshardable", verify: bool = True) -> Path:
     """Collective: write checkpoint ``step_<state.step>`` atomically; returns its path.
 
     ``state`` is written to ``trainer_state.json`` with ``extra.layout`` set to the current
@@ -358,10 +496,14 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
 
     ``write_extra(folder)``, called on every rank, adds files to the staged checkpoint before it
     is published (the batch a one-step-off run generated ahead,
-    ``rollout.ahead.save_ahead``).
+    ``rollout.ahead.save_ahead``); they are checksummed with the rest.
 
     ``optimizer_sharding`` (``checkpoint.optimizer_sharding``): the distributed optimizer's
     format, recorded in the checkpoint's content metadata, where ``load_checkpoint`` reads it.
+
+    Raises ``NonFiniteState`` (nothing written) when a parameter or optimizer state of any rank
+    is not finite; with ``verify``, a checkpoint that does not read back as recorded is not
+    published (``RuntimeError``).
     """
     from megatron.core import dist_checkpointing
 
@@ -371,6 +513,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
     if saver is not None:
         saver.wait()  # one save in flight: the previous one is published before this starts
     sync_params(models)  # overlapped param gather: the weights of the last step, not the one before
+    _require_finite(state.step, models, optimizer)
     root = Path(root)
     name = checkpoint_name(state.step)
     staging = root / f"{INCOMPLETE_PREFIX}{name}"
@@ -379,43 +522,95 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, models: list, 
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():
             shutil.rmtree(staging)
-        staging.mkdir()
+        staging.mkdir()  # empty: Megatron warns of "overwriting" a folder that is not
     comm.barrier()
-    publish = partial(_publish, root, name, keep_last)
+    _quiet_mcore_async_notice()
+    integrity.install_writer_hook()
+    publish = partial(_publish, root, name, keep_last, verify)
     # A first stop signal lets the save finish; a second one raises (megatron-core 0.19 writes
     # with threads of this process; an exception dropped in a fork hook is raised again at the
     # block's end), before anything is published
     with stop_requests():
         with children_keep_running():  # the writers' result queue's manager process
             distributed = bool(distributed_optimizers(optimizer))
+            # always a request, run here (sync) or by the saver, so that its write is recorded
             request = dist_checkpointing.save(
                 _sharded_state_dict(models, optimizer, is_loading=False,
                                     optimizer_sharding=optimizer_sharding),
-                str(staging), async_sharded_save=saver is not None,
+                str(staging), async_sharded_save=True,
                 content_metadata={OPTIMIZER_SHARDING_KEY: optimizer_sharding if distributed else None},
                 # Megatron-Core's own writer, for AsyncSaver's queue (0.19 defaults to
                 # nvidia-resiliency-ext's, whose requests that queue cannot run)
                 async_strategy="mcore")
+        if request.async_fn is not None:
+            request = request._replace(async_fn=partial(
+                integrity.record_writes, request.async_fn,
+                str(integrity.shard_manifest(staging, dist.get_rank()))))
         record = {**state.__dict__, "extra": {**state.extra, LAYOUT_KEY: current_layout()}}
         if rank0:
             write_metadata(str(staging), hf_config, padded_vocab_size, dtype, hf_dir=hf_dir)
             _write_json(staging / STATE_FILE, record)
         if write_extra is not None:
             write_extra(staging)
+        request.add_finalize_fn(publish)  # runs after Megatron's own finalisation (metadata)
         if saver is not None:
-            request.add_finalize_fn(publish)  # runs after Megatron's own finalisation (metadata)
             with children_keep_running():  # the writer worker outlives SLURM's stop signals
                 saver.schedule(request)
-    if saver is None:
-        publish()
+        else:
+            request.execute_sync()
     return root / name
 
 
-def _publish(root: Path, name: str, keep_last: int) -> None:
-    """Collective: the staged checkpoint ``name`` becomes complete: rename, then ``latest``."""
+class NonFiniteState(RuntimeError):
+    """A parameter or optimizer state is NaN or infinite: the step is not saved."""
+
+
+def _require_finite(step: int, models: list, optimizer) -> None:
+    """Collective: raise ``NonFiniteState`` on every rank when any rank holds a non-finite
+    parameter or optimizer state (one sum per tensor: NaN and inf survive a sum)."""
+    from megatron_dgpo.models.builder import unwrap_model
+
+    named = [(f"parameter {n}", p) for chunk in models
+             for n, p in unwrap_model(chunk).named_parameters()]
+    for index, inner in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        named += [(f"optimizer {index} main parameter", p)
+                  for group in torch_optimizer.param_groups for p in group["params"]]
+        named += [(f"optimizer {index} state {key!r}", value)
+                  for per_param in torch_optimizer.state.values() for key, value in per_param.items()
+                  if torch.is_tensor(value) and value.is_floating_point() and value.numel()]
+    sums = torch.stack([t.detach().sum().float() for _, t in named]) if named else torch.zeros(0)
+    bad = (~torch.isfinite(sums)).nonzero()
+    mine = f"rank {dist.get_rank()}: {named[int(bad[0])][0]}" if len(bad) else None
+    found = [m for m in comm.gather_objects(mine) if m is not None]
+    if found:
+        raise NonFiniteState(f"step {step}: {found[0]} is not finite: not saved, the last "
+                             f"checkpoint stays the one to resume from")
+
+
+def _quiet_mcore_async_notice() -> None:
+    """Megatron-Core's deprecation notice of its own async writer, logged once per process: the
+    project uses that writer on purpose (docs/training.md, "Checkpoints")."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    torch_strategy._logged_mcore_async_deprecation = True
+
+
+def _publish(root: Path, name: str, keep_last: int, verify: bool = True) -> None:
+    """Collective: the staged checkpoint ``name`` becomes complete: checksums of the files no
+    writer recorded, read back (``verify``), rename, then ``latest``."""
     staging, final = root / f"{INCOMPLETE_PREFIX}{name}", root / name
     rank0 = dist.get_rank() == 0
     comm.barrier()  # every rank's shards are written
+    if rank0:
+        integrity.record_common(staging)
+    comm.barrier()
+    problems = verify_checkpoint(staging) if verify else []
+    if problems:
+        raise RuntimeError(f"{staging} does not read back as written: {_one_line(problems)}; "
+                           f"not published, {LATEST_FILE} stays the previous checkpoint")
     if rank0:
         _fsync_dir(staging)
         if final.exists():  # a step saved twice (e.g. re-run after a crash past the pointer)
