@@ -23,6 +23,10 @@ from megatron_dgpo.algorithm.packing import Sample
 from megatron_dgpo.runtime import comm
 
 
+SAMPLE_FIELDS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "rewards", "truncated")
+OPTIONAL_SAMPLE_FIELDS = ("routed_experts", "prompt_indices", "positions", "segments")
+
+
 @dataclass
 class Experience:
     """One rollout batch, flattened: sample i = response ``i % G`` of prompt ``i // G``.
@@ -35,7 +39,13 @@ class Experience:
     topk] int16, routing replay): the engine's global expert ids per input position (prompt and
     response but the last token) and layer; None when the engine recorded none.
     policy_version: the trainer step whose weights the engine sampled with (0: the initial
-    weights), set by the rollout; the step that trains on the batch logs its staleness.
+    weights; with several, the oldest), set by the rollout; the step that trains on the batch
+    logs its staleness.
+    prompt_indices[i]: the prompt's index in the dataset; positions[i]: its global position in
+    the prompt stream (``prompts.prompt_order``); segments[i]: [(version, tokens), ...] the
+    weight version that sampled each run of the response's tokens, in order (one segment per
+    refit the response lived through: ``rollout.partial``). Each None when the rollout set none;
+    ``segments_of`` then reads one segment of ``policy_version``.
     """
 
     prompt_tokens: list[list[int]]
@@ -47,31 +57,52 @@ class Experience:
     loss_weights: torch.Tensor | None = None
     routed_experts: list[torch.Tensor] | None = None
     policy_version: int | None = None
+    prompt_indices: list[int] | None = None
+    positions: list[int] | None = None
+    segments: list[list[tuple[int, int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_tokens)
 
+    def _per_sample(self) -> tuple[str, ...]:
+        """The per-sample fields this batch carries (the optional ones only when set)."""
+        return SAMPLE_FIELDS + tuple(n for n in OPTIONAL_SAMPLE_FIELDS if getattr(self, n) is not None)
+
+    def segments_of(self, i: int) -> list[tuple[int, int]]:
+        """Sample i's [(version, tokens), ...]: ``segments[i]``, else one segment of
+        ``policy_version`` (None when the rollout set no version)."""
+        if self.segments is not None:
+            return [tuple(s) for s in self.segments[i]]
+        return [(self.policy_version, len(self.response_tokens[i]))]
+
     @staticmethod
     def join(pieces: list[Experience | None]) -> Experience:
-        """The pieces (None ones skipped) concatenated in order."""
+        """The pieces (None ones skipped) concatenated in order; ``policy_version`` the oldest."""
         pieces = [p for p in pieces if p is not None]
-        joined = Experience(*(sum((getattr(p, name) for p in pieces), [])
-                              for name in ("prompt_tokens", "response_tokens", "rollout_logprobs",
-                                           "rewards", "truncated")))
-        # routing replay: every sample's routing or none (an empty piece carries nothing)
-        recorded = {p.routed_experts is not None for p in pieces if len(p)}
-        if len(recorded) > 1:
-            raise ValueError("Experience.join: some pieces carry routed_experts and some do not")
-        if recorded == {True}:
-            joined.routed_experts = sum((p.routed_experts for p in pieces if len(p)), [])
+        joined = Experience(*(sum((getattr(p, name) for p in pieces), []) for name in SAMPLE_FIELDS))
+        # an optional field (routing replay, the ledger's indices, segments): every sample's or
+        # none (an empty piece carries nothing)
+        for name in OPTIONAL_SAMPLE_FIELDS:
+            recorded = {getattr(p, name) is not None for p in pieces if len(p)}
+            if len(recorded) > 1:
+                raise ValueError(f"Experience.join: some pieces carry {name} and some do not")
+            if recorded == {True}:
+                setattr(joined, name, sum((getattr(p, name) for p in pieces if len(p)), []))
+        versions = [p.policy_version for p in pieces if p.policy_version is not None]
+        joined.policy_version = min(versions) if versions else None
         return joined
+
+    def select(self, indices) -> Experience:
+        """The samples ``indices``, in that order, with every per-sample field and the version."""
+        picked = Experience(**{name: [getattr(self, name)[i] for i in indices]
+                               for name in self._per_sample()})
+        picked.policy_version = self.policy_version
+        return picked
 
     def replace_groups(self, groups: list[int], other: Experience, group_size: int) -> Experience:
         """A copy in which group ``groups[k]`` (samples ``groups[k] * group_size`` onwards) is
         ``other``'s k-th group (DAPO refill: a degenerate group sampled again)."""
-        fields = ("prompt_tokens", "response_tokens", "rollout_logprobs", "rewards", "truncated")
-        if self.routed_experts is not None:
-            fields += ("routed_experts",)
+        fields = self._per_sample()
         out = {name: list(getattr(self, name)) for name in fields}
         for k, g in enumerate(groups):
             mine, theirs = slice(g * group_size, (g + 1) * group_size), \

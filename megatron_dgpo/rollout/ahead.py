@@ -54,8 +54,5 @@ def load_ahead(checkpoint: Path | None, *, replica_prompts: range, group_size: i
               f"is sampled again", file=sys.stderr, flush=True)
         return None
     lo, hi = replica_prompts.start * group_size, replica_prompts.stop * group_size
-    mine = Experience(joined.prompt_tokens[lo:hi], joined.response_tokens[lo:hi],
-                      joined.rollout_logprobs[lo:hi], joined.rewards[lo:hi], joined.truncated[lo:hi],
-                      routed_experts=None if joined.routed_experts is None else joined.routed_experts[lo:hi])
-    mine.policy_version = batches[0].policy_version
+    mine = joined.select(range(lo, hi))
     return Sampled(mine, first["metrics"], first["prompts_used"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from megatron_dgpo.algorithm.advantages import group_advantages, reduce_group_stats
@@ -68,3 +69,27 @@ def test_two_replicas_report_the_numbers_of_one():
         for key, value in {**whole, **want_stats}.items():
             got = metrics.get(key, group_stats.get(key))
             assert math.isclose(got, value, rel_tol=1e-12, abs_tol=1e-12), key
+
+
+def test_each_sample_keeps_its_prompt_position_and_segments_through_join_select_and_refill():
+    """What a sample knows of its behaviour (the ledger's and the staleness's inputs) travels
+    with it: joined pieces keep their order, a selection and a refill carry every field, and a
+    batch without segments reads one segment of its version."""
+    a, b = _batch(0, 4), _batch(4, 8)
+    for piece, lo, version in ((a, 0, 3), (b, 4, 1)):
+        piece.prompt_indices = [10 + lo + i for i in range(4)]
+        piece.positions = [100 + lo + i // G for i in range(4)]
+        piece.segments = [[(version, n)] for n in LENGTHS[lo:lo + 4]]
+        piece.policy_version = version
+    joined = Experience.join([a, None, b])
+    assert joined.prompt_indices == list(range(10, 18)) and joined.policy_version == 1
+    assert joined.segments_of(5) == [(1, LENGTHS[5])]
+    picked = joined.select([6, 1])
+    assert (picked.positions, picked.rewards) == ([105, 100], [REWARDS[6], REWARDS[1]])
+    refilled = joined.replace_groups([0], picked, G)
+    assert refilled.positions[:2] == [105, 100] and refilled.segments[2:] == joined.segments[2:]
+    plain = _batch()
+    plain.policy_version = 7
+    assert plain.segments_of(3) == [(7, LENGTHS[3])]
+    with pytest.raises(ValueError, match="some pieces carry positions"):
+        Experience.join([a, _batch(0, 2)])
