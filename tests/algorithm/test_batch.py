@@ -91,5 +91,5 @@ def test_each_sample_keeps_its_prompt_position_and_segments_through_join_select_
     plain = _batch()
     plain.policy_version = 7
     assert plain.segments_of(3) == [(7, LENGTHS[3])]
-    with pytest.raises(ValueError, match="some pieces carry positions"):
+    with pytest.raises(ValueError, match="some pieces carry prompt_indices"):
         Experience.join([a, _batch(0, 2)])
