@@ -46,6 +46,8 @@ class Experience:
     weight version that sampled each run of the response's tokens, in order (one segment per
     refit the response lived through: ``rollout.partial``). Each None when the rollout set none;
     ``segments_of`` then reads one segment of ``policy_version``.
+    stale_before: tokens sampled with a version below it get loss weight 0 (the streaming
+    schedule's ``rollout.mask_stale_segments``); None: none masked.
     """
 
     prompt_tokens: list[list[int]]
@@ -60,6 +62,7 @@ class Experience:
     prompt_indices: list[int] | None = None
     positions: list[int] | None = None
     segments: list[list[tuple[int, int]]] | None = None
+    stale_before: int | None = None
 
     def __len__(self) -> int:
         return len(self.response_tokens)
@@ -147,6 +150,53 @@ class Experience:
             "rollout/num_samples": n,
         }
 
+    def ledger(self, step: int, group_size: int, group=None) -> list[dict]:
+        """One record per response trained at ``step`` (``logging.samples``): its prompt's
+        dataset index and stream position, its sample index in the group, its segments'
+        versions and lengths, its length, finish reason and reward; the replicas' records
+        gathered over ``group`` (the DP group), in replica order."""
+        records = [{"step": int(step),
+                    "prompt_index": None if self.prompt_indices is None else self.prompt_indices[i],
+                    "position": None if self.positions is None else self.positions[i],
+                    "sample": i % group_size,
+                    "versions": [v for v, _ in self.segments_of(i)],
+                    "segments": [n for _, n in self.segments_of(i)],
+                    "length": len(self.response_tokens[i]),
+                    "finish_reason": "length" if self.truncated[i] else "stop",
+                    "reward": float(self.rewards[i])} for i in range(len(self))]
+        return [r for piece in comm.gather_objects(records, group) for r in piece]
+
+    def staleness_metrics(self, step: int, group=None, *, segments: bool = False) -> dict[str, float]:
+        """How many updates the tokens trained at ``step`` lag the policy that starts it
+        (version ``step - 1``): ``rollout/staleness_mean`` and ``_max`` per token, summed over
+        ``group`` (the DP group); with ``segments``, the share of responses sampled across a
+        refit (``rollout/partial_frac``), the segments per response and, when stale tokens are
+        masked, their share (``rollout/masked_tokens_frac``)."""
+        sums = torch.zeros(6, dtype=torch.float64)  # lag sum, tokens, partial, segments, n, masked
+        longest = torch.zeros(1, dtype=torch.float64)
+        for i in range(len(self)):
+            runs = self.segments_of(i)
+            for version, count in runs:
+                lag = step - 1 - version
+                sums[0] += lag * count
+                sums[1] += count
+                longest[0] = max(float(longest[0]), float(lag))
+                if self.stale_before is not None and version < self.stale_before:
+                    sums[5] += count
+            sums[2] += len(runs) > 1
+            sums[3] += len(runs)
+            sums[4] += 1
+        if group is not None:
+            sums, longest = comm.reduce_values(sums, "sum", group), comm.reduce_values(longest, "max", group)
+        out = {"rollout/staleness_mean": float(sums[0] / max(float(sums[1]), 1.0)),
+               "rollout/staleness_max": float(longest[0])}
+        if segments:
+            n = max(float(sums[4]), 1.0)
+            out.update({"rollout/partial_frac": float(sums[2]) / n,
+                        "rollout/segments_per_response": float(sums[3]) / n,
+                        "rollout/masked_tokens_frac": float(sums[5] / max(float(sums[1]), 1.0))})
+        return out
+
     def assign_advantages(self, group_size: int, *, aggregation: str = "token_mean",
                           eps: float = 1e-6, unbiased: bool = True,
                           drop_degenerate: bool = False, overlong_filter: bool = False,
@@ -210,6 +260,11 @@ class Experience:
         if self.loss_weights is not None:  # aggregation weight; 0 for a dropped group
             per_token["loss_weights"] = torch.full((n,), float(self.loss_weights[i]),
                                                    dtype=torch.float64)
+        if self.stale_before is not None:  # tokens older than the bound leave the loss
+            weights = per_token.get("loss_weights", torch.ones(n, dtype=torch.float64))
+            per_token["loss_weights"] = weights * torch.cat(
+                [torch.full((count,), float(version >= self.stale_before), dtype=torch.float64)
+                 for version, count in self.segments_of(i)])
         return Sample(tokens=torch.tensor(prompt + response, dtype=torch.long),
                       response_start=len(prompt), per_token=per_token,
                       routed_experts=(self.routed_experts[i] if self.routed_experts is not None
