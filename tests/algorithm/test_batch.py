@@ -93,3 +93,23 @@ def test_each_sample_keeps_its_prompt_position_and_segments_through_join_select_
     assert plain.segments_of(3) == [(7, LENGTHS[3])]
     with pytest.raises(ValueError, match="some pieces carry prompt_indices"):
         Experience.join([a, _batch(0, 2)])
+
+
+def test_stale_segments_get_loss_weight_zero_and_the_staleness_is_counted_per_token():
+    """``mask_stale_segments``: a response sampled across refits keeps its tokens of versions
+    >= ``stale_before`` in the loss (with the sample's aggregation weight) and drops the older
+    ones; the staleness metrics count every token at the lag of its own segment."""
+    batch = _batch(0, 2)  # lengths 3 and 5
+    batch.advantages = torch.tensor([1.0, -1.0])
+    batch.segments = [[(4, 1), (6, 2)], [(6, 5)]]
+    batch.stale_before = 5
+    assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 1.0, 1.0]
+    assert batch.sample(1).per_token["loss_weights"].tolist() == [1.0] * 5
+    batch.loss_weights = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 0.5, 0.5]
+    metrics = batch.staleness_metrics(8, segments=True)  # step 8 starts from version 7
+    assert metrics == {"rollout/staleness_mean": (3 * 1 + 1 * 2 + 1 * 5) / 8,
+                       "rollout/staleness_max": 3.0, "rollout/partial_frac": 0.5,
+                       "rollout/segments_per_response": 1.5, "rollout/masked_tokens_frac": 1 / 8}
+    batch.stale_before, batch.loss_weights = None, None  # nothing masked: no weights at all
+    assert "loss_weights" not in batch.sample(0).per_token
