@@ -1,20 +1,14 @@
-"""The streaming schedule's buffer (``rollout.max_staleness`` >= 2 or ``rollout.partial``): a DP
-replica's prompt groups from admission to training, each response with its tokens so far, their
-log-probs and the weight version of each segment. Bookkeeping only (the replica's leader holds
-it; ``dedicated.client`` talks to the engines), saved whole in a checkpoint.
+"""The streaming schedule's buffer: a DP replica's prompt groups from admission to training,
+each response with its tokens, log-probs and the weight version of each segment; bookkeeping
+only (the replica's leader holds it, ``dedicated.stream`` feeds it), saved in checkpoints.
+With P groups of G responses per step and staleness bound k:
 
-The rules, for a replica that trains P groups of G responses per step with staleness bound k:
-
-* admission (backpressure): groups enter in stream order while admitted < trained + (k + 1) P,
-  so the engines run at most k + 1 batches ahead of the trainer;
-* a group enters step s's batch once its G responses are finished and its oldest token was
-  sampled with weights of version >= s - 1 - k (the trainer starts step s from version s - 1);
-  the P eligible groups with the oldest tokens go first (then by stream position);
-* at a refit to version v the responses with a token older than v - k can no longer train:
-  they start again from nothing on a fresh seed stream (``mask_stale``: they stay, and their
-  old tokens get loss weight 0 instead);
-* an admitted group is trained exactly once: the prompts of the stream are trained in full, in
-  admission order up to reordering inside the buffer.
+* admission (backpressure): groups enter in stream order while admitted < trained + (k + 1) P;
+* step s trains P groups whose G responses are finished and whose oldest token has version
+  >= s - 1 - k, oldest first (then by stream position);
+* at a refit to version v a response with a token older than v - k starts over on a fresh seed
+  stream (``mask_stale``: it stays, its old tokens masked by the step);
+* every admitted group is trained exactly once.
 """
 
 from __future__ import annotations
@@ -30,10 +24,8 @@ class Response:
     sample: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    segments: list[tuple[int, int]] = field(default_factory=list)
-    """(weight version, tokens) of each run of tokens, in order."""
-    stream: int = 0
-    """The seed stream (``placement.response_seed``'s segment) its next tokens draw from."""
+    segments: list[tuple[int, int]] = field(default_factory=list)  # (version, tokens) per run
+    stream: int = 0  # the seed stream (``placement.response_seed``'s segment) of its next tokens
     finish_reason: str | None = None
     reward: float | None = None
     prompt_index: int | None = None

@@ -68,30 +68,20 @@ class RolloutConfig:
     None: 1 GPU per engine); their count must be a multiple of the trainer's DP replicas (each
     replica drives its own engines, so samples never cross DP)."""
     max_staleness: Annotated[int, Bounds(ge=0)] = 0
-    """k: how many updates the samples may lag the policy they train (a token sampled with the
-    weights of step v trains at step s only if s - 1 - v <= k). 0: every step samples with the
-    weights it starts from (synchronous). 1 (``placement: dedicated``): one-step-off, batch s+1
-    is generated with the weights of step s-1 while step s trains. k >= 2 (dedicated): the
-    engines stream prompt groups into a bounded buffer, up to k + 1 batches ahead of the
-    trainer (backpressure); a group enters a batch once its G responses are finished and its
-    oldest token is at most k updates old (an older one is sampled again; ``rollout.partial``
-    keeps it, ``mask_stale_segments`` masks its old part). pi_old stays the trainer's policy at
-    the start of the step; the engine's log-probs feed ``algorithm.rollout_correction`` (``tis``
-    recommended at 1, required from 2 on) and the mismatch metrics. Logged:
-    ``rollout/staleness`` (the batch's oldest token), ``rollout/staleness_mean`` and ``_max``
-    per token (docs/rollout.md, "Staleness")."""
+    """k: a token sampled with the weights of step v trains at step s only if s - 1 - v <= k.
+    0: synchronous. 1 (``placement: dedicated``): one-step-off, batch s+1 is generated while
+    step s trains. >= 2 (dedicated): the streaming schedule, the engines up to k + 1 batches
+    ahead (docs/rollout.md, "Staleness and partial rollouts"). pi_old stays the trainer's policy
+    at the step's start; ``algorithm.rollout_correction: tis`` is recommended at 1, required
+    from 2 on."""
     partial: bool = False
-    """Partial rollouts (``placement: dedicated``, ``max_staleness`` >= 1): a refit interrupts
-    generation instead of waiting for the batch's tail; unfinished responses keep their tokens
-    and continue under the new weights by re-prefilling prompt + partial response, each run of
-    tokens recorded with its weight version (a segment, sampled from its own seeded stream).
-    Logged: ``rollout/partial_frac``, ``rollout/segments_per_response``,
-    ``rollout/reprefill_tokens``. False: a refit lets the responses in flight finish first."""
+    """Partial rollouts (dedicated, ``max_staleness`` >= 1, the streaming schedule): a refit
+    interrupts generation; the unfinished responses continue under the new weights by
+    re-prefilling prompt + response so far, each segment with its weight version and its own
+    seed stream. False: a refit lets the started responses finish."""
     mask_stale_segments: bool = False
-    """With ``max_staleness`` >= 1 on the streaming schedule (k >= 2 or ``partial``): a group
-    whose oldest tokens are more than k updates old still enters a batch, those tokens with
-    loss weight 0, instead of its stale responses being sampled again from scratch. Logged:
-    ``rollout/masked_tokens_frac``."""
+    """The streaming schedule: a group whose oldest tokens are more than k updates old still
+    trains, those tokens with loss weight 0, instead of its stale responses starting over."""
     enforce_eager: bool | None = None
     """vLLM without CUDA graphs. None: eager on CPU (required there), CUDA graphs on GPU; true
     saves the graphs' memory pool and capture time at some decode speed."""

@@ -261,6 +261,7 @@ class VLLMEngine(RolloutEngine):
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
         self._ledgers: list[RefitLedger] | None = None  # one per worker while a refit runs
+        self._requests: set[str] = set()  # queued by add_requests, not finished nor aborted
         if config.record_routing and self._cpu and config.placement != "colocated":
             raise ValueError("VLLMConfig.record_routing on CPU needs placement='colocated': the "
                              "routers' capture hook runs in this process (vLLM's own export, "
@@ -388,6 +389,7 @@ class VLLMEngine(RolloutEngine):
         self._wake(None)
         for request in requests:
             check_generate_args([request.prompt_token_ids], 1, temperature, top_p, request.max_tokens)
+            self._requests.add(request.key)
             self._llm.llm_engine.add_request(
                 request.key, {"prompt_token_ids": [int(t) for t in request.prompt_token_ids]},
                 SamplingParams(n=1, temperature=temperature, top_p=top_p,
@@ -405,16 +407,19 @@ class VLLMEngine(RolloutEngine):
             out.append(Progress(output.request_id, tokens,
                                 [float(pos[t].logprob) for pos, t in zip(comp.logprobs, tokens)],
                                 str(comp.finish_reason) if output.finished else None))
+            if output.finished:
+                self._requests.discard(output.request_id)
         return out
 
     def abort(self, keys: Sequence[str]) -> None:
         """Drop the requests ``keys`` from vLLM's engine."""
         if keys:
             self._llm.llm_engine.abort_request(list(keys))
+            self._requests.difference_update(keys)
 
     @property
     def num_requests(self) -> int:
-        return 0 if self._closed else self._llm.llm_engine.get_num_unfinished_requests()
+        return len(self._requests)
 
     def _attach_captured(self, prompts: list[dict], groups: list[list[Completion]]) -> None:
         """CPU routing capture: each sample gets [P + T - 1, layers, topk] from the request

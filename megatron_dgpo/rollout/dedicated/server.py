@@ -175,19 +175,13 @@ class _EngineServer:
 
 
 class _StreamingServer:
-    """The streaming schedule on one engine rank (``rollout.streaming``): the engine samples
-    response by response (``RolloutEngine.add_requests`` / ``step``) and its TP leader sends
-    each finished one, graded, to the replica's leader at once, over the link's ``Channel``,
-    which also brings the leader's commands between two engine steps:
-
-    * ``work`` (``items``: position, sample, tokens so far, seed stream): sample these
-      responses, a continued one by prefilling its prompt and tokens again;
-    * ``interrupt`` (``partial``): stop for a refit: partial, every request is aborted;
-      otherwise the unstarted ones only and the others finish first. The unfinished ones go
-      back to the leader with their new tokens, then the time spent since the last interrupt;
-    * ``link``: take part in the link's next command (``refit``, ``stop``) as the batch loop.
-
-    An engine's TP ranks run the same steps: its leader hands each command to its peers."""
+    """The streaming schedule on an engine rank: responses sampled one engine step at a time
+    (``add_requests`` / ``step``), each finished one graded and sent to the replica's leader
+    over the link's ``Channel``, whose commands arrive between two steps: ``work`` (position,
+    sample, tokens so far, seed stream: a continued response is prefilled again),
+    ``interrupt`` (partial: abort all and hand back the unfinished; else abort the unstarted and
+    finish the others; then the times since the last one) and ``link`` (join the link's next
+    command: refit or stop). An engine's TP leader hands each command to its TP peers."""
 
     def __init__(self, server: _EngineServer):
         self.server, self.engine, self.config = server, server.engine, server.config
