@@ -113,3 +113,15 @@ def test_stale_segments_get_loss_weight_zero_and_the_staleness_is_counted_per_to
                        "rollout/segments_per_response": 1.5, "rollout/masked_tokens_frac": 1 / 8}
     batch.stale_before, batch.loss_weights = None, None  # nothing masked: no weights at all
     assert "loss_weights" not in batch.sample(0).per_token
+
+
+def test_the_ledger_has_one_record_per_response():
+    batch = _batch(0, 4)
+    batch.prompt_indices, batch.positions = [3, 3, 8, 8], [40, 40, 41, 41]
+    batch.segments = [[(0, 3)], [(0, 2), (1, 3)], [(1, 2)], [(1, 7)]]
+    records = batch.ledger(5, G)
+    assert records[1] == {"step": 5, "prompt_index": 3, "position": 40, "sample": 1,
+                          "versions": [0, 1], "segments": [2, 3], "length": 5,
+                          "finish_reason": "stop", "reward": -1.0}
+    assert [r["finish_reason"] for r in records] == ["stop", "stop", "stop", "length"]
+    assert [r["sample"] for r in records] == [0, 1, 0, 1]
