@@ -3,7 +3,7 @@
 synchronous (``rollout.max_staleness: 0``), one-step-off (``1``) and the streaming schedule at
 ``2`` with partial rollouts, on a task whose response lengths have a long tail.
 
-    .venv/bin/python benchmarks/bench_staleness.py [--steps 20] [--out DIR [--reuse]]
+    .venv/bin/python benchmarks/bench_staleness.py [--steps 20] [--max-num-seqs 256] [--out DIR [--reuse]]
 
 The task: the tiny recipe (``recipes/tiny_cpu.yaml``, the built-in "repeat" prompts) on a tiny
 random Qwen2 whose end-of-sequence token is likely at every position (~2.3%), so response
@@ -122,6 +122,9 @@ def summary(run_dir: Path) -> dict[str, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="rollout.max_num_seqs: fewer makes the engine, not the trainer, the "
+                             "bottleneck (responses are in flight at every refit)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here")
     parser.add_argument("--reuse", action="store_true",
                         help="with --out: tabulate finished runs found there instead of re-running")
@@ -132,11 +135,13 @@ def main(argv=None) -> int:
           flush=True)
     rows = {}
     for mode, (staleness, extra) in MODES.items():
-        run_dir = out / mode.replace(" ", "").replace(",", "_").replace("=", "")
+        run_dir = out / (mode.replace(" ", "").replace(",", "_").replace("=", "")
+                         + f"_seqs{args.max_num_seqs}")
         done = (run_dir / "hf").is_dir()
         if not (done and args.reuse):
             run(run_dir, staleness, args.steps,
-                [*WORKLOAD, *extra, "model.tiny=null", f"model.path={model}"])
+                [*WORKLOAD, *extra, "model.tiny=null", f"model.path={model}",
+                 f"rollout.max_num_seqs={args.max_num_seqs}"])
         rows[mode] = summary(run_dir)
         print(f"  {mode}: {json.dumps({k: round(v, 4) for k, v in rows[mode].items()})}", flush=True)
     base = rows["synchronous"]
