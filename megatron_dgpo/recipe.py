@@ -203,6 +203,17 @@ class RunConfig:
                 if on:
                     raise ValueError(f"{what} does not run on dedicated engines yet: use "
                                      f"rollout.placement: colocated for it")
+        if self.rollout.streaming:
+            if self.algorithm.rollout_correction == "none":
+                raise ValueError(f"rollout.max_staleness: {self.rollout.max_staleness}"
+                                 f"{' with rollout.partial' if self.rollout.partial else ''} "
+                                 f"trains on samples of older policies than pi_old: it needs a "
+                                 f"behaviour correction (algorithm.rollout_correction: tis), not "
+                                 f"none")
+            if self.algorithm.refill_rounds:
+                raise ValueError("algorithm.refill_rounds does not run on the streaming schedule "
+                                 "(rollout.max_staleness >= 2 or rollout.partial) yet: use "
+                                 "refill_rounds: 0 there")
         if self.algorithm.overlong_penalty_window >= self.rollout.max_response_tokens:
             raise ValueError(f"algorithm.overlong_penalty_window "
                              f"({self.algorithm.overlong_penalty_window}) must be below "

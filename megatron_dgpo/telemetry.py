@@ -30,6 +30,12 @@ class LoggingConfig:
     """Name of the wandb run; defaults to the run directory's name."""
     progress_bar: bool = True
     """Show a progress bar over training steps on rank 0."""
+    samples: bool = False
+    """The ledger of samples: ``<run_dir>/samples.jsonl``, one line per trained response (the
+    step that trained it, its prompt's index in the dataset and position in the prompt stream,
+    its sample index in the group, the weight version of each of its segments, its length,
+    finish reason and reward), written by rank 0 before the step's checkpoint; a resumed run
+    continues it with no gap and no duplicate. Off: nothing written."""
 
 
 class MetricsLogger:
@@ -47,6 +53,7 @@ class MetricsLogger:
         self.config = config or LoggingConfig()
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._lines = JsonLines(self.path, enabled)
         self._tb = self._wandb = None
         self._last_step = None
         if not enabled:
@@ -67,19 +74,7 @@ class MetricsLogger:
         """Move lines of steps > ``step`` (written after the checkpoint being resumed) to
         ``metrics.replaced.jsonl``; the next line logged must be of a later step."""
         self._last_step = step
-        if not (self.enabled and self.path.exists()):
-            return
-        kept, dropped = [], []
-        for line in self.path.read_text().splitlines():
-            if line.strip():
-                (kept if json.loads(line)["step"] <= step else dropped).append(line)
-        if not dropped:
-            return
-        with open(self.path.with_name("metrics.replaced.jsonl"), "a") as replaced:
-            replaced.write("".join(line + "\n" for line in dropped))
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        self._lines.truncate_after(step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -89,8 +84,7 @@ class MetricsLogger:
         self._last_step = step
         record = {"step": int(step), "time": time.time()}
         record.update({key: _finite_or_none(value) for key, value in metrics.items()})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._lines.append([record])
         numeric = {k: v for k, v in record.items()
                    if k not in ("step", "time") and isinstance(v, (int, float))}
         if self._tb is not None:
@@ -105,6 +99,42 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class JsonLines:
+    """An append-only ``.jsonl`` file of per-step records (``{"step": s, ...}``) written by one
+    rank: ``truncate_after(step)`` moves the lines a crashed run wrote past the checkpoint
+    being resumed to ``<name>.replaced.jsonl``, so a resumed run continues it with no step
+    twice and nothing is lost."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Move lines of steps > ``step`` to ``<name>.replaced.jsonl``."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept, dropped = [], []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                (kept if json.loads(line)["step"] <= step else dropped).append(line)
+        if not dropped:
+            return
+        with open(self.path.with_name(self.path.stem + ".replaced.jsonl"), "a") as replaced:
+            replaced.write("".join(line + "\n" for line in dropped))
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def append(self, records: list[dict]) -> None:
+        if self.enabled and records:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+SAMPLES_FILE = "samples.jsonl"
+"""The ledger of trained responses in a run folder (``logging.samples``)."""
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

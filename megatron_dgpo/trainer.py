@@ -25,9 +25,9 @@ from megatron_dgpo.algorithm.losses import merge_metrics
 from megatron_dgpo.algorithm.mismatch import mismatch_metrics
 from megatron_dgpo.convert import export_hf_groups
 from megatron_dgpo.recipe import RunConfig
-from megatron_dgpo.rollout.ahead import load_ahead, save_ahead
 from megatron_dgpo.rollout.base import Rollout
 from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
+from megatron_dgpo.rollout.schedule import Schedule
 from megatron_dgpo.rollout.start import engine_rank, serve_engines, start_rollout
 from megatron_dgpo.runtime.gpu_flags import pad_multiple
 from megatron_dgpo.training.expert_load import ExpertLoad
@@ -54,8 +54,8 @@ def train(cfg: RunConfig) -> int:
 
 
 class RLStep:
-    """One RL step on this rank (``__call__``), and what the steps share: the replica's rollout,
-    the batch generated one step ahead, the held-out evaluation, the updates' telemetry."""
+    """One RL step on this rank (``__call__``), and what the steps share: the replica's rollout
+    and its schedule (what is generated ahead), the held-out evaluation, the updates' telemetry."""
 
     def __init__(self, cfg: RunConfig, run: TrainingRun):
         self.cfg, self.run = cfg, run
@@ -72,25 +72,23 @@ class RLStep:
             cfg.rollout, cfg.data, cfg.parallel, run.hf_dir, seed=cfg.train.seed,
             batch_prompts=cfg.train.rollout_batch_prompts, version=run.state.step,
             record_routing=cfg.algorithm.routing_replay == "r3"))
+        # what a stopped run had generated ahead (its batch, or its stream's buffer)
+        self.schedule = Schedule(self.rollout, cfg.rollout, refill_rounds=cfg.algorithm.refill_rounds,
+                                 steps=cfg.train.steps, resumed_from=run.resumed_from,
+                                 prompts_consumed=run.state.prompts_consumed,
+                                 dp_rank=run.dp_rank, dp_size=run.dp_size)
         if run.state.step or self.rollout.needs_first_refit:  # resumed, or engines without weights
             _refit(self.rollout, run.models, version=run.state.step)
-        # the batch a stopped one-step-off run had generated ahead, sampled by the weights
-        # before its checkpoint's: the resumed run trains on exactly what it would have
-        self.ahead = (load_ahead(run.resumed_from, replica_prompts=self.rollout.replica_prompts,
-                                 group_size=cfg.rollout.group_size)
-                      if cfg.rollout.max_staleness > 0 else None)
+        self.ledger = telemetry.JsonLines(run.run_dir / telemetry.SAMPLES_FILE,  # logging.samples
+                                          enabled=run.rank0 and cfg.logging.samples)
+        self.ledger.truncate_after(run.state.step)
 
     def __call__(self, step: int) -> dict[str, float]:
         """Step ``step``: the state advanced, the step's metrics returned. Collective."""
         cfg, run, rollout, group = self.cfg, self.run, self.rollout, self.cfg.rollout.group_size
         timer = telemetry.PhaseTimer()
         with timer("rollout"):
-            batch, engine_stats, prompts_used = self.ahead or rollout.sample(
-                run.state.prompts_consumed, cfg.algorithm.refill_rounds)
-            self.ahead = None
-            if cfg.rollout.max_staleness and step < cfg.train.steps:  # the next batch, on the
-                rollout.submit(run.state.prompts_consumed + prompts_used,  # weights of step - 1
-                               cfg.algorithm.refill_rounds)
+            batch, engine_stats, prompts_used = self.schedule.batch(step, run.state.prompts_consumed)
             group_stats = self._advantages(batch)
 
         with timer("old_logprobs"):
@@ -123,9 +121,9 @@ class RLStep:
             run.state.skipped_updates += skipped
             self.offload.offload()  # before vLLM wakes for the refit and the next rollout
 
-        if rollout.submitted:
+        if self.schedule.waiting:
             with timer("rollout_wait"):  # the trainer idles until the engines are done
-                self.ahead = rollout.collect()
+                self.schedule.collect()
         with timer("refit"):  # the engines take step's weights between batches
             refit_stats = _refit(rollout, run.models, version=step)
         eval_metrics = {}
@@ -134,6 +132,8 @@ class RLStep:
                 eval_metrics = self.evaluation.run(rollout)
         run.state.step, run.state.prompts_consumed = step, run.state.prompts_consumed + prompts_used
 
+        if cfg.logging.samples:  # before the metrics line and the checkpoint, as it
+            self.ledger.append(batch.ledger(step, group, run.dp_group))
         sampled = batch.rollout_metrics(group, run.dp_group)
         generated = round(sampled["rollout/response_length_mean"] * sampled["rollout/num_samples"])
         return {**sampled, **reduce_group_stats(group_stats, run.dp_group), **mismatch,
@@ -141,6 +141,7 @@ class RLStep:
                 "train/skipped_updates_total": float(run.state.skipped_updates),
                 **self.expert_load.metrics(), **(self.replay.metrics() if self.replay else {}),
                 "rollout/staleness": float(step - 1 - batch.policy_version),
+                **batch.staleness_metrics(step, run.dp_group, segments=cfg.rollout.streaming),
                 **engine_stats, **refit_stats, **eval_metrics,
                 **timer.metrics(generated, trained_tokens, run.dp_size)}
 
@@ -172,11 +173,10 @@ class RLStep:
         return mismatch_metrics(rows, self.run.dp_group).as_dict()
 
     def save(self) -> None:
-        """A checkpoint of the step just run, with the batch generated ahead (one-step-off)."""
+        """A checkpoint of the step just run, with what the rollout holds ahead of it."""
         with _resident_beside_sleeping_engines(self.rollout, self.offload):
-            self.run.save(write_extra=lambda folder: save_ahead(
-                folder, self.ahead, dp_rank=self.run.dp_rank, dp_size=self.run.dp_size,
-                leader=self.rollout.leader))
+            self.run.save(write_extra=lambda folder: self.schedule.write(
+                folder, leader=self.rollout.leader))
 
 
 def _refit(rollout: Rollout, models: list, version: int) -> dict[str, float]:

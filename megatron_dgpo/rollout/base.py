@@ -33,6 +33,12 @@ bucket by bucket also takes a refit whose buckets arrive from elsewhere (a dedic
 receives them by broadcast): ``begin_refit``, ``load_bucket`` per bucket, ``end_refit`` (an
 engine without them raises ``NotImplementedError``).
 
+Request by request (the streaming schedule, ``rollout.partial``): ``add_requests`` queues
+``ResponseRequest``s (one response each, its own seed; the prompt may end with the tokens a
+response already has, which the engine prefills again), ``step`` runs one engine step and
+returns each running request's new tokens as ``Progress``, ``abort`` drops requests, keeping
+nothing of them in the engine. An engine without them raises ``NotImplementedError``.
+
 Memory: ``sleep`` frees what the engine holds on the accelerator between generations, and
 ``reset_prefix_cache`` forgets cached prompt KV; an engine without either keeps what it holds.
 
@@ -68,6 +74,29 @@ class Completion:
             raise ValueError(
                 f"sample of prompt {self.prompt_index}: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
             )
+
+
+@dataclass
+class ResponseRequest:
+    """One response to sample, or to continue: the engine feeds ``prompt_token_ids`` (the
+    prompt, then the tokens the response has so far) and samples up to ``max_tokens`` more
+    from the stream ``seed``; ``key`` names it in ``Progress`` and ``abort``."""
+
+    key: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    seed: int
+
+
+@dataclass
+class Progress:
+    """What one engine step added to request ``key``: its new tokens with their log-probs (the
+    ``Completion`` contract), and ``finish_reason`` once it finished (None while it runs)."""
+
+    key: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
 
 
 def check_generate_args(prompts_token_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float, max_tokens: int) -> None:
@@ -130,6 +159,24 @@ class RolloutEngine(ABC):
 
     def reset_prefix_cache(self) -> None:
         """Forget the prompt KV cached by earlier calls. Nothing to forget by default."""
+
+    def add_requests(self, requests: Sequence[ResponseRequest], *, temperature: float = 1.0,
+                     top_p: float = 1.0) -> None:
+        """Queue one response per request (sampled by later ``step`` calls)."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample request by request")
+
+    def step(self) -> list[Progress]:
+        """One engine step over the queued requests: the tokens each one gained."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample request by request")
+
+    def abort(self, keys: Sequence[str]) -> None:
+        """Drop the requests ``keys`` (their tokens so far are what ``step`` returned)."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample request by request")
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running."""
+        return 0
 
     def begin_refit(self) -> None:
         """Start a refit made of ``load_bucket`` calls; sampling is refused until ``end_refit``."""
@@ -200,6 +247,18 @@ class Rollout(Protocol):
 
     def collect(self) -> Sampled:
         """The submitted batch; waits for it."""
+
+    def take(self, step: int) -> Sampled:
+        """The streaming schedule (dedicated engines): step ``step``'s groups from the buffer
+        the engines fill, waiting until enough are eligible."""
+
+    def buffer_state(self) -> dict | None:
+        """The streaming schedule: the buffer as the last refit left it (the replica leader's,
+        for a checkpoint; None elsewhere)."""
+
+    def load_buffer(self, state: dict | None, prompts_consumed: int) -> None:
+        """The streaming schedule: continue from a checkpoint's buffer (the leader's, None
+        elsewhere) or from stream position ``prompts_consumed``; before the first refit."""
 
     def refit(self, weights: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         """The engines take ``weights`` (the fused groups of step ``version``'s model,

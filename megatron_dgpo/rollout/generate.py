@@ -98,7 +98,10 @@ def generate_experience(engine, pool: RewardPool | None, tokenizer, prompts: lis
                       rollout_logprobs=[list(s.logprobs) for s in samples],
                       rewards=[float(r) for r in rewards],
                       truncated=[s.finish_reason == "length" for s in samples],
-                      routed_experts=routed if samples and routed[0] is not None else None)
+                      routed_experts=routed if samples and routed[0] is not None else None,
+                      prompt_indices=[i for i in share for _ in range(config.group_size)],
+                      positions=[prompts_consumed + p for p in positions
+                                 for _ in range(config.group_size)])
 
 
 def degenerate_groups(piece: Experience, group_size: int) -> list[int]:

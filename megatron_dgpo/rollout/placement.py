@@ -24,6 +24,8 @@ request's child j with seed ``seed + j`` (``vllm/v1/engine/parallel_sampling.py`
 of that prompt draws from stream ``(train.seed << 40) + g * group_size + j``: one stream per
 (step, prompt, sample) for the whole run, shared by no other sample of this run or of a run with
 another ``train.seed`` (each seed owns 2**40 streams), whatever the engine and rank counts.
+With partial rollouts each later segment of a response has a stream of its own
+(``response_seed``).
 """
 
 from __future__ import annotations
@@ -161,6 +163,27 @@ def prompt_seeds(train_seed: int, prompts_consumed: int, positions, group_size: 
                              f"run's 2**{SEED_STREAM_BITS} sampling streams")
         seeds.append(root + g * group_size)
     return seeds
+
+
+SEGMENT_BITS = 32  # partial rollouts: a response's segment r >= 1 draws from stream (r << 32) + s
+
+
+def response_seed(train_seed: int, position: int, group_size: int, sample: int,
+                  segment: int = 0) -> int:
+    """The sampling seed of segment ``segment`` of response ``sample`` of the prompt at global
+    stream position ``position`` (``rollout.partial``: each run of tokens between two refits is
+    a segment, drawn from a stream of its own). Segment 0 is ``prompt_seeds``' stream for that
+    sample (a response never interrupted samples what ``generate(n=group_size)`` would);
+    segment r >= 1 takes stream ``(r << 32) + position * group_size + sample``, so no two
+    segments of the run share one (positions x group_size below 2**32, segments below 2**8)."""
+    stream = int(position) * group_size + int(sample)
+    if not (0 <= sample < group_size and 0 <= stream < 1 << SEGMENT_BITS
+            and 0 <= segment < 1 << (SEED_STREAM_BITS - SEGMENT_BITS)):
+        raise ValueError(f"response {sample} of global prompt {position} (group_size "
+                         f"{group_size}), segment {segment}: outside the run's segment streams "
+                         f"(position x group_size < 2**{SEGMENT_BITS}, segment < "
+                         f"2**{SEED_STREAM_BITS - SEGMENT_BITS})")
+    return seed_root(train_seed) + (int(segment) << SEGMENT_BITS) + stream
 
 
 def engine_tensor_parallel(rollout_tp: int | None, *, tensor_parallel: int, pipeline_parallel: int,

@@ -27,7 +27,8 @@ from typing import Iterable, Literal, Sequence
 import torch
 
 from megatron_dgpo.rollout import vllm_worker
-from megatron_dgpo.rollout.base import Completion, RolloutEngine, check_generate_args
+from megatron_dgpo.rollout.base import (Completion, Progress, ResponseRequest, RolloutEngine,
+                                        check_generate_args)
 from megatron_dgpo.rollout.refit import (DEFAULT_BUCKET_BYTES, MAX_PAYLOAD_BYTES, RefitLedger,
                                          RefitStats, run_bucketed_refit)
 from megatron_dgpo.rollout.vllm_worker import is_cpu_platform
@@ -262,6 +263,7 @@ class VLLMEngine(RolloutEngine):
         self._logged_no_sleep = False
         self.last_refit: RefitStats | None = None
         self._ledgers: list[RefitLedger] | None = None  # one per worker while a refit runs
+        self._requests: set[str] = set()  # queued by add_requests, not finished nor aborted
         if config.record_routing and self._cpu and config.placement != "colocated":
             raise ValueError("VLLMConfig.record_routing on CPU needs placement='colocated': the "
                              "routers' capture hook runs in this process (vLLM's own export, "
@@ -372,6 +374,55 @@ class VLLMEngine(RolloutEngine):
                 self._routing_sink.clear()
         return groups
 
+    def add_requests(self, requests: Sequence[ResponseRequest], *, temperature: float = 1.0,
+                     top_p: float = 1.0) -> None:
+        """Queue one response per request in vLLM's engine (``LLM.llm_engine``, which
+        ``LLM.generate`` drives the same way), each seeded, its new tokens returned by ``step``
+        (vLLM's delta outputs). Not with routing recorded."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_open()
+        if self._routing_sink is not None or (self.config.record_routing and not self._cpu):
+            raise NotImplementedError("VLLMEngine.add_requests: routing is recorded per generate call")
+        if requests and not self._weights_loaded:
+            raise RuntimeError("VLLMEngine.add_requests: the engine holds no weights (call "
+                               "update_weights first)")
+        self._wake(None)
+        for request in requests:
+            check_generate_args([request.prompt_token_ids], 1, temperature, top_p, request.max_tokens)
+            self._requests.add(request.key)
+            self._llm.llm_engine.add_request(
+                request.key, {"prompt_token_ids": [int(t) for t in request.prompt_token_ids]},
+                SamplingParams(n=1, temperature=temperature, top_p=top_p,
+                               max_tokens=request.max_tokens, logprobs=0, seed=request.seed,
+                               detokenize=False, output_kind=RequestOutputKind.DELTA))
+
+    def step(self) -> list[Progress]:
+        """One vLLM engine step: each request that gained tokens, with them and their log-probs."""
+        out = []
+        for output in self._llm.llm_engine.step():
+            comp = output.outputs[0]
+            tokens = list(comp.token_ids)
+            if comp.logprobs is None or len(comp.logprobs) != len(tokens):
+                raise RuntimeError(f"vLLM returned no per-token log-probs for request {output.request_id}")
+            out.append(Progress(output.request_id, tokens,
+                                [float(pos[t].logprob) for pos, t in zip(comp.logprobs, tokens)],
+                                str(comp.finish_reason) if output.finished else None))
+            if output.finished:
+                self._requests.discard(output.request_id)
+        return out
+
+    def abort(self, keys: Sequence[str]) -> None:
+        """Drop the requests ``keys`` from vLLM's engine."""
+        if keys:
+            self._llm.llm_engine.abort_request(list(keys))
+            self._requests.difference_update(keys)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
     def _attach_captured(self, prompts: list[dict], groups: list[list[Completion]]) -> None:
         """CPU routing capture: each sample gets [P + T - 1, layers, topk] from the request
         whose fed tokens are its prompt and response[:-1] (requests with the same tokens have
@@ -475,6 +526,9 @@ class VLLMEngine(RolloutEngine):
         loaded, ``end_refit`` on one no bucket loaded (``refit.RefitLedger``); either ends the
         refit as failed."""
         self._check_open()
+        if self.num_requests:
+            raise RuntimeError(f"VLLMEngine.begin_refit: {self.num_requests} requests still run "
+                               f"(abort them first: their tokens came from the old weights)")
         self._ledgers = None
         self._wake(["weights"])
         self._weights_loaded = False  # a refit that fails midway leaves weights not to sample from

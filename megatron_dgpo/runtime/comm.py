@@ -22,12 +22,16 @@ of its dedicated rollout engines (``rollout.placement: dedicated``), which live 
 default worlds (the trainer's and the engines'). It carries objects (host-pickled, on gloo)
 and weight buckets (on the device's backend: NCCL with CUDA tensors on GPUs, gloo on CPU),
 and its creation ends with one checked broadcast on the latter (the link is tried at start).
+A ``Channel`` on it carries objects in the background (sent without waiting, received into a
+queue), for engines that keep generating while the trainer trains.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import queue
+import threading
 import zlib
 from datetime import timedelta
 
@@ -201,6 +205,7 @@ class PeerGroup:
         if not 0 <= index < size:
             raise ValueError(f"PeerGroup {name}: index {index} outside [0, {size})")
         self.name, self.index, self.size = name, index, size
+        self._store, self._timeout = store, timeout
         self._objects = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/objects/", store),
                                               index, size, timeout)
         if device_backend == "nccl":  # GPU only: never run here
@@ -261,24 +266,117 @@ class PeerGroup:
 
     def send_object(self, obj, dst: int) -> None:
         """``obj`` to member ``dst`` (which calls ``recv_object(src=this index)``)."""
-        payload = host_pickle(obj)
-        self._objects.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, 0).wait()
-        for piece in _chunks(torch.frombuffer(bytearray(payload), dtype=torch.uint8)):
-            self._objects.send([piece], dst, 0).wait()
+        _send_object(self._objects, obj, dst)
 
     def recv_object(self, src: int):
         """The object member ``src`` sends with ``send_object``."""
-        length = torch.empty(1, dtype=torch.int64)
-        self._objects.recv([length], src, 0).wait()
-        buffer = torch.empty(int(length), dtype=torch.uint8)
-        for piece in _chunks(buffer):
-            self._objects.recv([piece], src, 0).wait()
-        return pickle.loads(buffer.numpy().tobytes())
+        return _recv_object(self._objects, src)
+
+    def open_channel(self, name: str, peers) -> Channel:
+        """Collective over the members: a ``Channel`` between this member and ``peers`` (member
+        indices; each of them lists this one)."""
+        return Channel(self._store, f"{self.name}/{name}", self.index, self.size,
+                       peers=peers, timeout=self._timeout)
 
     def _broadcast_host(self, tensor: torch.Tensor, root: int) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = root
         self._objects.broadcast([tensor], options).wait()
+
+
+def _send_object(group, obj, dst: int) -> None:
+    payload = host_pickle(obj)
+    group.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, 0).wait()
+    for piece in _chunks(torch.frombuffer(bytearray(payload), dtype=torch.uint8)):
+        group.send([piece], dst, 0).wait()
+
+
+def _recv_object(group, src: int):
+    length = torch.empty(1, dtype=torch.int64)
+    group.recv([length], src, 0).wait()
+    buffer = torch.empty(int(length), dtype=torch.uint8)
+    for piece in _chunks(buffer):
+        group.recv([piece], src, 0).wait()
+    return pickle.loads(buffer.numpy().tobytes())
+
+
+_CLOSED = "megatron_dgpo.comm.Channel: closed"
+
+
+class Channel:
+    """Objects between the members of a ``PeerGroup`` in the background, on a gloo group of its
+    own (so it never meets the group's broadcasts): ``send`` queues an object and returns at
+    once (one thread sends, in order); what they send this member arrives in a queue (one
+    thread per peer), read by ``receive`` with or without waiting. Objects from one member
+    arrive in the order sent. Only ``peers`` (member indices, each of which lists this one)
+    talk to this member. Construction is collective over all the members. ``close`` ends this
+    member's side: its peers stop listening to it once they have received what it sent."""
+
+    def __init__(self, store, name: str, index: int, size: int, *, peers, timeout: timedelta):
+        self.name, self.index = name, index
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), index, size, timeout)
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._peers = sorted(peers)
+        self._error: BaseException | None = None
+        self._receivers = [threading.Thread(target=self._receive_from, args=(src,), daemon=True,
+                                            name=f"{name} <- {src}") for src in self._peers]
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name=f"{name} send")
+        for thread in (*self._receivers, self._sender):
+            thread.start()
+
+    def send(self, obj, dst: int) -> None:
+        """Queue ``obj`` for member ``dst``; returns at once (raises a failed earlier send's error)."""
+        if self._error is not None:
+            raise RuntimeError(f"Channel {self.name}: a send failed: {self._error}") from self._error
+        if dst not in self._peers:
+            raise ValueError(f"Channel {self.name}: member {dst} is not a peer of {self.index}")
+        self._outbox.put((obj, dst))
+
+    def receive(self, timeout: float | None = None):
+        """``(source, obj)``: the next object received, waiting up to ``timeout`` seconds (None:
+        for ever), or None when nothing came in that time. Raises a receiver's error."""
+        try:
+            src, obj = (self._inbox.get(timeout=timeout) if timeout is None or timeout > 0
+                        else self._inbox.get_nowait())
+        except queue.Empty:
+            return None
+        if isinstance(obj, BaseException):
+            raise RuntimeError(f"Channel {self.name}: receiving from member {src} failed: {obj}") from obj
+        return src, obj
+
+    @property
+    def listening(self) -> bool:
+        """Some peer has not closed its side yet."""
+        return any(thread.is_alive() for thread in self._receivers)
+
+    def close(self) -> None:
+        """Tell the peers this member is done, and wait until everything queued has been sent
+        (they receive it). Idempotent."""
+        if self._sender.is_alive():
+            for dst in self._peers:
+                self._outbox.put((_CLOSED, dst))
+            self._outbox.put(None)
+            self._sender.join()
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            try:
+                _send_object(self._group, *item)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next send
+                self._error = exc
+                return
+
+    def _receive_from(self, src: int) -> None:
+        while True:
+            try:
+                obj = _recv_object(self._group, src)
+            except BaseException as exc:  # noqa: BLE001 - raised by receive
+                self._inbox.put((src, exc))
+                return
+            if isinstance(obj, str) and obj == _CLOSED:
+                return
+            self._inbox.put((src, obj))
 
 
 def _chunks(buffer: torch.Tensor) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from megatron_dgpo.algorithm.advantages import group_advantages, reduce_group_stats
@@ -68,3 +69,59 @@ def test_two_replicas_report_the_numbers_of_one():
         for key, value in {**whole, **want_stats}.items():
             got = metrics.get(key, group_stats.get(key))
             assert math.isclose(got, value, rel_tol=1e-12, abs_tol=1e-12), key
+
+
+def test_each_sample_keeps_its_prompt_position_and_segments_through_join_select_and_refill():
+    """What a sample knows of its behaviour (the ledger's and the staleness's inputs) travels
+    with it: joined pieces keep their order, a selection and a refill carry every field, and a
+    batch without segments reads one segment of its version."""
+    a, b = _batch(0, 4), _batch(4, 8)
+    for piece, lo, version in ((a, 0, 3), (b, 4, 1)):
+        piece.prompt_indices = [10 + lo + i for i in range(4)]
+        piece.positions = [100 + lo + i // G for i in range(4)]
+        piece.segments = [[(version, n)] for n in LENGTHS[lo:lo + 4]]
+        piece.policy_version = version
+    joined = Experience.join([a, None, b])
+    assert joined.prompt_indices == list(range(10, 18)) and joined.policy_version == 1
+    assert joined.segments_of(5) == [(1, LENGTHS[5])]
+    picked = joined.select([6, 1])
+    assert (picked.positions, picked.rewards) == ([105, 100], [REWARDS[6], REWARDS[1]])
+    refilled = joined.replace_groups([0], picked, G)
+    assert refilled.positions[:2] == [105, 100] and refilled.segments[2:] == joined.segments[2:]
+    plain = _batch()
+    plain.policy_version = 7
+    assert plain.segments_of(3) == [(7, LENGTHS[3])]
+    with pytest.raises(ValueError, match="some pieces carry prompt_indices"):
+        Experience.join([a, _batch(0, 2)])
+
+
+def test_stale_segments_get_loss_weight_zero_and_the_staleness_is_counted_per_token():
+    """``mask_stale_segments``: a response sampled across refits keeps its tokens of versions
+    >= ``stale_before`` in the loss (with the sample's aggregation weight) and drops the older
+    ones; the staleness metrics count every token at the lag of its own segment."""
+    batch = _batch(0, 2)  # lengths 3 and 5
+    batch.advantages = torch.tensor([1.0, -1.0])
+    batch.segments = [[(4, 1), (6, 2)], [(6, 5)]]
+    batch.stale_before = 5
+    assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 1.0, 1.0]
+    assert batch.sample(1).per_token["loss_weights"].tolist() == [1.0] * 5
+    batch.loss_weights = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 0.5, 0.5]
+    metrics = batch.staleness_metrics(8, segments=True)  # step 8 starts from version 7
+    assert metrics == {"rollout/staleness_mean": (3 * 1 + 1 * 2 + 1 * 5) / 8,
+                       "rollout/staleness_max": 3.0, "rollout/partial_frac": 0.5,
+                       "rollout/segments_per_response": 1.5, "rollout/masked_tokens_frac": 1 / 8}
+    batch.stale_before, batch.loss_weights = None, None  # nothing masked: no weights at all
+    assert "loss_weights" not in batch.sample(0).per_token
+
+
+def test_the_ledger_has_one_record_per_response():
+    batch = _batch(0, 4)
+    batch.prompt_indices, batch.positions = [3, 3, 8, 8], [40, 40, 41, 41]
+    batch.segments = [[(0, 3)], [(0, 2), (1, 3)], [(1, 2)], [(1, 7)]]
+    records = batch.ledger(5, G)
+    assert records[1] == {"step": 5, "prompt_index": 3, "position": 40, "sample": 1,
+                          "versions": [0, 1], "segments": [2, 3], "length": 5,
+                          "finish_reason": "stop", "reward": -1.0}
+    assert [r["finish_reason"] for r in records] == ["stop", "stop", "stop", "length"]
+    assert [r["sample"] for r in records] == [0, 1, 0, 1]

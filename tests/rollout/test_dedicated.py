@@ -181,3 +181,72 @@ def test_two_replicas_drive_their_own_tensor_parallel_engines_with_refill(tmp_pa
                                  {k: v for k, v in want.items()
                                   if k.startswith(prefix) and k != "rollout/engines"}, rel=rel)
         assert got["rollout/refill_rounds"] == want["rollout/refill_rounds"] == 1.0  # it refilled
+
+
+STREAMING = [*DEDICATED, "rollout.max_staleness=2", "rollout.partial=true",
+             "algorithm.rollout_correction=tis", "logging.samples=true",
+             # 32-token responses decoded 8 at a time: the engine is still generating when
+             # the trainer refits, so responses are interrupted and continued
+             "rollout.max_response_tokens=32", "rollout.max_num_seqs=8"]
+
+
+def _ledger(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def test_streaming_with_partial_rollouts_trains_every_prompt_once_within_the_bound_through_a_sigterm(
+        tmp_path):
+    """k = 2 with partial rollouts and the ledger on, stopped by SIGTERM after step 3 and run
+    again: the ledger continues with no gap and no duplicate; every response trained at step s
+    was sampled with weights of versions >= s - 1 - 2; some responses span a refit (two
+    segments or more); the trained groups and those the last checkpoint's buffer holds are the
+    admitted stream, each once, so within an epoch of the 10 prompts each is trained once."""
+    from megatron_dgpo.rollout.ahead import BUFFER_DIR
+    from megatron_dgpo.runtime.interrupt import EXIT_STOPPED
+
+    run_dir, steps, batch, group = tmp_path / "stream", 6, 32, 8
+    job = _job(run_dir, *STREAMING, f"train.steps={steps}", "checkpoint.save_every=0")
+    proc = _start(_launcher() + job)
+
+    def trainer(torchrun):
+        return next(p for p in torchrun.children() if p.environ().get("RANK") == "0")
+
+    err, _ = _signal_after_step(proc, run_dir, 3, signal.SIGTERM, target=trainer)
+    assert re.search(rf"exitcode\s*:\s*{EXIT_STOPPED}", err), err[-3000:]
+    stopped = _assert_stopped_with_checkpoint(run_dir, steps)
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (latest / BUFFER_DIR / "replica0.pt").is_file()
+    before = _ledger(run_dir)
+    assert {r["step"] for r in before} == set(range(1, stopped + 1))
+
+    _check(_run(job, launcher=_launcher()))
+    ledger = _ledger(run_dir)
+    assert ledger[:len(before)] == before  # continued, not rewritten
+    assert [r["step"] for r in ledger] == sorted(r["step"] for r in ledger)
+    assert {s: sum(r["step"] == s for r in ledger) for s in range(1, steps + 1)} == \
+        {s: batch * group for s in range(1, steps + 1)}  # no gap, no duplicate step
+    for r in ledger:
+        assert r["step"] - 1 - min(r["versions"]) <= 2  # no token older than k
+        assert sum(r["segments"]) == r["length"] and len(r["segments"]) == len(r["versions"])
+    assert any(len(r["versions"]) > 1 for r in ledger)  # interrupted and continued
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert max(r["rollout/staleness_max"] for r in records) <= 2
+    assert sum(r["rollout/reprefill_tokens"] for r in records) > 0
+
+    # every group trained once, and with those the final checkpoint's buffer holds, the
+    # admitted stream without a gap
+    trained = {}
+    for r in ledger:
+        trained.setdefault(r["position"], []).append((r["sample"], r["prompt_index"]))
+    assert all(sorted(s for s, _ in samples) == list(range(group)) for samples in trained.values())
+    final = torch.load(run_dir / "checkpoints" / f"step_{steps:06d}" / BUFFER_DIR / "replica0.pt",
+                       weights_only=False)["state"]
+    held = {int(p) for p in final["groups"]}
+    assert not held & set(trained)
+    assert sorted(held | set(trained)) == list(range(final["admitted"]))
+    # the built-in repeat family's 10 prompts: each epoch trained in full trains each once
+    for epoch in range(len(trained) // 10):
+        positions = range(epoch * 10, epoch * 10 + 10)
+        if all(p in trained for p in positions):
+            assert sorted(trained[p][0][1] for p in positions) == list(range(10))

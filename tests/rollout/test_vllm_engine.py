@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 from megatron_dgpo.algorithm.mismatch import logprob_mismatch
 from megatron_dgpo.rollout import HFEngine
+from megatron_dgpo.rollout.base import ResponseRequest
 from megatron_dgpo.rollout.placement import (MAX_TRAIN_SEED, SEED_STREAM_BITS, prompt_seeds,
-                                             seed_root, shard_prompts)
+                                             response_seed, seed_root, shard_prompts)
 from megatron_dgpo.tasks.prompts import builtin_prompts, render_prompts
 from tests.conftest import hf_groups
 
@@ -162,6 +163,62 @@ def test_sampling_streams_never_repeat_across_prompts_steps_and_seeds():
             prompt_seeds(bad, 0, range(2), n)
     with pytest.raises(ValueError, match="sampling streams"):
         prompt_seeds(0, last + 1, [0], n)
+
+
+def test_request_by_request_segment_zero_samples_as_generate_and_a_continuation_reprefills(
+        vllm_engine, prompts, tiny_model_dir):
+    """The streaming schedule's engine calls: responses queued one by one with the seeds of
+    ``response_seed`` segment 0 sample exactly what ``generate(n=G)`` samples for the prompt
+    (tokens and log-probs, bitwise); a response aborted after a few steps and continued from
+    its prompt and tokens on the segment-1 stream keeps its first tokens and the engine's
+    log-probs of the continuation are the model's given that prefix (transformers)."""
+    g, n = 5, 3
+    want = vllm_engine.generate([prompts[1]], n=n, max_tokens=MAX_TOKENS,
+                                seeds=prompt_seeds(9, g, [0], n))[0]
+    vllm_engine.add_requests([ResponseRequest(f"{g}:{j}:0", list(prompts[1]), MAX_TOKENS,
+                                              response_seed(9, g, n, j)) for j in range(n)])
+    got = {f"{g}:{j}:0": ([], [], None) for j in range(n)}
+    steps = 0
+    while vllm_engine.num_requests:
+        for progress in vllm_engine.step():
+            tokens, logprobs, _ = got[progress.key]
+            got[progress.key] = (tokens + progress.token_ids, logprobs + progress.logprobs,
+                                 progress.finish_reason)
+        steps += 1
+    assert steps >= MAX_TOKENS // 2
+    for j, sample in enumerate(want):
+        tokens, logprobs, reason = got[f"{g}:{j}:0"]
+        assert (tokens, logprobs, reason) == (sample.token_ids, sample.logprobs, sample.finish_reason)
+
+    vllm_engine.add_requests([ResponseRequest("a", list(prompts[0]), MAX_TOKENS, 11)])
+    first: list[int] = []
+    while len(first) < 3:
+        first += [t for p in vllm_engine.step() for t in p.token_ids]
+    vllm_engine.abort(["a"])
+    assert vllm_engine.num_requests == 0
+    vllm_engine.add_requests([ResponseRequest("a:1", list(prompts[0]) + first,
+                                              MAX_TOKENS - len(first), 12)])
+    rest, logprobs = [], []
+    while vllm_engine.num_requests:
+        for p in vllm_engine.step():
+            rest += p.token_ids
+            logprobs += p.logprobs
+    assert 1 <= len(rest) <= MAX_TOKENS - len(first)
+    reference = _hf_logprobs(_hf_model(tiny_model_dir), list(prompts[0]) + first, rest)
+    assert (reference - torch.tensor(logprobs, dtype=torch.float64)).abs().max() < LOGPROB_ATOL
+
+
+def test_response_seeds_give_every_segment_its_own_stream():
+    """Segment 0 of sample j of global prompt g is ``prompt_seeds``' child stream j; later
+    segments (a response continued after a refit) never meet another sample's or segment's."""
+    n, positions, segments = 8, range(0, 500), range(4)
+    seeds = [response_seed(3, g, n, j, r) for g in positions for j in range(n) for r in segments]
+    assert len(set(seeds)) == len(seeds)
+    assert [response_seed(3, g, n, j) for g in (0, 7) for j in range(n)] == \
+        _child_streams(prompt_seeds(3, 0, [0, 7], n), n)
+    assert min(seeds) >= seed_root(3) and max(seeds) < seed_root(4)
+    with pytest.raises(ValueError, match="segment streams"):
+        response_seed(3, 1 << 32, n, 0, 1)
 
 
 def test_logprobs_match_transformers(vllm_engine, prompts, tiny_model_dir):

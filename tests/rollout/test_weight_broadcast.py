@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -47,7 +48,18 @@ def test_layout_gives_each_replica_its_own_engines():
     (["rollout.placement=dedicated", "rollout.num_gpus=3", "rollout.tensor_parallel_size=2"],
      "num_gpus must be a positive multiple of tensor_parallel_size"),
     (["rollout.placement=dedicated", "rollout.num_gpus=1", "rollout.max_staleness=2"],
-     "max_staleness"),
+     "needs a behaviour correction"),
+    (["rollout.placement=dedicated", "rollout.num_gpus=1", "rollout.max_staleness=1",
+      "rollout.partial=true"], "needs a behaviour correction"),
+    (["rollout.placement=dedicated", "rollout.num_gpus=1", "rollout.partial=true"],
+     "partial: true needs max_staleness >= 1"),
+    (["rollout.placement=dedicated", "rollout.num_gpus=1", "rollout.max_staleness=2",
+      "algorithm.rollout_correction=tis", "algorithm.refill_rounds=1",
+      "algorithm.drop_degenerate_groups=true"], "refill_rounds does not run on the streaming"),
+    (["rollout.placement=dedicated", "rollout.num_gpus=1", "rollout.max_staleness=1",
+      "rollout.mask_stale_segments=true"], "mask_stale_segments needs the streaming schedule"),
+    (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0, got -1"),
+    (["rollout.group_size=1"], "rollout.group_size must be >= 2, got 1"),
     (["rollout.placement=dedicated", "rollout.num_gpus=1", "rollout.engine=hf"],
      "dedicated needs engine: vllm"),
     (["rollout.placement=dedicated", "rollout.num_gpus=1", "eval.every=2",
@@ -59,18 +71,19 @@ def test_recipe_refuses_what_dedicated_engines_cannot_do(overrides, message):
 
 
 def _pair(store, name: str, fns):
-    """Run fns[i](PeerGroup index i) in threads (two members on one HashStore); their results."""
-    results, errors = [None, None], []
+    """Run fns[i](PeerGroup index i) in threads (len(fns) members on one HashStore); their
+    results."""
+    results, errors = [None] * len(fns), []
 
     def member(i):
         try:
-            group = comm.PeerGroup(store, name, i, 2, device_backend="gloo",
+            group = comm.PeerGroup(store, name, i, len(fns), device_backend="gloo",
                                    timeout=timedelta(seconds=60))
             results[i] = fns[i](group)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(fns))]
     for t in threads:
         t.start()
     for t in threads:
@@ -91,6 +104,45 @@ def test_peer_group_objects_cross_in_pieces(monkeypatch):
     # exact: a broadcast copy
     assert got[0]["tokens"] == batch["tokens"] and torch.equal(got[0]["t"], batch["t"])
     assert got[1] == {"k": 2}
+
+
+def test_a_channel_delivers_in_the_background_in_order_beside_the_groups_broadcasts(monkeypatch):
+    """A leader and two engines (the streaming schedule's link): the engines send without the
+    leader receiving yet, each one's objects arrive in order, a poll that finds nothing returns
+    None at once, a broadcast of the group in between meets none of the channel's messages,
+    and closing ends every receiver."""
+    monkeypatch.setattr(comm, "OBJECT_CHUNK_BYTES", 1000)  # the big reply goes in pieces
+    big = list(range(3000))
+
+    def leader(g):
+        channel = g.open_channel("stream", peers=[1, 2])
+        assert channel.receive(timeout=0) is None  # nothing sent yet: returns at once
+        for dst in (1, 2):
+            channel.send({"kind": "work", "n": dst}, dst)
+        g.broadcast_object("between")
+        got = [channel.receive() for _ in range(6)]
+        channel.close()
+        return got
+
+    def engine(g):
+        channel = g.open_channel("stream", peers=[0])
+        _, command = channel.receive()
+        for k in range(3):  # queued at once, before the leader receives any
+            channel.send((g.index, k, big if k == 1 else command["n"]), 0)
+        assert g.broadcast_object(None) == "between"
+        channel.close()
+        for _ in range(500):  # the leader's close ends this member's receiver
+            if not channel.listening:
+                return True
+            time.sleep(0.01)
+        return False
+
+    got, stopped_1, stopped_2 = _pair(dist.HashStore(), "channel", [leader, engine, engine])
+    for member in (1, 2):
+        mine = [obj for src, obj in got if src == member]
+        assert [k for _, k, _ in mine] == [0, 1, 2]  # in the order sent
+        assert mine[0][2] == member and mine[1][2] == big
+    assert stopped_1 and stopped_2
 
 
 def test_peer_group_link_is_warmed_up_and_checked_at_creation(monkeypatch):

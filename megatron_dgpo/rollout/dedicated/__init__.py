@@ -45,4 +45,10 @@ command before each batch (``time/engine_idle``) and their generation time
 (``time/engine_generate``); the trainer times its own wait (``time/rollout_wait``).
 A checkpoint keeps the batch generated ahead (``save_ahead``), so a resumed run continues with
 the very samples the uninterrupted run used.
+
+Streaming (``rollout.max_staleness`` >= 2 or ``rollout.partial``): after ``start`` the link
+also opens a ``comm.Channel`` and the engines sample response by response; the leader's
+``work``, ``interrupt`` and ``link`` (join the link's next command: ``refit`` or ``stop``)
+commands and the engines' graded responses travel on it in the background (``stream`` holds
+the leader's side, docs/rollout.md "Staleness and partial rollouts").
 """

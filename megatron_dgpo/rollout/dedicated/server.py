@@ -15,7 +15,8 @@ from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.dedicated.wire import dedicated_layout, open_link, receive_bucket
 from megatron_dgpo.rollout.generate import (build_engine, degenerate_groups, generate_experience,
                                             refill_degenerate_groups, reward_pool)
-from megatron_dgpo.rollout.placement import DedicatedLayout, shard_prompts
+from megatron_dgpo.rollout.base import ResponseRequest
+from megatron_dgpo.rollout.placement import DedicatedLayout, response_seed, shard_prompts
 from megatron_dgpo.runtime import comm
 from megatron_dgpo.runtime.hub import on_this_node
 from megatron_dgpo.runtime.parallel import (ParallelConfig, engine_group, init_distributed,
@@ -67,6 +68,8 @@ class _EngineServer:
             kind, begin = command["kind"], time.perf_counter()
             if kind == "start":
                 self._start(on_this_node(command["hf_dir"], command["snapshot"]))
+                if self.config.streaming:
+                    return _StreamingServer(self).run()
                 last_report = time.perf_counter()
             elif kind == "generate":
                 piece, stats = self._generate(command)
@@ -75,16 +78,22 @@ class _EngineServer:
                 last_report, busy = now, 0.0
                 if self.leader:
                     self.link.send_object((piece, stats), 0)
-            elif kind == "refit":
-                answer = self._refit(command["version"])
-                busy += time.perf_counter() - begin
-                self.link.send_object(answer, 0)
-            elif kind == "stop":
-                self.close()
-                self.link.send_object("stopped", 0)  # before the trainer exits: a trainer that
-                return  # exits 75 first would have torchrun kill this rank (-15)
+            elif self.link_command(command):
+                return
             else:
-                raise ValueError(f"dedicated engine: unknown command {kind!r}")
+                busy += time.perf_counter() - begin
+
+    def link_command(self, command: dict) -> bool:
+        """Run ``refit`` (answering ``ok`` or the error) or ``stop`` (the engine shut down);
+        True after ``stop``."""
+        if command["kind"] == "refit":
+            self.link.send_object(self._refit(command["version"]), 0)
+            return False
+        if command["kind"] == "stop":
+            self.close()
+            self.link.send_object("stopped", 0)  # before the trainer exits: a trainer that
+            return True  # exits 75 first would have torchrun kill this rank (-15)
+        raise ValueError(f"dedicated engine: unknown command {command['kind']!r}")
 
     def _start(self, hf_dir: Path) -> None:
         self.prompts, self.tokenizer = prompts.load_prompts(self.data, hf_dir,
@@ -163,3 +172,145 @@ class _EngineServer:
             if closer:
                 closer()
         self.engine = self.pool = None
+
+
+class _StreamingServer:
+    """The streaming schedule on an engine rank: responses sampled one engine step at a time
+    (``add_requests`` / ``step``), each finished one graded and sent to the replica's leader
+    over the link's ``Channel``, whose commands arrive between two steps: ``work`` (position,
+    sample, tokens so far, seed stream: a continued response is prefilled again),
+    ``interrupt`` (partial: abort all and hand back the unfinished; else abort the unstarted and
+    finish the others; then the times since the last one) and ``link`` (join the link's next
+    command: refit or stop). An engine's TP leader hands each command to its TP peers."""
+
+    def __init__(self, server: _EngineServer):
+        self.server, self.engine, self.config = server, server.engine, server.config
+        self.channel = server.link.open_channel("stream", peers=[0] if server.leader else [])
+        self.held: dict[str, dict] = {}  # request key -> its work item, prompt and new tokens
+        self.orders: dict[int, list[int]] = {}  # the prompt order of each epoch met
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        self.stats = {"generation_s": 0.0, "idle_s": 0.0, "tokens": 0, "reprefill_tokens": 0}
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            if self.server.leader:  # the leader would wait for a report for ever
+                self.channel.send(("error", f"rollout rank {dist.get_rank()}: "
+                                            f"{type(exc).__name__}: {exc}"), 0)
+                self.channel.close()
+            raise
+
+    def _loop(self) -> None:
+        draining = False
+        while True:
+            command = None
+            if self.server.leader:
+                begin = time.perf_counter()
+                got = self.channel.receive(timeout=0 if self.held else None)
+                if not self.held:
+                    self.stats["idle_s"] += time.perf_counter() - begin
+                command = got and got[1]
+            if self.server.layout.engine_tp > 1:
+                command = comm.broadcast_object(command, src=self._tp_leader(), group=self.server.group)
+            if command is not None:
+                kind = command["kind"]
+                if kind == "work":
+                    self._add(command["items"])
+                elif kind == "interrupt":
+                    draining = self._interrupt(command["partial"])
+                elif kind == "link":
+                    self.engine.abort(list(self.held))  # nothing runs through a refit or a stop
+                    self.held.clear()
+                    if self.server.link_command(self.server.link.broadcast_object(None)):
+                        self._close()
+                        return
+                else:
+                    raise ValueError(f"dedicated engine: unknown streaming command {kind!r}")
+            if self.held:
+                self._step()
+            if draining and not self.held:
+                self._report_interrupted([])
+                draining = False
+
+    def _tp_leader(self) -> int:
+        return dist.get_rank() - dist.get_rank() % self.server.layout.engine_tp
+
+    def _dataset_index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.server.prompts))
+        if epoch not in self.orders:
+            self.orders[epoch] = prompts.prompt_order(len(self.server.prompts), self.server.seed,
+                                                      epoch * len(self.server.prompts),
+                                                      len(self.server.prompts))
+        return self.orders[epoch][offset]
+
+    def _add(self, items: list[tuple]) -> None:
+        requests = []
+        for position, sample, tokens, stream in items:
+            index = self._dataset_index(position)
+            prompt = list(self.server.prompts[index][1])
+            request = ResponseRequest(
+                f"{position}:{sample}:{stream}", prompt + list(tokens),
+                self.config.max_response_tokens - len(tokens),
+                response_seed(self.server.seed, position, self.config.group_size, sample, stream))
+            self.held[request.key] = {"position": position, "sample": sample, "before": list(tokens),
+                                      "index": index, "prompt": prompt, "tokens": [], "logprobs": []}
+            if tokens:  # the KV of the prompt and the response so far is computed again
+                self.stats["reprefill_tokens"] += len(prompt) + len(tokens)
+            requests.append(request)
+        self.engine.add_requests(requests, temperature=self.config.temperature,
+                                 top_p=self.config.top_p)
+
+    def _step(self) -> None:
+        begin = time.perf_counter()
+        finished = []
+        for progress in self.engine.step():
+            held = self.held[progress.key]
+            held["tokens"] += progress.token_ids
+            held["logprobs"] += progress.logprobs
+            self.stats["tokens"] += len(progress.token_ids)
+            if progress.finish_reason is not None:
+                finished.append((self.held.pop(progress.key), progress.finish_reason))
+        self.stats["generation_s"] += time.perf_counter() - begin
+        if finished and self.server.leader:
+            tokenizer, pool = self.server.tokenizer, self.server.pool
+            texts = [tokenizer.decode(h["before"] + h["tokens"], skip_special_tokens=True)
+                     for h, _ in finished]
+            truths = [self.server.prompts[h["index"]][0].ground_truth for h, _ in finished]
+            rewards = pool.score(texts, truths, grader="train")
+            self.channel.send(("done", [self._report(h, reason, float(reward))
+                                        for (h, reason), reward in zip(finished, rewards)]), 0)
+
+    def _report(self, held: dict, finish_reason: str | None, reward: float | None) -> dict:
+        return {"position": held["position"], "sample": held["sample"], "tokens": held["tokens"],
+                "logprobs": held["logprobs"], "version": self.server.version,
+                "finish_reason": finish_reason, "reward": reward, "prompt_index": held["index"],
+                "prompt": held["prompt"] if finish_reason is not None else None}
+
+    def _interrupt(self, partial: bool) -> bool:
+        """Abort (partial: every request; else the unstarted ones) and report them; True while
+        started requests still have to finish."""
+        stopped = [k for k, h in self.held.items() if partial or not h["tokens"]]
+        self.engine.abort(stopped)
+        reports = [self._report(self.held.pop(k), None, None) for k in stopped]
+        if self.held:
+            if self.server.leader:
+                self.channel.send(("done", reports), 0)
+            return True
+        self._report_interrupted(reports)
+        return False
+
+    def _report_interrupted(self, reports: list[dict]) -> None:
+        if self.server.leader:
+            self.channel.send(("interrupted", reports, self.stats), 0)
+        self._reset_stats()
+
+    def _close(self) -> None:
+        """After ``stop``: this side closed, and the leader's close awaited (bounded), so no
+        message is left half-sent when the rank exits."""
+        self.channel.close()
+        deadline = time.monotonic() + 60
+        while self.channel.listening and time.monotonic() < deadline:
+            time.sleep(0.01)
