@@ -72,6 +72,7 @@ def test_a_dedicated_engine_starts_from_its_own_nodes_snapshot(node_caches, tmp_
     engine rank on a node without that folder starts from the same commit in its own cache."""
     from huggingface_hub import constants
 
+    from megatron_dgpo.rollout.config import RolloutConfig
     from megatron_dgpo.rollout.dedicated import server
 
     hub = StandInHub(tmp_path / "hub", tiny_model_dir)
@@ -92,7 +93,7 @@ def test_a_dedicated_engine_starts_from_its_own_nodes_snapshot(node_caches, tmp_
 
     started = []
     monkeypatch.setattr(server._EngineServer, "_start", lambda self, folder: started.append(folder))
-    engine = server._EngineServer(rollout=None, data=None, seed=0, layout=None, link=Link(),
+    engine = server._EngineServer(rollout=RolloutConfig(), data=None, seed=0, layout=None, link=Link(),
                                   group=None, leader=True, engine_index=0)
     engine.run()
     (folder,) = started
