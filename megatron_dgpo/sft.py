@@ -26,8 +26,9 @@ from megatron_dgpo.command import recipe_command  # first: sets the OpenMP defau
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from typing import Annotated  # noqa: E402
 
-from megatron_dgpo.runtime.config import load_config  # noqa: E402
+from megatron_dgpo.runtime.config import Bounds, check_bounds, load_config  # noqa: E402
 from megatron_dgpo.runtime.parallel import ParallelConfig  # noqa: E402
 from megatron_dgpo.telemetry import LoggingConfig  # noqa: E402
 from megatron_dgpo.training.checkpoint import CheckpointConfig  # noqa: E402
@@ -46,24 +47,20 @@ class SFTConfig:
     """Dotted field holding the prompt (a string or chat messages)."""
     response_field: str = "response"
     """Dotted field holding the response text (the end-of-turn token is appended)."""
-    steps: int = 500
+    steps: Annotated[int, Bounds(ge=1)] = 500
     """Optimizer steps."""
-    batch_samples: int = 64
+    batch_samples: Annotated[int, Bounds(ge=1)] = 64
     """Samples per optimizer step (split over the data-parallel replicas)."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: Annotated[int, Bounds(ge=1)] = 4096
     """Token budget of one packed micro-batch row; must hold the longest prompt + response."""
-    seed: int = 0
+    seed: Annotated[int, Bounds(ge=0)] = 0
     """Seeds the weights of a ``model.tiny`` policy and the data order."""
-    max_minutes: float | None = None
+    max_minutes: Annotated[float | None, Bounds(gt=0)] = None
     """The job's own time budget, as ``train.max_minutes`` of the RL trainer: stop with a
     checkpoint (exit ``interrupt.EXIT_STOPPED``) when another step and a save would not fit."""
 
     def __post_init__(self):
-        for name in ("steps", "batch_samples", "micro_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"max_minutes must be > 0 or None, got {self.max_minutes}")
+        check_bounds(self)
 
 
 @dataclass
