@@ -30,6 +30,10 @@ class LoggingConfig:
     """Name of the wandb run; defaults to the run directory's name."""
     progress_bar: bool = True
     """Show a progress bar over training steps on rank 0."""
+    verbose: bool = False
+    """Show other packages' notices on the console too (Transformer-Engine and apex fallbacks,
+    Megatron-Core's deprecations, vLLM's INFO lines). False: they go to
+    ``<run_dir>/logs/rank<k>.log``; errors and the project's own lines stay on the console."""
 
 
 class MetricsLogger:

@@ -110,7 +110,7 @@ def default_backend() -> str:
 def init_distributed(backend: str | None = None, *,
                      timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
                      watchdog_minutes: float | None = None, tensor_parallel: int = 1,
-                     rollout_ranks: int = 0) -> None:
+                     context_parallel: int = 1, rollout_ranks: int = 0) -> None:
     """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet.
 
     ``rollout_ranks`` > 0 (``rollout.placement: dedicated``) splits torchrun's world in two
@@ -118,7 +118,8 @@ def init_distributed(backend: str | None = None, *,
     ``rollout_ranks`` run the engines; each rank's default group is its own side's.
 
     On a GPU it first sets what CUDA must see before its context exists
-    (``gpu_flags.cuda_launch_env(tensor_parallel)``; a value the user exported is kept).
+    (``gpu_flags.cuda_launch_env(tensor_parallel, context_parallel)``; a value the user
+    exported is kept).
 
     ``timeout_minutes`` (``ParallelConfig.timeout_minutes``) bounds every collective of the
     default group: a rank waiting longer fails with gloo's/NCCL's timeout error.
@@ -134,7 +135,7 @@ def init_distributed(backend: str | None = None, *,
     if not (isinstance(timeout_minutes, (int, float)) and timeout_minutes > 0):
         raise ValueError(f"parallel.timeout_minutes must be a positive number, got {timeout_minutes!r}")
     if not cpu_only():
-        _set_cuda_launch_env(tensor_parallel)
+        _set_cuda_launch_env(tensor_parallel, context_parallel)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes)
     store = _attempt_store(timeout)
@@ -160,15 +161,16 @@ def init_distributed(backend: str | None = None, *,
             start_heartbeat(store, rank, world_size, timeout_s=60.0 * watchdog_minutes)
 
 
-def _set_cuda_launch_env(tensor_parallel: int) -> None:
+def _set_cuda_launch_env(tensor_parallel: int, context_parallel: int = 1) -> None:
     import warnings
 
-    for key, value in cuda_launch_env(tensor_parallel).items():
+    for key, value in cuda_launch_env(tensor_parallel, context_parallel).items():
         if key in os.environ:
             continue
         if torch.cuda.is_initialized():  # read once, when the context was created
-            warnings.warn(f"{key}={value} is needed with tensor_parallel={tensor_parallel} but CUDA "
-                          f"started before it could be set: export it in the launch script")
+            warnings.warn(f"{key}={value} is needed with tensor_parallel={tensor_parallel}, "
+                          f"context_parallel={context_parallel} but CUDA started before it "
+                          f"could be set: export it in the launch script")
         os.environ[key] = value
 
 
