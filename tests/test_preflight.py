@@ -250,6 +250,24 @@ def test_at_least_one_prompt_must_fit_and_the_check_needs_no_model_build(tiny_mo
     assert not dist.is_initialized()
 
 
+def test_prompts_dropped_for_length_are_counted(tiny_model_dir):
+    """``prompt_census`` (the trainer's start-up line and its ``data/prompts_dropped_for_length``)
+    against the tokenizer's own chat-template tokenization of the 215 built-in prompts."""
+    from transformers import AutoTokenizer
+
+    from megatron_dgpo.tasks.prompts import DataConfig, builtin_prompts, prompt_census
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = sorted(len(tokenizer.apply_chat_template(list(r.messages), tokenize=True,
+                                                       add_generation_prompt=True,
+                                                       return_dict=True)["input_ids"])
+                     for r in builtin_prompts())
+    limit = lengths[len(lengths) // 2]
+    kept = sum(length <= limit for length in lengths)
+    assert 0 < kept < len(lengths) == 215
+    assert prompt_census(DataConfig(), tiny_model_dir, limit) == (kept, 215)
+
+
 def test_sft_pairs_are_checked_at_start(tmp_path):
     from megatron_dgpo.sft import load_sft_recipe
 

@@ -189,6 +189,9 @@ def test_the_console_shows_the_run_and_the_log_file_other_packages_notices(full_
         assert notice in log and notice not in output, notice
     assert "dgpo-train: rank 0 (DP replica 0): colocated vllm engine" in output
     assert "dgpo-train: data: 0 of 10 prompts are longer than rollout.max_prompt_tokens=96" in output
+    first, second = read_metrics(run_dir)[:2]  # the census is logged once, with the first step
+    assert (first["data/prompts"], first["data/prompts_dropped_for_length"]) == (10, 0)
+    assert not any(key.startswith("data/") for key in second)
     assert f"dgpo-train: other packages' notices go to {run_dir}/logs/rank<k>.log" in output
     assert len(output.splitlines()) < 15, output
 
