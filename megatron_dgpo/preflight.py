@@ -7,7 +7,7 @@ is built, so a mistake costs seconds and is one ``InputError`` naming the key, f
   says, a tokenizer), a Megatron checkpoint (validated by its reader), or a hub id found in
   this node's HF cache or on the hub; ``model.tiny``'s fields;
 * the layout (``check_layout``): the world size against TP x CP x PP and the expert grid, TP
-  against attention heads, KV groups and the FFN width, PP (x VPP) against layers, EP against
+  against attention heads, KV groups (divided, or a multiple of them) and the FFN width, PP (x VPP) against layers, EP against
   experts, with the torchrun command that fits;
 * the data: the prompt (or SFT) file read whole (encoding, JSON, fields, with file and line),
   the held-out benchmarks, and, when the model's tokenizer is at hand, at least one prompt
@@ -168,10 +168,13 @@ def check_layout(parallel, world_size: int, hf_config: dict | None, *, rollout_r
         return
     dims = describe(hf_config).dims
     problems = []
-    for size, count, what in ((tp, dims.heads, "attention heads"),
-                              (tp, dims.kv_heads, "KV groups (num_key_value_heads)")):
-        if count % size:
-            problems.append(f"parallel.tensor_parallel={size} does not divide the {count} {what}")
+    if dims.heads % tp:
+        problems.append(f"parallel.tensor_parallel={tp} does not divide the {dims.heads} "
+                        f"attention heads")
+    if not _splits_kv_groups(tp, dims.kv_heads):
+        problems.append(f"parallel.tensor_parallel={tp} neither divides the {dims.kv_heads} KV "
+                        f"groups (num_key_value_heads) nor is a multiple of them (Megatron-Core "
+                        f"then gives each rank one group)")
     if not dims.moe and dims.ffn % tp:
         problems.append(f"parallel.tensor_parallel={tp} does not divide the FFN width "
                         f"{dims.ffn} (intermediate_size)")
@@ -186,10 +189,16 @@ def check_layout(parallel, world_size: int, hf_config: dict | None, *, rollout_r
         problems.append(f"the expert tensor-parallel size {etp} does not divide the experts' "
                         f"FFN width {dims.moe_ffn} (moe_intermediate_size)")
     if problems:
-        splits = [t for t in range(1, 9) if not (dims.heads % t or dims.kv_heads % t
-                                                 or (not dims.moe and dims.ffn % t))]
+        splits = [t for t in range(1, 9) if not (dims.heads % t or (not dims.moe and dims.ffn % t))
+                  and _splits_kv_groups(t, dims.kv_heads)]
         raise InputError("; ".join(problems) + f" (TP sizes up to 8 that split this model: "
                          f"{', '.join(map(str, splits))}; `dgpo-plan` lists the layouts that fit)")
+
+
+def _splits_kv_groups(tp: int, kv_groups: int) -> bool:
+    """Megatron-Core splits the KV groups over TP, or with fewer groups than TP ranks gives
+    each rank one (``Attention.__init__``): either TP divides them or they divide TP."""
+    return kv_groups % tp == 0 or tp % kv_groups == 0
 
 
 def torchrun_command(ranks: int, relaunch: str) -> str:

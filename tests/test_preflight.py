@@ -170,10 +170,11 @@ TINY = dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_si
     (dict(expert_parallel=2, expert_tensor_parallel=1), 3, None, "and expert_tensor_parallel x "
      "expert_parallel x pipeline_parallel = 1 x 2 x 1 = 2"),
     (dict(tensor_parallel=3), 3, TINY, "parallel.tensor_parallel=3 does not divide the 4 attention "
-     "heads; parallel.tensor_parallel=3 does not divide the 2 KV groups (num_key_value_heads); "
+     "heads; parallel.tensor_parallel=3 neither divides the 2 KV groups (num_key_value_heads) nor "
+     "is a multiple of them (Megatron-Core then gives each rank one group); "
      "parallel.tensor_parallel=3 does not divide the FFN width 256 (intermediate_size) (TP sizes "
-     "up to 8 that split this model: 1, 2"),
-    (dict(tensor_parallel=4), 4, TINY, "parallel.tensor_parallel=4 does not divide the 2 KV groups"),
+     "up to 8 that split this model: 1, 2, 4"),
+    (dict(tensor_parallel=8), 8, TINY, "parallel.tensor_parallel=8 does not divide the 4 attention heads"),
     (dict(pipeline_parallel=3), 3, TINY, "parallel.pipeline_parallel=3 does not divide the 2 layers"),
     (dict(pipeline_parallel=2, virtual_pipeline_parallel=2), 2, TINY, "parallel.pipeline_parallel=2 "
      "x virtual_pipeline_parallel=2 does not divide the 2 layers"),
@@ -188,6 +189,12 @@ def test_layouts_that_cannot_split_the_world_or_the_model_are_refused(sizes, wor
     with pytest.raises(InputError) as refused:
         preflight.check_layout(ParallelConfig(**sizes), world, hf_config, relaunch=RELAUNCH)
     assert message in str(refused.value)
+
+
+def test_more_tp_ranks_than_kv_groups_pass_as_megatron_replicates_them():
+    """4 TP ranks over 2 KV groups: Megatron-Core gives each rank one group (the tiny recipe at
+    TP = 4 on 4 ranks trains, its log-probs the engine's within 2e-7)."""
+    preflight.check_layout(ParallelConfig(tensor_parallel=4), 4, TINY, relaunch=RELAUNCH)
 
 
 def test_dedicated_engines_must_leave_the_trainer_ranks_its_layout_needs():
