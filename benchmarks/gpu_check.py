@@ -133,6 +133,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megatron_dgpo.runtime.gpu_flags import NVTE_SWITCHES  # noqa: E402
+
 SKIP_LINE = "gpu_check: skipped: no CUDA device (the GPU checks need one)"
 
 # a small Qwen2 for the agreement checks: GQA, QKV bias, head size 64
@@ -244,7 +246,6 @@ def _gpu_platform():
 PROFILES = {"a100": {"NVTE_FUSED_ATTN": "0"}}
 """``--profile``: the environment under which this GPU chooses attention as another generation
 must: ``a100`` turns TE's cuDNN attention off, which is what an A100 lacks for packed rows."""
-NVTE_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 @contextmanager
@@ -337,11 +338,14 @@ def _params(models) -> dict:
 
 
 def _reference_weights() -> dict:
-    """SMALL_QWEN2's weights (local spec names, fp32): what every agreement run loads."""
+    """SMALL_QWEN2's weights (local spec names, fp32): what every agreement run loads. Its
+    local-spec build sets every NVTE_*_ATTN switch to 0: they are put back as they were, or
+    the TE model built next would meet them and Megatron would assert."""
     from megatron_dgpo.models.builder import build_model
     from megatron_dgpo.runtime.gpu_flags import Platform
 
-    model = build_model(SMALL_QWEN2, seed=3, platform=Platform(cuda=True))[0]
+    with _attention_switches_restored():
+        model = build_model(SMALL_QWEN2, seed=3, platform=Platform(cuda=True))[0]
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -28,10 +28,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from megatron_dgpo.preflight import check_hf_folder
 from megatron_dgpo.rollout.evaluation import (BenchmarkResult, grade_problems,  # noqa: F401
                                               ks_up_to, pass_at_k, problem_seeds, score_benchmark)
 from megatron_dgpo.tasks.prompts import (PromptRecord, benchmark_files, find_benchmarks_dir,
                                          render_prompts, resolve_benchmarks)
+from megatron_dgpo.runtime.errors import InputError, reported_as
 from megatron_dgpo.tasks.rewards import RewardPool
 
 
@@ -119,11 +121,8 @@ def _resolve_benchmarks(specs: Sequence[str] | None, bench_dir: str | None, limi
         directory = Path(bench_dir) if bench_dir else find_benchmarks_dir()
         specs = list(benchmark_files(directory)) if directory and directory.is_dir() else []
         if not specs:
-            raise SystemExit("dgpo-eval: no --benchmarks given and no benchmark folder found (--bench-dir)")
-    try:
-        return resolve_benchmarks(specs, bench_dir, limit=limit)
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"dgpo-eval: {exc}") from None
+            raise InputError("no --benchmarks given and no benchmark folder found (--bench-dir)")
+    return resolve_benchmarks(specs, bench_dir, limit=limit)
 
 
 def _build_engine(args):
@@ -139,6 +138,7 @@ def _build_engine(args):
                         placement="separate")  # one process, no torch.distributed group
 
 
+@reported_as("dgpo-eval")
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dgpo-eval", description="Avg@k / Pass@k of a model on math benchmarks.")
     p.add_argument("--model", required=True, help="HF model folder (weights + tokenizer)")
@@ -169,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there (a local HF model folder is "
                 f"needed; nothing is downloaded)")
+    check_hf_folder(Path(args.model), f"--model {args.model}", trainable=False)
     benchmarks = _resolve_benchmarks(args.benchmarks, args.bench_dir, args.limit)
     if args.max_model_len is None:  # room for a long prompt, within what the model's positions allow
         positions = read_hf_config(args.model).get("max_position_embeddings")

@@ -23,6 +23,7 @@ from megatron_dgpo.planner.report import explain, explain_step_time, format_tabl
 from megatron_dgpo.planner.search import (balanced_schedules, estimate_step_times, make_plan,
                                           plan_attention, refused_plan)
 from megatron_dgpo.planner.steptime import HARDWARE, StepShape
+from megatron_dgpo.runtime.errors import reported_as
 
 
 def _positive_int(flag):
@@ -135,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@reported_as("dgpo-plan")
 def main(argv: list[str] | None = None) -> int:
     """``dgpo-plan``: 0 when a layout fits (and dedicated engines their GPUs), 1 when not or
     when the recipe's attention backend cannot run on ``--hardware`` with ``--flash-attn``'s

@@ -23,15 +23,17 @@ each prompt giving ``rollout.group_size`` responses; there are
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from megatron_dgpo.algorithm.losses import LossConfig
+from megatron_dgpo.algorithm.packing import padded_length
 from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.rollout.evaluation import EvalConfig
-from megatron_dgpo.runtime.config import load_config, require_choice
+from megatron_dgpo.rollout.placement import MAX_TRAIN_SEED
+from megatron_dgpo.runtime.config import Bounds, check_bounds, load_config, require_choice
+from megatron_dgpo.runtime.gpu_flags import pad_multiple
 from megatron_dgpo.runtime.parallel import ParallelConfig
 from megatron_dgpo.tasks.prompts import DataConfig
 from megatron_dgpo.telemetry import LoggingConfig
@@ -46,14 +48,14 @@ class AlgorithmConfig(LossConfig):
     estimator, DAPO's filter and refill, DAPO's overlong filtering and soft overlong
     punishment, routing replay."""
 
-    advantage_eps: float = 1e-6
+    advantage_eps: Annotated[float, Bounds(ge=0)] = 1e-6
     """Added to the group's reward std before dividing (groups with one distinct reward get 0)."""
     advantage_unbiased_std: bool = True
     """Sample (n-1) std of the group's rewards, as GRPO's reference code; False: population std."""
     drop_degenerate_groups: bool = False
     """DAPO's filter: prompt groups whose rewards are all equal are left out of the update (no
     tokens in the loss or in N; counted as ``adv/num_dropped_groups``)."""
-    refill_rounds: int = 0
+    refill_rounds: Annotated[int, Bounds(ge=0)] = 0
     """With ``drop_degenerate_groups``: DAPO's dynamic sampling, up to this many extra sampling
     rounds per step. Each batch position whose group came out degenerate is sampled again from
     the next unused prompt of the stream, until every position holds an informative group or
@@ -69,7 +71,7 @@ class AlgorithmConfig(LossConfig):
     loss. A mini-batch left with no token is not stepped. Logged: ``adv/overlong_filtered_frac``
     (the share of samples filtered; ``rollout/truncated_frac`` is logged in any case).
     False: truncated samples train like the others."""
-    overlong_penalty_window: int = 0
+    overlong_penalty_window: Annotated[int, Bounds(ge=0)] = 0
     """DAPO's soft overlong punishment: the length L_cache of the window below the response
     cap L_max = ``rollout.max_response_tokens`` over which a response's reward is penalised,
     linearly from 0 at |y| = L_max - L_cache to -``overlong_penalty_factor`` at L_max (a
@@ -80,7 +82,7 @@ class AlgorithmConfig(LossConfig):
     ``overlong_buffer.len``, NeMo-RL's ``overlong_buffer_length`` (DAPO: 4096 of 20480).
     Logged: ``adv/overlong_penalty_mean``, ``adv/overlong_penalized_frac`` (the share of
     samples with a penalty < 0). Below ``rollout.max_response_tokens``. 0: off."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: Annotated[float, Bounds(gt=0)] = 1.0
     """The penalty at the cap (verl's ``overlong_buffer.penalty_factor``, NeMo-RL's
     ``overlong_buffer_penalty``): R_length = -factor (|y| - (L_max - L_cache)) / L_cache in the
     window. A finite number > 0; 1.0 is DAPO's (the reward of a correct answer, +1, falls to 0
@@ -99,20 +101,9 @@ class AlgorithmConfig(LossConfig):
     ``off``: the trainer routes freely and nothing is recorded."""
 
     def __post_init__(self):
+        check_bounds(self)
         super().__post_init__()
         require_choice("routing_replay", self.routing_replay, ("off", "r3"))
-        if isinstance(self.refill_rounds, bool) or not isinstance(self.refill_rounds, int) \
-                or self.refill_rounds < 0:
-            raise ValueError(f"refill_rounds must be an integer >= 0, got {self.refill_rounds!r}")
-        window = self.overlong_penalty_window
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ValueError(f"overlong_penalty_window must be an integer >= 0 (0: off), got "
-                             f"{window!r}")
-        factor = self.overlong_penalty_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
-                math.isfinite(factor) and factor > 0):
-            raise ValueError(f"overlong_penalty_factor must be a finite number > 0, got "
-                             f"{factor!r}")
         if self.refill_rounds and not self.drop_degenerate_groups:
             raise ValueError("refill_rounds refills the groups drop_degenerate_groups drops: "
                              "set drop_degenerate_groups: true as well, or refill_rounds: 0")
@@ -122,21 +113,21 @@ class AlgorithmConfig(LossConfig):
 class TrainConfig:
     """The loop's sizes and seeds."""
 
-    steps: int = 100
+    steps: Annotated[int, Bounds(ge=1)] = 100
     """RL steps (rollout batches) to run in total, counting those of a resumed run."""
-    rollout_batch_prompts: int = 512
+    rollout_batch_prompts: Annotated[int, Bounds(ge=1)] = 512
     """Prompts sampled per step (the paper: 512)."""
-    mini_batch_prompts: int = 32
+    mini_batch_prompts: Annotated[int, Bounds(ge=1)] = 32
     """Prompts per optimizer update (the paper: 32, i.e. 16 updates per rollout batch). Their
     responses are split over the data-parallel ranks."""
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: Annotated[int, Bounds(ge=1)] = 16384
     """Token budget of one packed micro-batch row (sequence packing). Must hold the longest
     prompt + response."""
-    seed: int = 42
+    seed: Annotated[int, Bounds(ge=0, lt=MAX_TRAIN_SEED)] = 42
     """Seeds weights' RNG, the prompt order, vLLM sampling and mini-batch shuffling: a run is a
     function of its config (and resuming does not change it). In [0, 2**23): each seed owns
     2**40 sampling streams (``rollout.placement.prompt_seeds``)."""
-    log_prob_chunk_size: int | None = None
+    log_prob_chunk_size: Annotated[int | None, Bounds(ge=1)] = None
     """Tokens per chunk in the vocab-parallel log-prob kernel (None: automatic)."""
     offload_training_state: bool = False
     """Move the gradient buffers and the optimizer state (Adam moments, fp32 main weights) off
@@ -146,7 +137,7 @@ class TrainConfig:
     two host copies of them per step. The state also leaves before the engines start, so vLLM
     finds its ``gpu_memory_utilization`` free. ``dgpo-plan`` counts it. Off by default; on in
     the 14B-70B recipes, which give the freed memory to vLLM's KV cache."""
-    max_minutes: float | None = None
+    max_minutes: Annotated[float | None, Bounds(gt=0)] = None
     """The job's own time budget (Megatron-LM's ``--exit-duration-in-mins``): the run stops
     with a checkpoint, as on a stop signal, after the first step at whose end another step
     and a save would likely not fit (elapsed + the last step's time + the last save's time >
@@ -154,17 +145,10 @@ class TrainConfig:
     restarted or requeued attempt has its own). None: no budget."""
 
     def __post_init__(self):
-        for name in ("steps", "rollout_batch_prompts", "mini_batch_prompts", "micro_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"max_minutes must be > 0 or None, got {self.max_minutes}")
+        check_bounds(self)
         if self.rollout_batch_prompts % self.mini_batch_prompts:
             raise ValueError(f"rollout_batch_prompts ({self.rollout_batch_prompts}) must be a "
                              f"multiple of mini_batch_prompts ({self.mini_batch_prompts})")
-        if not 0 <= self.seed < 1 << 23:  # rollout.placement.MAX_TRAIN_SEED
-            raise ValueError(f"seed must be in [0, 2**23) (sampling seeds are seed << 40 + "
-                             f"stream, below 2**63), got {self.seed}")
 
 
 @dataclass
@@ -219,10 +203,15 @@ class RunConfig:
                              f"({self.algorithm.overlong_penalty_window}) must be below "
                              f"rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
                              f"the penalty window sits below the response cap")
-        if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
-            raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
-                             f"exceed rollout.max_response_tokens "
-                             f"({self.rollout.max_response_tokens}) plus the prompt")
+        longest = padded_length(self.rollout.max_prompt_tokens + self.rollout.max_response_tokens,
+                                pad_multiple(self.parallel.tensor_parallel,
+                                             self.parallel.context_parallel))
+        if self.train.micro_batch_tokens < longest:
+            raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) cannot "
+                             f"hold the longest sample: rollout.max_prompt_tokens "
+                             f"({self.rollout.max_prompt_tokens}) + rollout.max_response_tokens "
+                             f"({self.rollout.max_response_tokens}), padded for TP x CP, is "
+                             f"{longest} tokens; set train.micro_batch_tokens={longest} or more")
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

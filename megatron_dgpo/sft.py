@@ -21,13 +21,15 @@ rendered with the tokenizer's chat template, as in the rollout) and the response
 
 from __future__ import annotations
 
-from megatron_dgpo.command import recipe_command  # first: sets the OpenMP default before torch
+from megatron_dgpo.command import quiet_console, recipe_command  # first: the OpenMP default
 
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from typing import Annotated  # noqa: E402
 
-from megatron_dgpo.runtime.config import load_config  # noqa: E402
+from megatron_dgpo.runtime.config import Bounds, check_bounds, load_config  # noqa: E402
+from megatron_dgpo.runtime.errors import InputError, reported_as  # noqa: E402
 from megatron_dgpo.runtime.parallel import ParallelConfig  # noqa: E402
 from megatron_dgpo.telemetry import LoggingConfig  # noqa: E402
 from megatron_dgpo.training.checkpoint import CheckpointConfig  # noqa: E402
@@ -46,24 +48,20 @@ class SFTConfig:
     """Dotted field holding the prompt (a string or chat messages)."""
     response_field: str = "response"
     """Dotted field holding the response text (the end-of-turn token is appended)."""
-    steps: int = 500
+    steps: Annotated[int, Bounds(ge=1)] = 500
     """Optimizer steps."""
-    batch_samples: int = 64
+    batch_samples: Annotated[int, Bounds(ge=1)] = 64
     """Samples per optimizer step (split over the data-parallel replicas)."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: Annotated[int, Bounds(ge=1)] = 4096
     """Token budget of one packed micro-batch row; must hold the longest prompt + response."""
-    seed: int = 0
+    seed: Annotated[int, Bounds(ge=0)] = 0
     """Seeds the weights of a ``model.tiny`` policy and the data order."""
-    max_minutes: float | None = None
+    max_minutes: Annotated[float | None, Bounds(gt=0)] = None
     """The job's own time budget, as ``train.max_minutes`` of the RL trainer: stop with a
     checkpoint (exit ``interrupt.EXIT_STOPPED``) when another step and a save would not fit."""
 
     def __post_init__(self):
-        for name in ("steps", "batch_samples", "micro_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"max_minutes must be > 0 or None, got {self.max_minutes}")
+        check_bounds(self)
 
 
 @dataclass
@@ -95,14 +93,14 @@ def tokenize_pairs(config: SFTConfig, tokenizer) -> list:
     from megatron_dgpo.tasks.prompts import load_sft_pairs, render_prompt
 
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end a response with")
+        raise InputError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end a response with")
     samples = []
     for i, (messages, response) in enumerate(load_sft_pairs(config.data, prompt_key=config.prompt_field,
                                                              response_key=config.response_field)):
         prompt_ids = render_prompt(tokenizer, messages)
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(prompt_ids) + len(response_ids) > config.micro_batch_tokens:
-            raise ValueError(f"{config.data} row {i}: {len(prompt_ids) + len(response_ids)} tokens "
+            raise InputError(f"{config.data} row {i}: {len(prompt_ids) + len(response_ids)} tokens "
                              f"do not fit in sft.micro_batch_tokens={config.micro_batch_tokens}")
         samples.append(Sample(torch.tensor(prompt_ids + response_ids), len(prompt_ids), {}))
     return samples
@@ -154,10 +152,17 @@ def load_sft_recipe(path, overrides=()) -> SFTRunConfig:
     return load_config(SFTRunConfig, path, overrides)
 
 
+@reported_as("dgpo-sft")
 def main(argv: list[str] | None = None) -> int:
-    return recipe_command(argv, prog="dgpo-sft", config_class=SFTRunConfig, load=load_sft_recipe,
-                          run=train_sft,
-                          description="Supervised warm start of a policy from a recipe.",
+    from megatron_dgpo.preflight import check_sft
+
+    def run(config: SFTRunConfig) -> int:
+        quiet_console("dgpo-sft", config.run_dir, verbose=config.logging.verbose)
+        return train_sft(config)
+
+    return recipe_command(argv, prog="dgpo-sft", module="megatron_dgpo.sft",
+                          config_class=SFTRunConfig, load=load_sft_recipe, check=check_sft,
+                          run=run, description="Supervised warm start of a policy from a recipe.",
                           example="recipes/sft_arithmetic.yaml")
 
 

@@ -36,6 +36,10 @@ class LoggingConfig:
     its sample index in the group, the weight version of each of its segments, its length,
     finish reason and reward), written by rank 0 before the step's checkpoint; a resumed run
     continues it with no gap and no duplicate. Off: nothing written."""
+    verbose: bool = False
+    """Show other packages' notices on the console too (Transformer-Engine and apex fallbacks,
+    Megatron-Core's deprecations, vLLM's INFO lines). False: they go to
+    ``<run_dir>/logs/rank<k>.log``; errors and the project's own lines stay on the console."""
 
 
 class MetricsLogger:

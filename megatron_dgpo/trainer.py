@@ -16,6 +16,7 @@ file only wires them (``python -m megatron_dgpo.train`` is the command line).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -30,6 +31,7 @@ from megatron_dgpo.rollout.evaluation import HeldOutEvaluation
 from megatron_dgpo.rollout.schedule import Schedule
 from megatron_dgpo.rollout.start import engine_rank, serve_engines, start_rollout
 from megatron_dgpo.runtime.gpu_flags import pad_multiple
+from megatron_dgpo.tasks.prompts import prompt_census
 from megatron_dgpo.training.expert_load import ExpertLoad
 from megatron_dgpo.training.minibatches import pack_update, plan_updates
 from megatron_dgpo.training.offload import TrainingStateOffload
@@ -65,6 +67,7 @@ class RLStep:
         self.offload = TrainingStateOffload(run.models, run.optimizer,
                                             enabled=cfg.train.offload_training_state)
         self.offload.offload()  # vLLM starts only if its share of the GPU is free then
+        self.first_metrics = _dropped_prompts(cfg, run)  # logged with the first step's
         # held-out problems read and rendered on every rank before any engine starts
         self.evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, run.hf_dir, cfg.rollout)
                            if cfg.eval.enabled else None)
@@ -134,6 +137,7 @@ class RLStep:
 
         if cfg.logging.samples:  # before the metrics line and the checkpoint, as it
             self.ledger.append(batch.ledger(step, group, run.dp_group))
+        once, self.first_metrics = self.first_metrics, {}
         sampled = batch.rollout_metrics(group, run.dp_group)
         generated = round(sampled["rollout/response_length_mean"] * sampled["rollout/num_samples"])
         return {**sampled, **reduce_group_stats(group_stats, run.dp_group), **mismatch,
@@ -142,7 +146,7 @@ class RLStep:
                 **self.expert_load.metrics(), **(self.replay.metrics() if self.replay else {}),
                 "rollout/staleness": float(step - 1 - batch.policy_version),
                 **batch.staleness_metrics(step, run.dp_group, segments=cfg.rollout.streaming),
-                **engine_stats, **refit_stats, **eval_metrics,
+                **engine_stats, **refit_stats, **eval_metrics, **once,
                 **timer.metrics(generated, trained_tokens, run.dp_size)}
 
     def _advantages(self, batch) -> dict[str, float]:
@@ -177,6 +181,18 @@ class RLStep:
         with _resident_beside_sleeping_engines(self.rollout, self.offload):
             self.run.save(write_extra=lambda folder: self.schedule.write(
                 folder, leader=self.rollout.leader))
+
+
+def _dropped_prompts(cfg: RunConfig, run: TrainingRun) -> dict[str, float]:
+    """On rank 0: the training prompts the rollout leaves out as longer than
+    ``rollout.max_prompt_tokens``, said in one line and returned as metrics."""
+    if not run.rank0:
+        return {}
+    kept, total = prompt_census(cfg.data, run.hf_dir, cfg.rollout.max_prompt_tokens)
+    print(f"dgpo-train: data: {total - kept} of {total} prompts are longer than "
+          f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens} (with the chat template) "
+          f"and left out", file=sys.stderr, flush=True)
+    return {"data/prompts": float(total), "data/prompts_dropped_for_length": float(total - kept)}
 
 
 def _refit(rollout: Rollout, models: list, version: int) -> dict[str, float]:

@@ -60,6 +60,7 @@ class TrainingRun:
         init_distributed(timeout_minutes=cfg.parallel.timeout_minutes,
                          watchdog_minutes=cfg.parallel.watchdog_minutes,
                          tensor_parallel=cfg.parallel.tensor_parallel,
+                         context_parallel=cfg.parallel.context_parallel,
                          rollout_ranks=rollout_ranks)  # before any engine
         initialize_parallel(cfg.parallel, seed=seed)
         self.cfg, self.steps, self._progress = cfg, steps, progress

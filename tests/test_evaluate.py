@@ -132,7 +132,7 @@ def test_benchmarks_resolve_by_name_or_file_and_errors_name_the_spec(tmp_path):
         resolve_benchmarks(["aime24"], folder)
     with pytest.raises(ValueError, match="two benchmarks are named 'amc23'"):
         resolve_benchmarks(["amc23", str(folder / "amc23.jsonl")], folder)
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(ValueError, match="missing.jsonl"):
         resolve_benchmarks([str(tmp_path / "missing.jsonl")], folder)
 
 

@@ -205,3 +205,49 @@ def test_attention_choice_row_on_stand_in_gpus(gpu_check, monkeypatch):
         row = gpu_check.check_attention_choice()
         assert row.ok is ok and row.numbers["chosen"].startswith(chosen), row
         assert "flash-attn==2.8.3" in row.numbers["refusal"]
+
+
+def test_te_thd_bf16_builds_its_te_model_with_the_profiles_switches(gpu_check, monkeypatch):
+    """The row's reference weights come from a local-spec model, whose build sets every
+    NVTE_*_ATTN switch to 0 (Megatron's ``LanguageModule._set_attention_backend``); the old
+    row kept them for the TE model built next, where Megatron asserts, so it failed on every
+    GPU. Here the builds are stood in on CPU by Megatron's own switch-setting and a
+    one-parameter model (no GPU for the forward), the row's order and restores are the real
+    ones: the TE model is built as the trainer's choice on a stand-in H100, the row passes,
+    and the switches end as they began."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.enums import AttnBackend
+
+    import megatron_dgpo.models.builder as builder
+    from megatron_dgpo.runtime.gpu_flags import GPU
+
+    for key in gpu_check.NVTE_SWITCHES:
+        monkeypatch.delenv(key, raising=False)
+    built = []
+
+    def build_model(config, *, platform, attention_backend=None, **kwargs):
+        backend = attention_backend or (AttnBackend.auto if platform.transformer_engine
+                                        else AttnBackend.local)
+        LanguageModule._set_attention_backend(SimpleNamespace(config=SimpleNamespace(
+            attention_backend=backend, flash_attention_version=None)))
+        built.append(backend.name)
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.ones(()))
+        return [model]
+
+    monkeypatch.setattr(builder, "build_model", build_model)
+    monkeypatch.setattr(gpu_check, "_gpu_platform", lambda: replace(
+        GPU, compute_capability=(9, 0), device_name="H100"))
+    monkeypatch.setattr(gpu_check, "_logits", lambda model, tokens, cu, thd: model.w * torch.ones(
+        1, len(tokens), 2))
+    monkeypatch.setattr(gpu_check, "_weighted_logprob_loss", lambda logits, targets, w, vocab: (
+        (logits[0, :, 0] * w).sum(), logits[0, :, 0].detach()))
+    row = gpu_check.run_check("te_thd_bf16", gpu_check.check_te_thd_bf16, FULL)
+    assert row.ok, row.result
+    assert built == ["local", "local", "fused", "local"]
+    assert {k: os.environ.get(k) for k in gpu_check.NVTE_SWITCHES} == dict.fromkeys(
+        gpu_check.NVTE_SWITCHES)

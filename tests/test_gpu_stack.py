@@ -207,6 +207,39 @@ def test_dockerfile_builds_te_and_apex_against_the_installed_torch():
     assert "megatron.core" in check and "fused_weight_gradient_mlp_cuda" in check
 
 
+def _flash_attn_jobs(tmp_path, mem_available_gib: float, *, cores: int = 64, max_jobs: str = "",
+                     archs: str = "80;90;100") -> int:
+    """The MAX_JOBS the Dockerfile's flash-attn step compiles with, its shell run up to the pip
+    install with ``/proc/meminfo`` and ``nproc`` stood in."""
+    run = next(line for line in _dockerfile().splitlines()
+               if re.search(r"pip install .*\bflash-attn\b", line))
+    script = run.removeprefix("RUN ").split("FLASH_ATTENTION_FORCE_BUILD=TRUE")[0]
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {int(mem_available_gib * 1.05 * 2**20)} kB\n"
+                       f"MemAvailable: {int(mem_available_gib * 2**20)} kB\n")
+    script = script.replace("/proc/meminfo", str(meminfo))
+    out = subprocess.run(["bash", "-c", f"nproc() {{ echo {cores}; }}; MAX_JOBS='{max_jobs}'; "
+                          f"FLASH_ATTN_CUDA_ARCHS='{archs}'; {script}"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(re.fullmatch(r"flash-attn: MAX_JOBS=(\d+)\n", out)[1])
+
+
+def test_flash_attn_compiles_with_as_many_jobs_as_the_build_hosts_memory_holds(tmp_path):
+    """Each nvcc job of flash-attn holds ~6.5 GiB per architecture (docs/install.md); the old
+    default MAX_JOBS=8 wanted ~150 GiB for three, and overrode flash-attn's own memory-based
+    count. By default the count follows the memory available: a 64 GB host (~58 GiB free)
+    compiles 2 jobs for three architectures, 8 for one; never more than the cores, never 0.
+    ``--build-arg MAX_JOBS`` still sets it."""
+    assert re.search(r"^ARG MAX_JOBS=$", _dockerfile(), re.M)
+    assert _flash_attn_jobs(tmp_path, 58) == 2
+    assert _flash_attn_jobs(tmp_path, 58, archs="80") == 8
+    assert _flash_attn_jobs(tmp_path, 1000) == 47 and _flash_attn_jobs(tmp_path, 1000, cores=16) == 16
+    assert _flash_attn_jobs(tmp_path, 12) == 1
+    assert _flash_attn_jobs(tmp_path, 58, max_jobs="6") == 6
+    for available in (30, 58, 120, 500):  # what the count asks stays within what is there
+        assert _flash_attn_jobs(tmp_path, available) * 3 * 6.5 <= max(available, 3 * 6.5)
+
+
 def _import_check() -> str:
     """The Python of the Dockerfile's final import check (its `python -c "..."`)."""
     line = next(line for line in _dockerfile().splitlines()
@@ -225,7 +258,7 @@ def test_dockerfile_builds_flash_attn_against_the_installed_torch_and_checks_te_
     flash = installs[0]
     assert "--no-build-isolation" in flash and "-c constraints-gpu.txt" in flash, flash
     assert re.search(r"\bFLASH_ATTENTION_FORCE_BUILD=TRUE\b", flash), "must compile, never fetch a wheel"
-    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in flash and "MAX_JOBS=${MAX_JOBS}" in flash
+    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in flash and "MAX_JOBS=$jobs" in flash
     assert not re.search(r"flash[-_]attn[^\s]*post|\.whl|releases/download", text, re.I), \
         "flash-attn from the constraints' sdist only, never a (.post) prebuilt wheel"
     order = [next(i for i, line in enumerate(lines) if re.search(pattern, line))

@@ -53,7 +53,7 @@ def test_sft_data_and_recipe_errors(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"prompt": "hi", "response": "ok"}) + "\n"
                     + json.dumps({"prompt": [{"role": "user", "content": "x"}], "answer": "y"}) + "\n")
-    with pytest.raises(KeyError, match=r"pairs.jsonl row 1: missing field 'response'"):
+    with pytest.raises(ValueError, match=r"pairs.jsonl row 1: missing field 'response'"):
         load_sft_pairs(data)
     data.write_text(json.dumps({"prompt": "hi", "response": ""}) + "\n")
     with pytest.raises(ValueError, match=r"row 0: field 'response' must be a non-empty string"):

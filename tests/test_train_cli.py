@@ -15,42 +15,69 @@ RECIPE = "recipes/tiny_cpu.yaml"
     ("algorithm.metod=grpo", "unknown key 'algorithm.metod'; did you mean 'algorithm.method'?"),
     ("train.steps=many", "train.steps: expected an integer, got 'many'"),
     ("algorithm.method=ppo", "method must be one of grpo, cispo, gppo, ce_gppo, aspo, dgpo"),
-    ("optimizer.lr=fast", "optimizer.lr: expected float | 'auto', got 'fast'"),
+    ("optimizer.lr=fast", "optimizer.lr: expected float > 0 | 'auto', got 'fast'"),
+    ("optimizer.lr=-1", "optimizer.lr: expected float > 0 | 'auto', got -1"),
+    ("optimizer.lr=.nan", "optimizer.lr: expected float > 0 | 'auto', got nan"),
+    # values outside their meaning: each bound declared beside its field (runtime/config.Bounds)
+    ("optimizer.clip_grad=-1", "optimizer.clip_grad must be >= 0, got -1.0"),
+    ("optimizer.adam_beta2=1", "optimizer.adam_beta2 must be in [0, 1), got 1.0"),
+    ("optimizer.weight_decay=.inf", "optimizer.weight_decay must be a finite number >= 0, got inf"),
+    ("optimizer.adam_eps=0", "optimizer.adam_eps must be > 0, got 0.0"),
+    ("train.steps=0", "train.steps must be >= 1, got 0"),
+    ("train.max_minutes=0", "train.max_minutes must be > 0, got 0.0"),
+    ("train.log_prob_chunk_size=0", "train.log_prob_chunk_size must be >= 1, got 0"),
+    ("parallel.tensor_parallel=0", "parallel.tensor_parallel must be >= 1, got 0"),
+    ("parallel.watchdog_minutes=0.01", "parallel.watchdog_minutes must be >= 0.05, got 0.01"),
+    ("model.moe_aux_loss_coeff=-1", "model.moe_aux_loss_coeff must be >= 0, got -1.0"),
+    ("model.nominal_params=0", "model.nominal_params must be > 0, got 0.0"),
+    ("algorithm.advantage_eps=-1", "algorithm.advantage_eps must be >= 0, got -1.0"),
     ("train.mini_batch_prompts=5", "rollout_batch_prompts (32) must be a multiple of mini_batch_prompts (5)"),
     ("algorithm.loss.n=0", "algorithm.loss: n must be a positive integer, got 0"),
-    ("rollout.max_response_tokens=4096", "train.micro_batch_tokens (1024) must exceed rollout.max_response_tokens"),
+    ("rollout.max_response_tokens=4096", "train.micro_batch_tokens (1024) cannot hold the longest "
+     "sample: rollout.max_prompt_tokens (96) + rollout.max_response_tokens (4096), padded for "
+     "TP x CP, is 4192 tokens; set train.micro_batch_tokens=4192 or more"),
     ("algorithm.loss_aggregation=sum", "algorithm.loss_aggregation: expected one of 'token_mean', "
      "'group_token_mean', 'seq_mean_token_mean', got 'sum'"),
     ("algorithm.rollout_correction=is", "algorithm.rollout_correction: expected one of 'none', 'tis'"),
     ("algorithm.rollout_correction_cap=0.9", "algorithm: rollout_correction_cap must be a finite number >= 1"),
     ("algorithm.drop_degenerate_groups=maybe", "algorithm.drop_degenerate_groups: expected true or false"),
-    ("train.seed=8388608", "train: seed must be in [0, 2**23)"),
+    ("train.seed=8388608", "train.seed must be in [0, 8388608), got 8388608"),
     ("algorithm.refill_rounds=2", "refill_rounds refills the groups drop_degenerate_groups drops"),
-    ("algorithm.refill_rounds=-1", "refill_rounds must be an integer >= 0"),
+    ("algorithm.refill_rounds=-1", "algorithm.refill_rounds must be >= 0, got -1"),
     ("algorithm.overlong_filter=maybe", "algorithm.overlong_filter: expected true or false"),
-    ("algorithm.overlong_penalty_window=-1", "algorithm: overlong_penalty_window must be an "
-     "integer >= 0 (0: off), got -1"),
+    ("algorithm.overlong_penalty_window=-1", "algorithm.overlong_penalty_window must be >= 0, got -1"),
     ("algorithm.overlong_penalty_window=4", "algorithm.overlong_penalty_window (4) must be below "
      "rollout.max_response_tokens (4)"),
-    ("algorithm.overlong_penalty_factor=0", "algorithm: overlong_penalty_factor must be a finite "
-     "number > 0, got 0"),
-    ("algorithm.overlong_penalty_factor=.inf", "overlong_penalty_factor must be a finite number"),
+    ("algorithm.overlong_penalty_factor=0", "algorithm.overlong_penalty_factor must be > 0, got 0.0"),
+    ("algorithm.overlong_penalty_factor=.inf", "algorithm.overlong_penalty_factor must be a finite "
+     "number > 0, got inf"),
     ("eval.evry=2", "unknown key 'eval.evry'; did you mean 'eval.every'?"),
-    ("eval.every=-1", "eval: every must be an integer >= 0"),
+    ("eval.every=-1", "eval.every must be >= 0, got -1"),
     ("eval.every=2", "eval: benchmarks must name at least one benchmark or held-out file"),
     ("eval.at_end=true", "eval: benchmarks must name at least one benchmark or held-out file"),
     ("eval.benchmarks=aime24", "eval.benchmarks: expected a list, got 'aime24'"),
-    ("eval.n=0", "eval: n must be an integer >= 1, got 0"),
-    ("eval.max_tokens=0", "eval: max_tokens must be null or an integer >= 1, got 0"),
+    ("eval.n=0", "eval.n must be >= 1, got 0"),
+    ("eval.max_tokens=0", "eval.max_tokens must be >= 1, got 0"),
     ("eval.max_tokens=100", "eval.max_tokens (100) leaves no room for a prompt in the engines' context"),
-    ("eval.temperature=0", "eval: temperature must be > 0"),
-    ("eval.top_p=1.5", "eval: top_p must lie in (0, 1]"),
-    ("eval.limit=0", "eval: limit must be null or an integer >= 1, got 0"),
-    ("eval.seed=-1", "eval: seed must be an integer in [0, 2**62)"),
+    ("eval.temperature=0", "eval.temperature must be > 0, got 0.0"),
+    ("eval.top_p=1.5", "eval.top_p must be in (0, 1], got 1.5"),
+    ("eval.limit=0", "eval.limit must be >= 1, got 0"),
+    ("eval.seed=-1", "eval.seed must be in [0, 4611686018427387904), got -1"),
 ])
 def test_bad_overrides_fail_before_anything_starts_and_name_the_key(override, message, capsys):
     assert main([RECIPE, override]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_micro_batch_budget_holds_the_longest_sample_padded_for_context_parallelism():
+    """Prompt + response, padded to 2 x CP x TP (Megatron's zigzag split), must fit one row: at
+    CP = 2, 1020 + 4 = 1024 tokens fit a 1024-token budget, 1021 + 4 pads to 1028 and is refused
+    at load (on the old code: only max_response_tokens + 1 was checked, and the sample failed
+    packing mid-run)."""
+    cp2 = ["parallel.context_parallel=2", "train.micro_batch_tokens=1024"]
+    assert load_recipe(RECIPE, cp2 + ["rollout.max_prompt_tokens=1020"]).train.micro_batch_tokens == 1024
+    with pytest.raises(ValueError, match="is 1028 tokens; set train.micro_batch_tokens=1028"):
+        load_recipe(RECIPE, cp2 + ["rollout.max_prompt_tokens=1021"])
 
 
 def test_missing_recipe_and_misplaced_override_are_refused(capsys):

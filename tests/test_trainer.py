@@ -171,10 +171,31 @@ def test_log_has_no_partial_weight_load_warnings(full_job):
     """vLLM warns, at every reload call, about each module the call did not fill (on a complete
     reload too: the rotary embedding's cache is never in a checkpoint); the engine holds those
     warnings back and checks each refit's completeness itself (rollout.vllm_worker)."""
-    output = full_job[1]
-    assert "Reloading weights inplace" in output  # vLLM's reload logs do reach this output
-    assert "Failed to load weights" not in output
-    assert "were not loaded from checkpoint" not in output
+    run_dir, output = full_job
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "Reloading weights inplace" in log  # vLLM's reload logs do reach the run's log
+    for text in (output, log):
+        assert "Failed to load weights" not in text
+        assert "were not loaded from checkpoint" not in text
+
+
+def test_the_console_shows_the_run_and_the_log_file_other_packages_notices(full_job):
+    """The tiny run printed ~65 lines of other packages' notices (TE and apex fallbacks on CPU,
+    Megatron-Core's deprecations, vLLM's INFO lines): they are in <run_dir>/logs/rank0.log,
+    and the console keeps the project's lines (runtime/console.py, logging.verbose)."""
+    run_dir, output = full_job
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    for notice in ("GPTModel IS DEPRECATED", "MimoModelConfig is experimental",
+                   "Transformer Engine and Apex are not installed", "Reloading weights inplace",
+                   "Initializing a V1 LLM engine", "MCore's async save is deprecated"):
+        assert notice in log and notice not in output, notice
+    assert "dgpo-train: rank 0 (DP replica 0): colocated vllm engine" in output
+    assert "dgpo-train: data: 0 of 10 prompts are longer than rollout.max_prompt_tokens=96" in output
+    first, second = read_metrics(run_dir)[:2]  # the census is logged once, with the first step
+    assert (first["data/prompts"], first["data/prompts_dropped_for_length"]) == (10, 0)
+    assert not any(key.startswith("data/") for key in second)
+    assert f"dgpo-train: other packages' notices go to {run_dir}/logs/rank<k>.log" in output
+    assert len(output.splitlines()) < 15, output
 
 
 def test_checkpoint_and_hf_export(full_run):

@@ -13,7 +13,11 @@ token) and per-response-token tensors [L_i - response_start]; a packed row, the 
 that goes unchanged into ``train_step``, is [S] with S = sum of the padded lengths and carries
 its boundaries as host ``cu_seqlens``. Rows stay whole on the host; under context parallelism
 each rank's forward takes ``MicroBatch.cp_shard`` (Megatron's zigzag THD split,
-``cp_zigzag_indices``), samples padded to a multiple of 2 x CP x TP.
+``cp_zigzag_indices``), samples padded to a multiple of 2 x CP x TP. ``cu_seqlens`` are these
+padded widths, not the real lengths: real lengths need ``cu_seqlens_q_padded``, i.e. padding
+between sequences, which Transformer-Engine's FlashAttention-2 refuses, so a CP run on an A100
+(no cuDNN THD before sm90) would have no fused attention left. The padding is a sample's own
+tail, outside the loss.
 
 Routing replay (``algorithm.routing_replay: r3``, ``megatron_dgpo.training.routing_replay``): a sample
 may carry the rollout engine's expert choices, ``routed_experts`` [L - 1, layers, topk] (the

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Annotated, Protocol, Sequence
 
 import torch
 
 from megatron_dgpo.rollout.base import RolloutEngine
 from megatron_dgpo.rollout.config import RolloutConfig
 from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.config import Bounds, check_bounds
 from megatron_dgpo.tasks.prompts import PromptRecord, render_prompts, resolve_benchmarks
 from megatron_dgpo.tasks.rewards import RewardPool
 
@@ -177,7 +178,7 @@ class EvalConfig:
     n) and ``time/eval`` (not part of ``time/step`` nor of the throughputs). Training is the
     same with or without it (its samples, seeds and random streams are untouched)."""
 
-    every: int = 0
+    every: Annotated[int, Bounds(ge=0)] = 0
     """Evaluate after every this many steps. 0: off (the default)."""
     at_end: bool | None = None
     """Also evaluate after the run's last step (``train.steps``). None: true when ``every`` > 0;
@@ -190,41 +191,25 @@ class EvalConfig:
     benchmarks_dir: str | None = None
     """Folder of the named benchmarks (aime24.jsonl, ...). None: $DGPO_BENCHMARKS_DIR, else
     ../shared/benchmarks next to the repository (as ``dgpo-eval``)."""
-    n: int = 8
+    n: Annotated[int, Bounds(ge=1)] = 8
     """Samples per problem: the k of Avg@k and the largest k of Pass@k."""
-    max_tokens: int | None = None
+    max_tokens: Annotated[int | None, Bounds(ge=1)] = None
     """Response limit of an evaluation sample. None: ``rollout.max_response_tokens``. Every
     prompt plus this must fit the engines' context, ``rollout.max_prompt_tokens`` +
     ``rollout.max_response_tokens`` (checked at start)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Bounds(gt=0)] = 1.0
     """Sampling temperature of the evaluation samples."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0
     """Nucleus sampling mass of the evaluation samples, in (0, 1]."""
-    limit: int | None = None
+    limit: Annotated[int | None, Bounds(ge=1)] = None
     """Only the first this many problems of each benchmark. None: all of them."""
-    seed: int = 0
+    seed: Annotated[int, Bounds(ge=0, lt=1 << 62)] = 0
     """Problem i of a benchmark is sampled with seed ``seed + i n`` (sample j: ``+ j``) at every
     evaluation, whatever the number of engines: the seeds of ``dgpo-eval --seed``, so the
     numbers equal ``dgpo-eval`` of that step's policy with the same settings. In [0, 2**62)."""
 
     def __post_init__(self):
-        def integer(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not (integer(self.every) and self.every >= 0):
-            raise ValueError(f"every must be an integer >= 0 (0: off), got {self.every!r}")
-        if not (integer(self.n) and self.n >= 1):
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        for name in ("max_tokens", "limit"):
-            value = getattr(self, name)
-            if value is not None and not (integer(value) and value >= 1):
-                raise ValueError(f"{name} must be null or an integer >= 1, got {value!r}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if not (integer(self.seed) and 0 <= self.seed < 1 << 62):
-            raise ValueError(f"seed must be an integer in [0, 2**62), got {self.seed!r}")
+        check_bounds(self)
         if any(not spec.strip() for spec in self.benchmarks):
             raise ValueError(f"benchmarks must be names or paths, got an empty one in "
                              f"{self.benchmarks!r}")

@@ -66,17 +66,22 @@ class Bounds:
             raise ValueError(f"{key} must be {self}, got {value!r}")
 
     def __str__(self) -> str:
-        low = (f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
+        low = (f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}"
                if self.gt is not None else None)
-        high = (f"{self.le:g}]" if self.le is not None else f"{self.lt:g})"
+        high = (f"{_number(self.le)}]" if self.le is not None else f"{_number(self.lt)})"
                 if self.lt is not None else None)
         if low and high:
             return f"in {low}, {high}"
         if low:
-            return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
+            return f">= {_number(self.ge)}" if self.ge is not None else f"> {_number(self.gt)}"
         if high:
-            return f"<= {self.le:g}" if self.le is not None else f"< {self.lt:g}"
+            return f"<= {_number(self.le)}" if self.le is not None else f"< {_number(self.lt)}"
         return "(any number)"
+
+
+def _number(x: float) -> str:
+    """A bound as written: integers exactly (2**23 is 8388608, not 8.38861e+06)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def field_bounds(cls) -> dict[str, Bounds]:
@@ -92,9 +97,19 @@ def field_bounds(cls) -> dict[str, Bounds]:
 def check_bounds(obj) -> None:
     """Check every ``Bounds`` the fields of dataclass instance ``obj`` declare (for a section's
     ``__post_init__``, so a section built in code is held to its recipe's bounds); raises
-    ``ValueError`` naming the first field outside."""
+    ``ValueError`` naming the first field outside. A value a union's ``Literal`` member names
+    (``lr: auto`` of ``Annotated[float, Bounds(gt=0)] | Literal["auto"]``) is not a number to
+    bound."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
     for name, bounds in field_bounds(type(obj)).items():
-        bounds.check(name, getattr(obj, name))
+        value = getattr(obj, name)
+        if not _named_by_literal(hints[name], value):
+            bounds.check(name, value)
+
+
+def _named_by_literal(hint, value) -> bool:
+    return any(typing.get_origin(arg) is Literal and value in typing.get_args(arg)
+               and not isinstance(value, (int, float)) for arg in typing.get_args(hint))
 
 
 def _bounds_of(hint) -> Bounds | None:

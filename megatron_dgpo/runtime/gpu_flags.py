@@ -25,6 +25,8 @@ import importlib
 import importlib.util
 from dataclasses import dataclass, field
 
+from megatron_dgpo.runtime.errors import InputError
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -234,14 +236,24 @@ def _flash_refusal(platform: Platform, dtype, environ) -> str:
         return "NVTE_FLASH_ATTN=0 is set in the environment"
     if not _half(dtype):
         return f"it takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
-    if platform.compute_capability is not None and platform.compute_capability < (8, 0):
+    if _before_ampere(platform):
         return "FlashAttention needs sm80 or newer"
     return "" if platform.flash_attention else platform.flash_attention_error or "no FlashAttention"
 
 
+def _before_ampere(platform: Platform) -> bool:
+    return platform.compute_capability is not None and platform.compute_capability < (8, 0)
+
+
+FLASH_ATTN_ARCHS = {8: "80", 9: "90", 10: "100", 12: "120"}
+"""The ``FLASH_ATTN_CUDA_ARCHS`` flash-attn 2.8.3's setup.py builds, by major compute capability
+(its sm80 code runs on sm86/89 too; it ignores any other value, and nothing before sm80)."""
+
+
 def flash_attention_fix(capability: tuple[int, int] | None) -> str:
-    """How to install the FlashAttention TE uses, and how to check it (for refusals)."""
-    arch = f"{capability[0]}{capability[1]}" if capability else "80"
+    """How to install the FlashAttention TE uses, and how to check it (for refusals on sm80 and
+    newer; before sm80 there is none to install)."""
+    arch = FLASH_ATTN_ARCHS.get(capability[0], "80") if capability else "80"
     return (f"install flash-attn=={FLASH_ATTN_PIN} built against this torch "
             f"(`MAX_JOBS=4 FLASH_ATTN_CUDA_ARCHS={arch} FLASH_ATTENTION_FORCE_BUILD=TRUE pip install "
             f"--no-build-isolation flash-attn=={FLASH_ATTN_PIN}`; Transformer-Engine 2.17.1 takes "
@@ -255,9 +267,10 @@ def attention_backend(platform: Platform, requested: str = "auto", *, dtype,
     """The attention backend of a training run's packed (THD) rows: Megatron-Core's
     ``AttnBackend`` name for ``TransformerConfig.attention_backend`` (``"flash"``, ``"fused"``,
     ``"unfused"``), or ``"local"`` where Megatron's local spec runs (CPU,
-    ``model.without_transformer_engine``). Raises ``ValueError`` naming
+    ``model.without_transformer_engine``). Raises ``InputError`` naming
     ``model.attention_backend`` (or ``model.dtype``), the GPU and the fix where the run would
-    otherwise degrade or fail.
+    otherwise degrade or fail, or naming the ``NVTE_*_ATTN`` variable exported against the
+    backend chosen (Megatron asserts on it at the model's build: ``attention_switches``).
 
     ``requested`` (``model.attention_backend``, one of ``ATTENTION_BACKENDS``): ``"auto"`` takes
     cuDNN fused attention on sm90 and newer, FlashAttention where fused cannot take packed rows
@@ -272,15 +285,33 @@ def attention_backend(platform: Platform, requested: str = "auto", *, dtype,
     Hopper GPU as an A100 that way); ``NVTE_UNFUSED_ATTN=0`` rules out ``unfused``."""
     import os
 
+    environ = os.environ if environ is None else environ
+    backend = _chosen_backend(platform, requested, dtype=dtype,
+                              without_transformer_engine=without_transformer_engine,
+                              environ=environ)
+    for key, wanted in attention_switches(backend).items():
+        exported = environ.get(key)
+        if exported is not None and exported != wanted:
+            raise InputError(
+                f"{key}={exported} is exported, but this run's packed rows take {backend} "
+                f"attention (model.attention_backend={requested} on "
+                f"{platform.gpu if platform.cuda else 'the CPU'}), for which Megatron-Core sets "
+                f"{key}={wanted} and stops at start-up on another value: unset {key} "
+                f"(model.attention_backend chooses the backend; {ATTENTION_HELP})")
+    return backend
+
+
+def _chosen_backend(platform: Platform, requested: str, *, dtype, without_transformer_engine: bool,
+                    environ) -> str:
+    """``attention_backend``'s choice, before the environment's switches are compared."""
     from megatron_dgpo.runtime.config import require_choice
 
     require_choice("model.attention_backend", requested, ATTENTION_BACKENDS)
-    environ = os.environ if environ is None else environ
     if not platform.cuda:
         return "local"  # the CPU path: Megatron's local spec, the recipe's choice has no effect
     if without_transformer_engine or not platform.transformer_engine:
         if requested != "auto":
-            raise ValueError(
+            raise InputError(
                 f"model.attention_backend={requested} is a Transformer-Engine backend; "
                 f"model.without_transformer_engine=true builds Megatron's local attention "
                 f"(dense masks): set model.attention_backend=auto")
@@ -288,19 +319,24 @@ def attention_backend(platform: Platform, requested: str = "auto", *, dtype,
     gpu = platform.gpu
     if requested == "unfused":
         if environ.get("NVTE_UNFUSED_ATTN") == "0":
-            raise ValueError("model.attention_backend=unfused, but NVTE_UNFUSED_ATTN=0 is set "
+            raise InputError("model.attention_backend=unfused, but NVTE_UNFUSED_ATTN=0 is set "
                              "in the environment: unset it or choose another backend")
         return "unfused"
     fused_refusal = _fused_thd_refusal(platform, dtype, environ)
     flash_refusal = _flash_refusal(platform, dtype, environ)
     if requested == "fused":
         if fused_refusal:
-            raise ValueError(f"model.attention_backend=fused on {gpu}: {fused_refusal}. Use "
+            raise InputError(f"model.attention_backend=fused on {gpu}: {fused_refusal}. Use "
                              f"model.attention_backend=auto ({ATTENTION_HELP})")
         return "fused"
     if requested == "flash":
+        if flash_refusal and _before_ampere(platform):  # no flash-attn build runs there
+            raise InputError(f"model.attention_backend=flash on {gpu}: {flash_refusal} (no "
+                             f"flash-attn release builds for it); use "
+                             f"model.attention_backend=unfused for short rows only "
+                             f"({ATTENTION_HELP})")
         if flash_refusal:
-            raise ValueError(f"model.attention_backend=flash on {gpu}: {flash_refusal}; "
+            raise InputError(f"model.attention_backend=flash on {gpu}: {flash_refusal}; "
                              + flash_attention_fix(platform.compute_capability))
         return "flash"
     if not fused_refusal:
@@ -308,18 +344,18 @@ def attention_backend(platform: Platform, requested: str = "auto", *, dtype,
     if not flash_refusal:
         return "flash"
     if not _half(dtype):
-        raise ValueError(
+        raise InputError(
             f"model.dtype: {str(dtype).removeprefix('torch.')} on a GPU with Transformer-Engine: "
             f"its flash and fused attention take bfloat16 or float16, and the unfused one pads "
             f"each packed sequence to the longest with [s, s] scores per layer; use "
             f"model.dtype=bfloat16 (fp32 main weights stay in the optimizer), or "
             f"model.attention_backend=unfused for short rows only")
     if platform.compute_capability is not None and platform.compute_capability < (8, 0):
-        raise ValueError(
+        raise InputError(
             f"model.attention_backend=auto on {gpu}: packed rows have no fused or flash "
             f"attention before sm80, and TE's unfused one allocates [s, s] scores per layer; "
             f"set model.attention_backend=unfused for short rows only ({ATTENTION_HELP})")
-    raise ValueError(
+    raise InputError(
         f"model.attention_backend=auto on {gpu}: packed rows need FlashAttention here "
         f"({fused_refusal}; FlashAttention: {flash_refusal}). Without it Transformer-Engine "
         f"falls back to its unfused attention, which pads every packed sequence to the longest "
@@ -328,12 +364,31 @@ def attention_backend(platform: Platform, requested: str = "auto", *, dtype,
         + "; or model.attention_backend=unfused for short rows only")
 
 
-def cuda_launch_env(tensor_parallel: int) -> dict[str, str]:
+NVTE_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+"""Transformer-Engine's attention switches (1: allowed, its default; 0: ruled out)."""
+
+
+def attention_switches(backend: str) -> dict[str, str]:
+    """What Megatron-Core sets the ``NVTE_SWITCHES`` to when it builds a model of ``backend``
+    (``LanguageModule._set_attention_backend``: the chosen one 1, the others 0; all 0 for
+    ``local``), asserting that any value already exported is the same. An exported 1 means
+    "allowed" to Transformer-Engine, not "use this one", so the trainer does not read it as a
+    choice (the run's attention would follow the environment, not the recipe saved in
+    config.yaml): ``attention_backend`` refuses it by name instead."""
+    chosen = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN",
+              "unfused": "NVTE_UNFUSED_ATTN"}.get(backend)
+    return {key: "1" if key == chosen else "0" for key in NVTE_SWITCHES}
+
+
+def cuda_launch_env(tensor_parallel: int, context_parallel: int = 1) -> dict[str, str]:
     """Environment a GPU rank needs before its CUDA context exists: with TP > 1 (sequence
-    parallelism) Megatron needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` so that its TP communication
-    kernels are queued before the GEMMs they overlap (one hardware queue keeps issue order);
-    Megatron-LM's launch scripts and verl's Megatron workers set it. Empty with TP = 1."""
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tensor_parallel > 1 else {}
+    parallelism) or CP > 1 (the K/V ring of context parallelism), ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    so that communication kernels are queued before the GEMMs or attention they overlap (one
+    hardware queue keeps issue order). Megatron-LM's ``validate_args`` requires it for TP > 1
+    or CP > 1 before Blackwell (set here on every generation: the context does not exist yet to
+    ask); verl's Megatron workers set it too. Empty with TP = CP = 1."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tensor_parallel > 1 or context_parallel > 1 \
+        else {}
 
 
 def sequence_parallel(tp: int, platform: Platform) -> bool:

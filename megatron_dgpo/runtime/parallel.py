@@ -21,10 +21,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
 
+from megatron_dgpo.runtime.config import Bounds, check_bounds
 from megatron_dgpo.runtime.cpu import apply_cpu_compat, cpu_only, seed_model_parallel_rng
 from megatron_dgpo.runtime.gpu_flags import cuda_launch_env, require_usable_cuda
 from megatron_dgpo.runtime.watchdog import start_heartbeat
@@ -39,58 +41,40 @@ default (10 minutes) kills long-response jobs during the first step."""
 class ParallelConfig:
     """Model-parallel sizes. DP is derived from the world size."""
 
-    tensor_parallel: int = 1
+    tensor_parallel: Annotated[int, Bounds(ge=1)] = 1
     """Tensor-parallel size: each layer's matrices (and the vocabulary) split over this many
     GPUs of a node. Must divide the attention heads and KV groups."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: Annotated[int, Bounds(ge=1)] = 1
     """Pipeline stages: layers split into this many consecutive groups (1F1B schedule)."""
-    virtual_pipeline_parallel: int | None = None
+    virtual_pipeline_parallel: Annotated[int | None, Bounds(ge=1)] = None
     """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no VPP."""
-    context_parallel: int = 1
+    context_parallel: Annotated[int, Bounds(ge=1)] = 1
     """Context-parallel size: every packed sequence split over this many ranks in Megatron's
     load-balanced 2 x CP chunks (attention exchanges keys and values; nothing else crosses
     ranks). For long responses. Data-parallel size = world / (TP x CP x PP)."""
-    expert_parallel: int = 1
+    expert_parallel: Annotated[int, Bounds(ge=1)] = 1
     """Expert-parallel size (MoE models): each MoE layer's routed experts split over this many
     ranks of a pipeline stage, tokens exchanged by the token dispatcher. Must divide the
     number of experts; expert_tensor_parallel x expert_parallel must divide the ranks of a
     stage (world / pipeline_parallel). Dense models ignore it (their DP is unchanged)."""
-    expert_tensor_parallel: int | None = None
+    expert_tensor_parallel: Annotated[int | None, Bounds(ge=1)] = None
     """Tensor parallelism inside each expert; None = tensor_parallel (Megatron's default).
     1 is the usual choice for fine-grained experts (Qwen3-MoE): whole experts per rank."""
-    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
+    timeout_minutes: Annotated[float, Bounds(gt=0)] = DEFAULT_TIMEOUT_MINUTES
     """How long any collective (torch.distributed and Megatron's groups) may wait before the
     job fails with a timeout error instead of hanging. Must exceed the longest time one rank
     can spend outside collectives: a step's generation, a checkpoint save. Fractions allowed
     (0.05 = 3 s, for tests)."""
 
-    watchdog_minutes: float | None = 10.0
+    watchdog_minutes: Annotated[float | None, Bounds(ge=0.05)] = 10.0
     """Under torchrun: a rank whose heartbeat (a background thread, independent of the work)
     has stopped for this long is taken as hung (stopped, frozen node) and the job is ended
     then, instead of at ``timeout_minutes`` (``megatron_dgpo.runtime.watchdog``). Keep it well above a
     few seconds of scheduling noise; None turns it off."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel",
-                     "expert_parallel"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+        check_bounds(self)
         vpp = self.virtual_pipeline_parallel
-        etp = self.expert_tensor_parallel
-        if etp is not None and not (isinstance(etp, int) and etp >= 1):
-            raise ValueError(f"ParallelConfig.expert_tensor_parallel must be None or a positive "
-                             f"int, got {etp!r}")
-        if vpp is not None and not (isinstance(vpp, int) and vpp >= 1):
-            raise ValueError(f"ParallelConfig.virtual_pipeline_parallel must be None or a "
-                             f"positive int, got {vpp!r}")
-        if not (isinstance(self.timeout_minutes, (int, float)) and self.timeout_minutes > 0):
-            raise ValueError(f"ParallelConfig.timeout_minutes must be a positive number, got "
-                             f"{self.timeout_minutes!r}")
-        if self.watchdog_minutes is not None and not (
-                isinstance(self.watchdog_minutes, (int, float)) and self.watchdog_minutes >= 0.05):
-            raise ValueError(f"ParallelConfig.watchdog_minutes must be None or >= 0.05 (3 s), got "
-                             f"{self.watchdog_minutes!r}")
         if vpp is not None and vpp > 1 and self.pipeline_parallel == 1:
             raise ValueError("ParallelConfig.virtual_pipeline_parallel > 1 needs "
                              "pipeline_parallel > 1")
@@ -126,7 +110,7 @@ def default_backend() -> str:
 def init_distributed(backend: str | None = None, *,
                      timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
                      watchdog_minutes: float | None = None, tensor_parallel: int = 1,
-                     rollout_ranks: int = 0) -> None:
+                     context_parallel: int = 1, rollout_ranks: int = 0) -> None:
     """``torch.distributed.init_process_group`` from the torchrun environment, if not done yet.
 
     ``rollout_ranks`` > 0 (``rollout.placement: dedicated``) splits torchrun's world in two
@@ -134,7 +118,8 @@ def init_distributed(backend: str | None = None, *,
     ``rollout_ranks`` run the engines; each rank's default group is its own side's.
 
     On a GPU it first sets what CUDA must see before its context exists
-    (``gpu_flags.cuda_launch_env(tensor_parallel)``; a value the user exported is kept).
+    (``gpu_flags.cuda_launch_env(tensor_parallel, context_parallel)``; a value the user
+    exported is kept).
 
     ``timeout_minutes`` (``ParallelConfig.timeout_minutes``) bounds every collective of the
     default group: a rank waiting longer fails with gloo's/NCCL's timeout error.
@@ -150,7 +135,7 @@ def init_distributed(backend: str | None = None, *,
     if not (isinstance(timeout_minutes, (int, float)) and timeout_minutes > 0):
         raise ValueError(f"parallel.timeout_minutes must be a positive number, got {timeout_minutes!r}")
     if not cpu_only():
-        _set_cuda_launch_env(tensor_parallel)
+        _set_cuda_launch_env(tensor_parallel, context_parallel)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes)
     store = _attempt_store(timeout)
@@ -176,15 +161,16 @@ def init_distributed(backend: str | None = None, *,
             start_heartbeat(store, rank, world_size, timeout_s=60.0 * watchdog_minutes)
 
 
-def _set_cuda_launch_env(tensor_parallel: int) -> None:
+def _set_cuda_launch_env(tensor_parallel: int, context_parallel: int = 1) -> None:
     import warnings
 
-    for key, value in cuda_launch_env(tensor_parallel).items():
+    for key, value in cuda_launch_env(tensor_parallel, context_parallel).items():
         if key in os.environ:
             continue
         if torch.cuda.is_initialized():  # read once, when the context was created
-            warnings.warn(f"{key}={value} is needed with tensor_parallel={tensor_parallel} but CUDA "
-                          f"started before it could be set: export it in the launch script")
+            warnings.warn(f"{key}={value} is needed with tensor_parallel={tensor_parallel}, "
+                          f"context_parallel={context_parallel} but CUDA started before it "
+                          f"could be set: export it in the launch script")
         os.environ[key] = value
 
 

@@ -18,6 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dgpo.runtime.errors import InputError, reported_as
+
+PROG = "python -m megatron_dgpo.arithmetic"
+
 INSTRUCTION = "Add column by column with carries, then put the sum in \\boxed{}."
 
 
@@ -55,7 +59,8 @@ def operand_pairs(digits: int, count: int, seed: int) -> list[tuple[int, int]]:
     low, high = 10 ** (digits - 1), 10**digits - 1
     space = (high - low + 1) ** 2
     if count > space:
-        raise ValueError(f"{count} problems asked for, only {space} distinct {digits}-digit pairs exist")
+        raise InputError(f"{count} problems asked for, only {space} distinct {digits}-digit pairs "
+                         f"exist: use more digits")
     rng = random.Random(seed)
     chosen: dict[tuple[int, int], None] = {}
     while len(chosen) < count:
@@ -76,8 +81,10 @@ def make_task(out_dir: str | Path, *, digits: int = 3, seed: int = 0, sizes: Tas
     from megatron_dgpo.tasks.tiny import make_tiny_model
 
     if digits < 1:
-        raise ValueError(f"digits must be >= 1, got {digits}")
+        raise InputError(f"digits must be >= 1, got {digits}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} is a file; the task is written into a folder")
     out.mkdir(parents=True, exist_ok=True)
     pairs = operand_pairs(digits, sizes.sft + sizes.train + sizes.heldout, seed)
     sft, train, heldout = (pairs[: sizes.sft], pairs[sizes.sft: sizes.sft + sizes.train],
@@ -105,8 +112,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
+@reported_as(PROG)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_dgpo.arithmetic",
+    parser = argparse.ArgumentParser(prog=PROG,
                                      description="Write the column-addition task and its initial tiny model.")
     parser.add_argument("out_dir")
     parser.add_argument("--digits", type=int, default=3)

@@ -40,6 +40,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from megatron_dgpo.runtime.errors import InputError
 from megatron_dgpo.tasks.rewards import last_boxed, normalize_ground_truth
 
 BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
@@ -65,42 +66,61 @@ class PromptRecord:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """Rows of a .jsonl/.json/.parquet file; errors name the file and line."""
+    """Rows of a .jsonl/.json/.parquet file; ``InputError`` naming the file and line (a missing
+    file, bytes that are not UTF-8, a line that is not a JSON object)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise InputError(f"dataset file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except pa.ArrowException as e:
+            raise InputError(f"{path}: not a readable parquet file ({e})") from None
+    if suffix not in (".json", ".jsonl"):
+        raise InputError(f"{path}: unsupported dataset format {suffix!r} (use .jsonl, .json or .parquet)")
+    lines = _utf8_lines(path)
     if suffix == ".json":
-        data = json.loads(path.read_text())
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json dataset must hold a list of objects")
+        try:
+            data = json.loads("".join(lines))
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+            raise InputError(f"{path}: a .json dataset must hold a list of objects")
         return data
-    if suffix != ".jsonl":
-        raise ValueError(f"{path}: unsupported dataset format {suffix!r} (use .jsonl, .json or .parquet)")
     rows = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
+
+
+def _utf8_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file; ``InputError`` naming the first line that is not."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                         f"{e.start}); datasets are read as UTF-8") from None
 
 
 def _get_path(row: dict, dotted: str, where: str) -> Any:
     value: Any = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
-            raise KeyError(f"{where}: missing field {dotted!r}")
+            raise InputError(f"{where}: missing field {dotted!r}")
         value = value[part]
     return value
 
@@ -114,10 +134,10 @@ def _as_messages(prompt: Any, where: str) -> tuple[dict, ...]:
         msgs = []
         for m in prompt:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: field 'prompt' must hold messages with string 'role' and 'content'")
+                raise InputError(f"{where}: field 'prompt' must hold messages with string 'role' and 'content'")
             msgs.append({"role": m["role"], "content": m["content"]})
         return tuple(msgs)
-    raise ValueError(f"{where}: field 'prompt' must be a string or a non-empty list of chat messages")
+    raise InputError(f"{where}: field 'prompt' must be a string or a non-empty list of chat messages")
 
 
 def load_prompt_dataset(
@@ -138,10 +158,11 @@ def load_prompt_dataset(
             break
         where = f"{path} row {i}"
         messages = _as_messages(_get_path(row, prompt_key, where), where)
+        answer = _get_path(row, answer_key, where)
         try:
-            gt = normalize_ground_truth(_get_path(row, answer_key, where))
+            gt = normalize_ground_truth(answer)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: field {answer_key!r}: {e}") from None
+            raise InputError(f"{where}: field {answer_key!r}: {e}") from None
         rid = row.get("id", row.get("extra_info", {}).get("index", i) if isinstance(row.get("extra_info"), dict) else i)
         records.append(
             PromptRecord(messages, gt, id=str(rid), source=path.stem, family=str(row.get("family", "")))
@@ -160,10 +181,10 @@ def load_sft_pairs(path: str | os.PathLike, *, prompt_key: str = "prompt",
         messages = _as_messages(_get_path(row, prompt_key, where), where)
         response = _get_path(row, response_key, where)
         if not isinstance(response, str) or not response:
-            raise ValueError(f"{where}: field {response_key!r} must be a non-empty string")
+            raise InputError(f"{where}: field {response_key!r} must be a non-empty string")
         pairs.append((messages, response))
     if not pairs:
-        raise ValueError(f"{path}: no (prompt, response) pairs")
+        raise InputError(f"{path}: no (prompt, response) pairs")
     return pairs
 
 
@@ -176,7 +197,8 @@ def builtin_prompts(families: Sequence[str] | None = None) -> list[PromptRecord]
         known = {r.family for r in records}
         unknown = set(families) - known
         if unknown:
-            raise ValueError(f"unknown built-in families {sorted(unknown)}; known: {sorted(known)}")
+            raise InputError(f"data.builtin_families: unknown built-in families {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
         records = [r for r in records if r.family in families]
     return records
 
@@ -200,7 +222,8 @@ def boxed_instruction(record: PromptRecord) -> PromptRecord:
     messages = [dict(m) for m in record.messages]
     last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last is None:
-        raise ValueError(f"prompt {record.id!r} has no user message to rewrite")
+        raise InputError(f"data.boxed_instruction: prompt {record.id!r} of {record.source!r} has "
+                         f"no user message to rewrite")
     problem = _DAPO_REMINDER.sub("", _DAPO_PREAMBLE.sub("", messages[last]["content"]))
     messages[last]["content"] = _with_instruction(problem)
     return dataclasses.replace(record, messages=tuple(messages))
@@ -225,7 +248,7 @@ def _benchmark_row(row: dict, where: str) -> tuple[str, Any]:
     if not isinstance(problem, str):
         problem = row.get("question")
     if not isinstance(problem, str) or not problem.strip():
-        raise ValueError(f"{where}: no problem text (fields 'problem' or 'question')")
+        raise InputError(f"{where}: no problem text (fields 'problem' or 'question')")
     context = row.get("context")
     if isinstance(context, str) and context.strip() and context.strip() not in problem:
         problem = f"{context.strip()}\n\n{problem}"
@@ -236,9 +259,9 @@ def _benchmark_row(row: dict, where: str) -> tuple[str, Any]:
     elif isinstance(row.get("solution"), str):
         answer = last_boxed(row["solution"])
         if answer is None:
-            raise ValueError(f"{where}: field 'solution' has no \\boxed{{}} answer")
+            raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
     else:
-        raise ValueError(f"{where}: no answer (fields 'final_answer', 'answer' or a boxed 'solution')")
+        raise InputError(f"{where}: no answer (fields 'final_answer', 'answer' or a boxed 'solution')")
     return problem, answer
 
 
@@ -259,7 +282,7 @@ def load_benchmark(path: str | os.PathLike, name: str | None = None, *, limit: i
         try:
             gt = normalize_ground_truth(answer)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: answer: {e}") from None
+            raise InputError(f"{where}: answer: {e}") from None
         rid = row.get("id", row.get("unique_id", row.get("idx", i)))
         records.append(
             PromptRecord(({"role": "user", "content": _with_instruction(problem)},), gt, id=str(rid), source=name)
@@ -316,13 +339,13 @@ def resolve_benchmarks(specs: Sequence[str], directory: str | os.PathLike | None
         else:
             where = (f"in {folder}: {', '.join(sorted(available)) or 'none'}" if folder else
                      f"(no benchmark folder: set ${BENCHMARKS_ENV} or give a folder)")
-            raise ValueError(f"benchmark {spec!r} is neither a dataset file (.jsonl, .json, "
+            raise InputError(f"benchmark {spec!r} is neither a dataset file (.jsonl, .json, "
                              f".parquet) nor one of the benchmarks found {where}")
         if name in out:
-            raise ValueError(f"two benchmarks are named {name!r} (a name and a file, or two files "
+            raise InputError(f"two benchmarks are named {name!r} (a name and a file, or two files "
                              f"with the same stem): metrics are keyed by name")
         if not records:
-            raise ValueError(f"benchmark {spec!r} has no problems")
+            raise InputError(f"benchmark {spec!r} has no problems")
         out[name] = records
     return out
 
@@ -338,7 +361,8 @@ def render_prompt(tokenizer, record: PromptRecord | Sequence[dict]) -> list[int]
     """
     messages = list(record.messages if isinstance(record, PromptRecord) else record)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template")
+        raise InputError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template "
+                         f"(prompts are rendered with the model's own chat template)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -367,25 +391,64 @@ class DataConfig:
     (``megatron_dgpo.tasks.prompts.boxed_instruction``). Set it for DAPO-Math-17k."""
 
 
-def load_prompts(config: DataConfig, hf_dir: str | os.PathLike, max_prompt_tokens: int):
-    """``(prompts, tokenizer)``: the training prompts of ``config`` as ``(PromptRecord, token_ids)`` pairs rendered by the policy's chat template (the
-    tokenizer of ``hf_dir``); prompts longer than ``max_prompt_tokens`` are dropped."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+def training_prompts(config: DataConfig) -> list[PromptRecord]:
+    """The training prompts of ``config`` (the built-in set or its dataset file), asking for a
+    ``\\boxed{}`` answer with ``config.boxed_instruction``. ``InputError`` names the file, row
+    or field that is wrong."""
     if config.source == "builtin":
         records = builtin_prompts(config.builtin_families)
     else:
         records = load_prompt_dataset(config.source, prompt_key=config.prompt_field,
                                       answer_key=config.answer_field)
+    if not records:
+        raise InputError(f"data.source {config.source!r} holds no prompts")
     if config.boxed_instruction:
         records = [boxed_instruction(r) for r in records]
-    rendered = [(r, render_prompt(tokenizer, r)) for r in records]
-    kept = [(r, ids) for r, ids in rendered if len(ids) <= max_prompt_tokens]
+    return records
+
+
+def fitting_prompts(records: Sequence[PromptRecord], tokenizer, max_prompt_tokens: int, *,
+                    source: str, first_only: bool = False) -> list[tuple[PromptRecord, list[int]]]:
+    """``(record, token_ids)`` of the ``records`` whose chat-templated prompt fits in
+    ``max_prompt_tokens`` (only the first such with ``first_only``); ``InputError`` naming
+    ``source`` (``data.source``) and the shortest prompt when none does."""
+    kept, shortest = [], None
+    for record in records:
+        ids = render_prompt(tokenizer, record)
+        if len(ids) <= max_prompt_tokens:
+            kept.append((record, ids))
+            if first_only:
+                break
+        else:
+            shortest = len(ids) if shortest is None else min(shortest, len(ids))
     if not kept:
-        raise ValueError(f"data.source {config.source!r}: no prompt fits in "
-                         f"rollout.max_prompt_tokens={max_prompt_tokens}")
-    return kept, tokenizer
+        raise InputError(f"data.source {source!r}: none of its {len(records)} prompts fits in "
+                         f"rollout.max_prompt_tokens={max_prompt_tokens} (the shortest is "
+                         f"{shortest} tokens with the chat template): raise "
+                         f"rollout.max_prompt_tokens")
+    return kept
+
+
+def load_prompts(config: DataConfig, hf_dir: str | os.PathLike, max_prompt_tokens: int):
+    """``(prompts, tokenizer)``: the training prompts of ``config`` as ``(PromptRecord,
+    token_ids)`` pairs rendered by the policy's chat template (the tokenizer of ``hf_dir``);
+    prompts longer than ``max_prompt_tokens`` are dropped (``prompt_census`` counts them)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    return fitting_prompts(training_prompts(config), tokenizer, max_prompt_tokens,
+                           source=config.source), tokenizer
+
+
+def prompt_census(config: DataConfig, hf_dir: str | os.PathLike,
+                  max_prompt_tokens: int) -> tuple[int, int]:
+    """``(kept, total)``: how many of the training prompts ``load_prompts`` keeps, of all."""
+    from transformers import AutoTokenizer
+
+    records = training_prompts(config)
+    kept = fitting_prompts(records, AutoTokenizer.from_pretrained(str(hf_dir)),
+                           max_prompt_tokens, source=config.source)
+    return len(kept), len(records)
 
 
 def prompt_order(num_prompts: int, seed: int, start: int, count: int) -> list[int]:

@@ -16,43 +16,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from megatron_dgpo.runtime import comm
+from megatron_dgpo.runtime.config import Bounds, check_bounds
 
 
 @dataclass
 class OptimizerConfig:
     """AdamW with a constant learning rate (Megatron-Core's optimizer)."""
 
-    lr: float | Literal["auto"] = 1e-6
+    lr: Annotated[float, Bounds(gt=0)] | Literal["auto"] = 1e-6
     """Learning rate, or ``auto``: lr_reference * sqrt(lr_reference_params / N) with N the
     model's size (``model.nominal_params``), the paper's constant total-gradient-variance rule."""
-    lr_reference: float = 1e-6
+    lr_reference: Annotated[float, Bounds(gt=0)] = 1e-6
     """The learning rate known to work at ``lr_reference_params`` (paper: 1e-6 at 1.5B)."""
-    lr_reference_params: float = 1.5e9
+    lr_reference_params: Annotated[float, Bounds(gt=0)] = 1.5e9
     """Model size of ``lr_reference``."""
-    weight_decay: float = 0.01
+    weight_decay: Annotated[float, Bounds(ge=0)] = 0.01
     """Decoupled (AdamW) weight decay on matrices; biases and norms are not decayed."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, Bounds(ge=0, lt=1)] = 0.9
     """Adam's first-moment decay."""
-    adam_beta2: float = 0.95
+    adam_beta2: Annotated[float, Bounds(ge=0, lt=1)] = 0.95
     """Adam's second-moment decay."""
-    adam_eps: float = 1e-8
+    adam_eps: Annotated[float, Bounds(gt=0)] = 1e-8
     """Adam's denominator epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: Annotated[float, Bounds(ge=0)] = 1.0
     """Global gradient-norm clip over all model-parallel shards (0 disables)."""
     use_distributed_optimizer: bool | None = None
     """Shard optimizer states over data parallel (Megatron's distributed optimizer). None: on
     with a GPU, off on CPU (where it runs too, through ``megatron_dgpo.runtime.cpu``)."""
 
     def __post_init__(self):
-        if isinstance(self.lr, str) and self.lr != "auto":
-            raise ValueError(f"lr must be a number or 'auto', got {self.lr!r}")
-        if not isinstance(self.lr, str) and not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_bounds(self)
 
     def learning_rate(self, num_params: float) -> float:
         """The constant learning rate for a model of ``num_params`` parameters."""

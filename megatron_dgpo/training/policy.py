@@ -10,14 +10,14 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 
 from megatron_dgpo.convert import find_model_checkpoint, load_model, megatron_to_hf
 from megatron_dgpo.convert.safetensors_io import LazyHFReader, read_hf_config
 from megatron_dgpo.models import describe
-from megatron_dgpo.runtime.config import require_choice
+from megatron_dgpo.runtime.config import Bounds, check_bounds, require_choice
 from megatron_dgpo.runtime.gpu_flags import (ATTENTION_BACKENDS, Platform, attention_backend,
                                              ddp_flags, require_gpu_stack)
 from megatron_dgpo.runtime.hub import HUB_FILES, snapshot_of
@@ -44,7 +44,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter dtype of the trained model. bfloat16 on GPU (fp32 main weights live in the
     optimizer); float32 on CPU (bf16 matmuls are slow there and vLLM's CPU log-probs are fp32)."""
-    nominal_params: float | None = None
+    nominal_params: Annotated[float | None, Bounds(gt=0)] = None
     """The model's size as its name states it (1.5e9 for a "1.5B" model), used by
     ``optimizer.lr: auto``. None: the parameter count of the built model."""
     recompute_activations: bool = False
@@ -72,18 +72,15 @@ class ModelConfig:
     ``parallel.pipeline_parallel: 1`` (it refuses the variable sequence lengths pipelining
     uses); ``flex``: DeepEP / HybridEP kernels, a GPU with DeepEP installed only. Dense models
     ignore it."""
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: Annotated[float, Bounds(ge=0)] = 0.0
     """MoE models: weight of Megatron's load-balancing loss (``moe_aux_loss_coeff``; > 0 turns
     on ``aux_loss`` balancing). 0 (off) by default: RL fine-tunes a pre-trained router, and the
     extra loss term would change the policy gradient (HF's ``router_aux_loss_coef`` is the
     pre-training value). Dense models ignore it."""
 
     def __post_init__(self):
+        check_bounds(self)
         require_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        coeff = self.moe_aux_loss_coeff
-        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
-                math.isfinite(coeff) and coeff >= 0):
-            raise ValueError(f"moe_aux_loss_coeff must be a finite number >= 0, got {coeff!r}")
 
     def require_source(self) -> None:
         """Raise unless the policy has a source (``path`` or ``tiny``); called by the run

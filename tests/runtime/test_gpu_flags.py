@@ -188,6 +188,12 @@ def test_cuda_device_max_connections_is_set_for_tensor_parallel_and_a_users_valu
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
     _set_cuda_launch_env(4)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    # context parallelism at TP = 1: Megatron-LM requires it too (before Blackwell), for the
+    # K/V ring to overlap attention (on the old code only TP > 1 set it)
+    assert cuda_launch_env(1, 2) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    _set_cuda_launch_env(1, 4)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # e.g. TE's TP-overlap userbuffers
     _set_cuda_launch_env(4)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
@@ -274,6 +280,71 @@ def test_a_named_backend_this_gpu_cannot_run_is_refused_naming_the_key_and_the_g
         _backend(A100, "flash", without_transformer_engine=True)
     with pytest.raises(ValueError, match="model.attention_backend must be one of"):
         _backend(A100, "flash3")
+
+
+def test_flash_before_ampere_is_refused_without_a_flash_attn_build_to_install():
+    """A V100 (sm70) has no FlashAttention-2 at all: the refusal of
+    ``model.attention_backend=flash`` says so and points at ``unfused``, instead of a
+    flash-attn build command for sm70 (which flash-attn does not support, as the old code
+    suggested); on sm86 the build command names flash-attn's sm80 target, the one it knows."""
+    v100 = replace(GPU, compute_capability=(7, 0), device_name="Tesla V100-SXM2-32GB", **NO_FLASH)
+    with pytest.raises(ValueError) as refused:
+        _backend(v100, "flash")
+    message = str(refused.value)
+    assert "sm80 or newer" in message and "model.attention_backend=unfused" in message
+    assert "FLASH_ATTN_CUDA_ARCHS" not in message and "pip install" not in message
+    a10 = replace(A100, compute_capability=(8, 6), device_name="NVIDIA A10", **NO_FLASH)
+    assert "FLASH_ATTN_CUDA_ARCHS=80 " in str(pytest.raises(ValueError, _backend, a10, "flash").value)
+    assert "FLASH_ATTN_CUDA_ARCHS=90 " in str(pytest.raises(
+        ValueError, _backend, replace(H100, **NO_FLASH), "flash").value)
+
+
+def test_exported_attention_switches_against_the_choice_are_refused_as_megatron_would_assert(monkeypatch):
+    """Cluster scripts export NVTE_FLASH_ATTN=1 or NVTE_FUSED_ATTN=1. To Transformer-Engine a 1
+    means "allowed"; Megatron-Core sets the chosen backend's switch to 1 and the others to 0 at
+    the model's build and asserts on any other exported value, after start-up. The trainer
+    refuses that environment first, naming the variable; a value that agrees passes. The
+    reference is Megatron's own ``LanguageModule._set_attention_backend``, run on CPU."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_dgpo.runtime.errors import InputError
+    from megatron_dgpo.runtime.gpu_flags import NVTE_SWITCHES, attention_switches
+
+    def megatron_accepts(backend, environ) -> bool:
+        for key in NVTE_SWITCHES:
+            monkeypatch.delenv(key, raising=False)
+        for key, value in environ.items():
+            monkeypatch.setenv(key, value)
+        stub = SimpleNamespace(config=SimpleNamespace(attention_backend=AttnBackend[backend],
+                                                      flash_attention_version=None))
+        try:
+            LanguageModule._set_attention_backend(stub)
+        except AssertionError:
+            return False
+        assert {k: os.environ[k] for k in NVTE_SWITCHES} == attention_switches(backend)
+        return True
+
+    cases = [(H100, {"NVTE_FLASH_ATTN": "1"}), (A100, {"NVTE_FUSED_ATTN": "1"}),
+             (H100, {"NVTE_FUSED_ATTN": "1"}), (A100, {"NVTE_FLASH_ATTN": "1"}),
+             (H100, {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1"}), (A100, {}),
+             (CPU, {"NVTE_FLASH_ATTN": "1"}), (CPU, {"NVTE_FUSED_ATTN": "0"})]
+    for platform, environ in cases:
+        dtype = torch.bfloat16 if platform.cuda else torch.float32
+        chosen = _backend(platform, dtype=dtype)  # what the trainer picks in a clean environment
+        accepted = megatron_accepts(chosen, environ)
+        if accepted:
+            assert _backend(platform, dtype=dtype, environ=environ) == chosen
+        else:
+            with pytest.raises(InputError) as refused:
+                _backend(platform, dtype=dtype, environ=environ)
+            exported = next(k for k, v in environ.items() if attention_switches(chosen)[k] != v)
+            assert f"{exported}={environ[exported]} is exported" in str(refused.value)
+            assert f"unset {exported}" in str(refused.value)
+    assert [megatron_accepts(_backend(p, dtype=torch.bfloat16 if p.cuda else torch.float32), e)
+            for p, e in cases] == [False, False, True, True, False, True, False, True]
 
 
 def test_flash_attention_counts_as_transformer_engine_counts_it():

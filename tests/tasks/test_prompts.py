@@ -10,6 +10,7 @@ import pytest
 from megatron_dgpo.tasks.prompts import (BOXED_INSTRUCTION, EASY_FAMILIES, PromptRecord,
                                          benchmark_files, builtin_prompts, find_benchmarks_dir,
                                          load_benchmark, load_prompt_dataset, render_prompt)
+from megatron_dgpo.runtime.errors import InputError
 from megatron_dgpo.tasks.rewards import math_reward
 
 DAPO_ROWS = [
@@ -37,7 +38,7 @@ def test_dapo_layout_jsonl_and_parquet(tmp_path):
 def test_dataset_errors_name_file_row_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(KeyError, match=r"bad.jsonl row 0.*reward_model.ground_truth"):
+    with pytest.raises(InputError, match=r"bad.jsonl row 0: missing field 'reward_model.ground_truth'"):
         load_prompt_dataset(bad)
     bad.write_text('{"prompt": "x", "reward_model": {"ground_truth": "1"}}\n{oops\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
@@ -45,7 +46,7 @@ def test_dataset_errors_name_file_row_and_field(tmp_path):
     bad.write_text(json.dumps({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}) + "\n")
     with pytest.raises(ValueError, match="field 'prompt'"):
         load_prompt_dataset(bad)
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(InputError, match="nope.jsonl"):
         load_prompt_dataset(tmp_path / "nope.jsonl")
 
 
