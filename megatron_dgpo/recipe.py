@@ -208,10 +208,31 @@ class RunConfig:
                              f"({self.algorithm.overlong_penalty_window}) must be below "
                              f"rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
                              f"the penalty window sits below the response cap")
+        self._check_old_logprobs_from_rollout()
         if self.train.micro_batch_tokens < self.rollout.max_response_tokens + 1:
             raise ValueError(f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must "
                              f"exceed rollout.max_response_tokens "
                              f"({self.rollout.max_response_tokens}) plus the prompt")
+
+
+    def _check_old_logprobs_from_rollout(self) -> None:
+        """``algorithm.old_logprobs: rollout`` only where the engine's log-probs are pi_old."""
+        if self.algorithm.old_logprobs != "rollout":
+            return
+        why = "algorithm.old_logprobs: rollout takes pi_old from the engine's log-probs"
+        if self.rollout.top_p < 1:
+            raise ValueError(f"{why}, which rollout.top_p = {self.rollout.top_p} < 1 makes those "
+                             f"of a truncated distribution: use old_logprobs: trainer")
+        if self.rollout.max_staleness >= 1:
+            raise ValueError(f"{why}, but rollout.max_staleness = {self.rollout.max_staleness} "
+                             f"needs pi_prox, the trainer's policy at the start of the step "
+                             f"(the decoupled objective): use old_logprobs: trainer")
+        if (self.rollout.dtype != self.model.dtype
+                and not self.algorithm.old_logprobs_accept_dtype_mismatch):
+            raise ValueError(f"{why}, and rollout.dtype {self.rollout.dtype!r} is not the "
+                             f"trainer's model.dtype {self.model.dtype!r} ('auto' follows the "
+                             f"checkpoint): set rollout.dtype: {self.model.dtype}, or accept the "
+                             f"difference with algorithm.old_logprobs_accept_dtype_mismatch: true")
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
