@@ -324,3 +324,17 @@ def test_32k_recipe_is_its_parent_with_the_planners_layout(name):
                                         par.context_parallel)
     other, other_seconds = step(not cfg.model.recompute_activations)
     assert other.pick is None or other_seconds >= seconds
+
+
+def test_gspo_30b_recipe_is_its_parent_with_gspo():
+    """recipes/qwen3_30b_a3b_gspo.yaml: the Qwen3-30B-A3B recipe but for GSPO with its paper's
+    epsilons and spread; it names its launch."""
+    cfg = load_recipe(_path("qwen3_30b_a3b_gspo"))
+    assert (cfg.algorithm.method, cfg.algorithm.loss_aggregation) == ("gspo", "seq_mean_token_mean")
+    assert (cfg.algorithm.loss.gspo_eps_low, cfg.algorithm.loss.gspo_eps_high) == (3e-4, 4e-4)
+    parent = load_recipe(_path("qwen3_30b_a3b"), [
+        f"run_dir={cfg.run_dir}", "algorithm.method=gspo",
+        "algorithm.loss_aggregation=seq_mean_token_mean"])
+    assert parent == cfg
+    header = _path("qwen3_30b_a3b_gspo").read_text().split("\n\n")[0]
+    assert "RECIPE=recipes/qwen3_30b_a3b_gspo.yaml sbatch" in header

@@ -259,6 +259,7 @@ def test_behaviour_equal_to_prox_is_exactly_todays_loss(option, method, aggregat
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)  # exact: likewise
     for key in results[0][2]:
+        # exact: the metrics likewise (the same ops on the same values)
         torch.testing.assert_close(results[0][2][key], results[1][2][key], rtol=0, atol=0)
 
 
