@@ -1,6 +1,7 @@
 """Rank functions for tests/training/test_context_parallel.py: one mini-batch of packed rows at
 CP = 1 (the reference), CP = 2, TP = 2 x CP = 2, CP = 2 x DP = 2 and PP = 2 x CP = 2, for each
-aggregation, TIS, ``sequence_mask`` and GSPO with ``geometric_mask``."""
+aggregation, every rollout correction (``geometric_mask`` with GSPO) and GSPO: every option on a
+real tiny Megatron model in the launches that already compare the layouts."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ CASES = {  # name -> (aggregation, groups left out (all-zero loss weights), othe
     "token_mean_drop_tis": ("token_mean", (1,), TIS),
     "group_token_mean": ("group_token_mean", (), {}),
     "seq_mean_token_mean_drop": ("seq_mean_token_mean", (2,), {}),
+    "token_mask_drop": ("token_mean", (2,), dict(rollout_correction="token_mask",
+                                                  rollout_correction_low=0.8,
+                                                  rollout_correction_high=1.25)),
+    "sequence_tis": ("seq_mean_token_mean", (), dict(rollout_correction="sequence_tis",
+                                                     rollout_correction_cap=1.5)),
     # a sample's product of ratios, over its tokens on both CP ranks, masks some samples
     "sequence_mask": ("group_token_mean", (), dict(rollout_correction="sequence_mask")),
     # GSPO's sample ratio over both CP ranks' shards; the geometric mask on top

@@ -288,13 +288,15 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
 def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
     """CP=2 (torchrun, 2 gloo ranks, one replica: both ranks hold halves of every row, and
     each rank's colocated engine samples half of the replica's batch) against the same job at
-    CP=1, both with DAPO's overlong filter and penalty, its refill of degenerate groups and the
-    per-sequence aggregation: identical samples and refill rounds, the same filtered share, and
-    the training metrics within float32 rounding of the CP=1 run's (loss, grad norm and entropy
-    within 1e-5), two steps."""
+    CP=1, both with DAPO's overlong filter and penalty, its refill of degenerate groups, the
+    per-sequence aggregation and the bypass (the engine's log-probs as pi_old; the forward runs
+    only to measure the mismatch, here every step): identical samples and refill rounds, the
+    same filtered share, the training metrics within float32 rounding of the CP=1 run's (loss,
+    grad norm and entropy within 1e-5), no old-log-prob phase, two steps."""
     overlong = ["algorithm.overlong_filter=true", "algorithm.overlong_penalty_window=2",
                 "algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=1",
                 "algorithm.loss_aggregation=seq_mean_token_mean", "rollout.max_response_tokens=6",
+                "algorithm.old_logprobs=rollout", "algorithm.old_logprobs_check_every=1",
                 "train.steps=2", "checkpoint.save_every=0"]
     _check(_train(tmp_path / "cp1", *overlong))
     proc = _torchrun(tmp_path / "cp2", "parallel.context_parallel=2", *overlong)
@@ -308,6 +310,8 @@ def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
         assert got["rollout/refill_rounds"] >= 1 and "adv/num_dropped_groups" in got
         assert 0 < got["adv/overlong_filtered_frac"] == want["adv/overlong_filtered_frac"] < 1
         assert got["adv/overlong_penalty_mean"] == want["adv/overlong_penalty_mean"] < 0
+        for record in (got, want):  # the bypass: no pi_old forward, the check's forward instead
+            assert record["time/old_logprobs"] == 0.0 and record["time/mismatch_check"] > 0
         _assert_same_training(got, want)
 
 

@@ -99,15 +99,18 @@ def _check(result, ref):
         assert _rel(grad, ref["sft"]["grads"][name]) < TOL, name
 
 
-def test_the_sequence_cases_act_on_some_samples_and_not_all(reference):
-    """The CP comparisons below could fail: sequence_mask masks a share of the samples, GSPO
-    clips some samples and not others, and each changes the gradient."""
-    masked = reference["cases"]["sequence_mask"]["summary"]
-    assert 0 < masked["correction/sample_masked_frac"] < 1
+def test_the_corrections_act_on_some_samples_and_not_all(reference):
+    """The CP comparisons below could fail: the masks mask a share of the samples, sequence_tis
+    cuts some, GSPO clips some samples and not others, and each changes the gradient."""
+    for case in ("sequence_mask", "token_mask_drop"):
+        masked = reference["cases"][case]["summary"]
+        assert 0 < masked["correction/sample_masked_frac"] < 1, case
+        assert 0 < masked["correction/token_masked_frac"] < 1, case
+    assert 0 < reference["cases"]["sequence_tis"]["summary"]["correction/clip_frac"] < 1
     gspo = reference["cases"]["gspo_drop_geometric_mask"]["summary"]
     assert 0 < gspo["clip_frac"] < 1 and 0 < gspo["correction/sample_masked_frac"] < 1
     base = reference["cases"]["group_token_mean"]["grads"]
-    for case in ("sequence_mask", "gspo_drop_geometric_mask"):
+    for case in ("sequence_mask", "gspo_drop_geometric_mask", "sequence_tis", "token_mask_drop"):
         grads = reference["cases"][case]["grads"]
         assert max(float((grads[k] - base[k]).abs().max() / base[k].abs().max())
                    for k in base) > 1e-2, case
