@@ -1,5 +1,5 @@
 """Rank functions for tests/training/test_context_parallel.py: one mini-batch of packed rows at
-CP = 1 (the reference), CP = 2, TP = 2 x CP = 2, CP = 2 x DP = 2 and PP = 2 x CP = 2, for each
+CP = 1 (the reference), CP = 2, TP = 2, TP = 2 x CP = 2, CP = 2 x DP = 2 and PP = 2 x CP = 2, for each
 aggregation, every rollout correction (``geometric_mask`` with GSPO) and GSPO: every option on a
 real tiny Megatron model in the launches that already compare the layouts."""
 
@@ -24,9 +24,7 @@ CASES = {  # name -> (aggregation, groups left out (all-zero loss weights), othe
     "token_mean_drop_tis": ("token_mean", (1,), TIS),
     "group_token_mean": ("group_token_mean", (), {}),
     "seq_mean_token_mean_drop": ("seq_mean_token_mean", (2,), {}),
-    "token_mask_drop": ("token_mean", (2,), dict(rollout_correction="token_mask",
-                                                  rollout_correction_low=0.8,
-                                                  rollout_correction_high=1.25)),
+    "token_mask_drop": ("token_mean", (2,), dict(rollout_correction="token_mask")),
     "sequence_tis": ("seq_mean_token_mean", (), dict(rollout_correction="sequence_tis",
                                                      rollout_correction_cap=1.5)),
     # a sample's product of ratios, over its tokens on both CP ranks, masks some samples
@@ -36,7 +34,7 @@ CASES = {  # name -> (aggregation, groups left out (all-zero loss weights), othe
         method="gspo", rollout_correction="geometric_mask", rollout_correction_low=0.8,
         rollout_correction_high=1.3)),
 }
-LAYOUTS = {2: ((1, 1, 2),), 4: ((2, 1, 2), (1, 1, 2), (1, 2, 2))}
+LAYOUTS = {2: ((1, 1, 2), (2, 1, 1)), 4: ((2, 1, 2), (1, 1, 2), (1, 2, 2))}
 """world -> (TP, PP, CP) layouts; DP = world / (TP PP CP)."""
 
 

@@ -1,5 +1,5 @@
-"""Context parallelism: CP = 2 (2 ranks), TP = 2 x CP = 2, CP = 2 x DP = 2 and PP = 2 x CP = 2
-(4 ranks) give the CP = 1 run's log-probs, loss, metrics and every gradient, for every loss
+"""Context parallelism: CP = 2 and TP = 2 (2 ranks), TP = 2 x CP = 2, CP = 2 x DP = 2 and
+PP = 2 x CP = 2 (4 ranks) give the CP = 1 run's log-probs, loss, metrics and every gradient, for every loss
 aggregation (TIS, left-out samples), ``sequence_mask`` and GSPO (with ``geometric_mask``), whose
 sample statistics span both CP ranks' shards, on packed rows whose samples are not multiples of
 2 CP long."""
