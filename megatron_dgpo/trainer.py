@@ -2,7 +2,8 @@
 
     rollout (the replica's engines: colocated vLLM in its ranks, or one engine on its leader)
     -> rewards (math-verify workers, where the samples are) -> group advantages
-    -> old log-probs (forward only) -> one optimizer update per mini-batch (N all-reduced)
+    -> old log-probs, pi_prox (forward only; the engine's with ``algorithm.old_logprobs: rollout``)
+    -> one optimizer update per mini-batch (N all-reduced)
     -> bucketed refit of each engine from its own replica's ranks
     -> (recipe section ``eval``, on schedule) held-out problems on the refitted engines -> log -> checkpoint
 
