@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dgpo.algorithm.losses import METHODS
+from megatron_dgpo.algorithm.losses import TOKEN_METHODS
 from megatron_dgpo.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -128,10 +128,13 @@ def test_1p5b_uses_the_reference_lr_and_larger_models_follow_the_rule():
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_each_baseline_is_one_override(name):
     base = load_recipe(_path(name))
-    for method in METHODS:
+    for method in TOKEN_METHODS:  # the paper's six; GSPO also takes its aggregation (below)
         cfg = load_recipe(_path(name), [f"algorithm.method={method}"])
         assert cfg.algorithm.method == method
         assert cfg.algorithm.loss == base.algorithm.loss and cfg.train == base.train
+    gspo = load_recipe(_path(name), ["algorithm.method=gspo",
+                                     "algorithm.loss_aggregation=seq_mean_token_mean"])
+    assert gspo.algorithm.loss == base.algorithm.loss and gspo.train == base.train
     loss = base.algorithm.loss  # the paper's CE-GPPO and ASPO constants, with no extra override
     assert (loss.beta1, loss.beta2, loss.aspo_eps_low, loss.aspo_eps_high) == (0.75, 1.0, 0.33, 3.0)
 

@@ -547,8 +547,10 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(tiny_firs
     degenerate is sampled again from the next batch of the stream. The first round is the
     plain run's batch, so its degenerate groups are the ones discarded first; what is still
     degenerate after the last round is dropped as before; the stream advances by the rounds
-    used; and two replicas (each refilling its own positions) equal one."""
-    refill = ["algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=2"]
+    used; and two replicas (each refilling its own positions) equal one, with a rollout
+    correction (the geometric mask, over each refilled sample) on."""
+    refill = ["algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=2",
+              "algorithm.rollout_correction=geometric_mask"]
     one, two = tmp_path / "one", tmp_path / "two"
     _check(_train(one, "train.steps=2", "checkpoint.save_every=2", *refill))
     _torchrun(two, *refill)
@@ -562,6 +564,9 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(tiny_firs
     assert first["adv/num_dropped_groups"] <= degenerate
     if first["rollout/refill_rounds"] < 2:
         assert first["adv/num_dropped_groups"] == 0
+    # float32 engine: every sample's geometric mean ratio inside [0.999, 1.001], none masked
+    assert first["train/correction/sample_masked_frac"] == 0.0
+    assert abs(first["train/correction/weight_mean"] - 1.0) < 1e-12
     state = json.loads((one / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["prompts_consumed"] == 32 * sum(1 + r["rollout/refill_rounds"] for r in records)
     for got, want in zip(read_metrics(two), records):
