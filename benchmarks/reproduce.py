@@ -41,7 +41,7 @@ from threading import Lock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_dgpo.algorithm.losses import METHODS  # noqa: E402
+from megatron_dgpo.algorithm.losses import TOKEN_METHODS as METHODS  # noqa: E402  (the paper's six)
 from megatron_dgpo.telemetry import read_metrics  # noqa: E402
 
 SFT_RECIPE = ROOT / "recipes" / "sft_arithmetic.yaml"

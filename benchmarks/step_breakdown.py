@@ -3,8 +3,9 @@
 
     make run && .venv/bin/python benchmarks/step_breakdown.py outputs/tiny_cpu [--skip 1]
 
-Prints mean seconds per step and share of the step for each phase (rollout, old log-probs,
-mini-batch updates, refit, checkpoint, evaluation on held-out problems when the run had any),
+Prints mean seconds per step and share of the step for each phase (rollout, old log-probs, the
+bypass's mismatch check, mini-batch updates, refit, checkpoint, evaluation on held-out problems
+when the run had any),
 and the rollout / training throughput. ``--skip``
 leaves out the first steps (warm-up: the first forward passes, the checkpoint writer's start).
 """
@@ -16,7 +17,7 @@ import sys
 
 from megatron_dgpo.telemetry import read_metrics
 
-PHASES = ("rollout", "old_logprobs", "update", "refit", "checkpoint", "eval")
+PHASES = ("rollout", "old_logprobs", "mismatch_check", "update", "refit", "checkpoint", "eval")
 OUTSIDE_STEP = ("checkpoint", "eval")  # logged beside time/step, not inside it
 
 
@@ -38,8 +39,8 @@ def main(argv=None) -> int:
     print("| phase | s/step | share |")
     print("| --- | --- | --- |")
     for phase in PHASES:
-        if phase == "eval" and not any("time/eval" in r for r in records):
-            continue  # the run did not evaluate
+        if phase in ("eval", "mismatch_check") and not any(f"time/{phase}" in r for r in records):
+            continue  # the run did not evaluate, or did not bypass the old log-probs
         mean = sum(r.get(f"time/{phase}", 0.0) for r in records) / steps
         print(f"| {phase} | {mean:.3f} | {100 * mean / total:.1f}% |")
     other = total - sum(sum(r.get(f"time/{p}", 0.0) for r in records) / steps for p in PHASES)

@@ -203,6 +203,7 @@ class RunConfig:
                              f"({self.algorithm.overlong_penalty_window}) must be below "
                              f"rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
                              f"the penalty window sits below the response cap")
+        self._check_old_logprobs_from_rollout()
         longest = padded_length(self.rollout.max_prompt_tokens + self.rollout.max_response_tokens,
                                 pad_multiple(self.parallel.tensor_parallel,
                                              self.parallel.context_parallel))
@@ -212,6 +213,26 @@ class RunConfig:
                              f"({self.rollout.max_prompt_tokens}) + rollout.max_response_tokens "
                              f"({self.rollout.max_response_tokens}), padded for TP x CP, is "
                              f"{longest} tokens; set train.micro_batch_tokens={longest} or more")
+
+
+    def _check_old_logprobs_from_rollout(self) -> None:
+        """``algorithm.old_logprobs: rollout`` only where the engine's log-probs are pi_old."""
+        if self.algorithm.old_logprobs != "rollout":
+            return
+        why = "algorithm.old_logprobs: rollout takes pi_old from the engine's log-probs"
+        if self.rollout.top_p < 1:
+            raise ValueError(f"{why}, which rollout.top_p = {self.rollout.top_p} < 1 makes those "
+                             f"of a truncated distribution: use old_logprobs: trainer")
+        if self.rollout.max_staleness >= 1:
+            raise ValueError(f"{why}, but rollout.max_staleness = {self.rollout.max_staleness} "
+                             f"needs pi_prox, the trainer's policy at the start of the step "
+                             f"(the decoupled objective): use old_logprobs: trainer")
+        if (self.rollout.dtype != self.model.dtype
+                and not self.algorithm.old_logprobs_accept_dtype_mismatch):
+            raise ValueError(f"{why}, and rollout.dtype {self.rollout.dtype!r} is not the "
+                             f"trainer's model.dtype {self.model.dtype!r} ('auto' follows the "
+                             f"checkpoint): set rollout.dtype: {self.model.dtype}, or accept the "
+                             f"difference with algorithm.old_logprobs_accept_dtype_mismatch: true")
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -232,6 +232,10 @@ class PhaseTimer:
             torch.cuda.synchronize()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
 
+    def skipped(self, phase: str) -> None:
+        """Log ``phase`` as 0 s: a phase this step's configuration leaves out."""
+        self.seconds.setdefault(phase, 0.0)
+
     def metrics(self, generated: int, trained_tokens: int, dp_size: int) -> dict[str, float]:
         """``time/<phase>``, ``time/step`` (without the ``OUTSIDE_STEP`` phases) and rollout/train
         throughput of a step that generated ``generated`` response tokens in all

@@ -2,7 +2,8 @@
 
     rollout (the replica's engines: colocated vLLM in its ranks, or one engine on its leader)
     -> rewards (math-verify workers, where the samples are) -> group advantages
-    -> old log-probs (forward only) -> one optimizer update per mini-batch (N all-reduced)
+    -> old log-probs, pi_prox (forward only; the engine's with ``algorithm.old_logprobs: rollout``)
+    -> one optimizer update per mini-batch (N all-reduced)
     -> bucketed refit of each engine from its own replica's ranks
     -> (recipe section ``eval``, on schedule) held-out problems on the refitted engines -> log -> checkpoint
 
@@ -17,11 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
-
-import torch
+from dataclasses import replace
 
 from megatron_dgpo import telemetry
-from megatron_dgpo.algorithm.advantages import reduce_group_stats
+from megatron_dgpo.algorithm.advantages import batch_advantages, reduce_group_stats
 from megatron_dgpo.algorithm.losses import merge_metrics
 from megatron_dgpo.algorithm.mismatch import mismatch_metrics
 from megatron_dgpo.convert import export_hf_groups
@@ -37,7 +37,7 @@ from megatron_dgpo.training.minibatches import pack_update, plan_updates
 from megatron_dgpo.training.offload import TrainingStateOffload
 from megatron_dgpo.training.optimizer import step_if_finite, sync_params
 from megatron_dgpo.training.routing_replay import RoutingReplay
-from megatron_dgpo.training.train_step import forward_logprobs, train_step
+from megatron_dgpo.training.train_step import fill_old_logprobs, prox_logprobs, train_step
 from megatron_dgpo.training_run import TrainingRun
 
 
@@ -92,18 +92,19 @@ class RLStep:
         timer = telemetry.PhaseTimer()
         with timer("rollout"):
             batch, engine_stats, prompts_used = self.schedule.batch(step, run.state.prompts_consumed)
-            group_stats = self._advantages(batch)
+            adv = batch_advantages(batch, cfg.algorithm, group_size=group,
+                                   max_response_tokens=cfg.rollout.max_response_tokens)
+            batch.advantages, batch.loss_weights = adv.advantages, adv.loss_weights
 
-        with timer("old_logprobs"):
-            lengths = [len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)]
-            num_updates = cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
-            plan = plan_updates(rollout.replica_prompts.start, len(rollout.replica_prompts), group,
-                                num_updates, lengths)
-            updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
-                                   pad_multiple=pad_multiple(cfg.parallel.tensor_parallel,
-                                                              cfg.parallel.context_parallel))
-                       for indices in plan]
-            mismatch = self._old_logprobs([row for rows in updates for row in rows])
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)]
+        num_updates = cfg.train.rollout_batch_prompts // cfg.train.mini_batch_prompts
+        plan = plan_updates(rollout.replica_prompts.start, len(rollout.replica_prompts), group,
+                            num_updates, lengths)
+        updates = [pack_update(batch, indices, cfg.train.micro_batch_tokens,
+                               pad_multiple=pad_multiple(cfg.parallel.tensor_parallel,
+                                                          cfg.parallel.context_parallel))
+                   for indices in plan]
+        mismatch = self._old_logprobs(updates, step, timer)
 
         with (timer("update"), self.expert_load.recording(),
               _replay_recording(self.replay, "train/")):
@@ -140,7 +141,7 @@ class RLStep:
         once, self.first_metrics = self.first_metrics, {}
         sampled = batch.rollout_metrics(group, run.dp_group)
         generated = round(sampled["rollout/response_length_mean"] * sampled["rollout/num_samples"])
-        return {**sampled, **reduce_group_stats(group_stats, run.dp_group), **mismatch,
+        return {**sampled, **reduce_group_stats(adv.stats, run.dp_group), **mismatch,
                 **telemetry.update_metrics(merge_metrics(parts), grad_norms, skipped, run.lr),
                 "train/skipped_updates_total": float(run.state.skipped_updates),
                 **self.expert_load.metrics(), **(self.replay.metrics() if self.replay else {}),
@@ -149,32 +150,26 @@ class RLStep:
                 **engine_stats, **refit_stats, **eval_metrics, **once,
                 **timer.metrics(generated, trained_tokens, run.dp_size)}
 
-    def _advantages(self, batch) -> dict[str, float]:
-        """The batch's group advantages and per-sample aggregation weights, computed over whole
-        groups before packing splits them (0 for the groups DAPO's filter drops and, with the
-        overlong filter, for truncated samples; None by default: token_mean, no filter), the
-        overlong penalty added to the rewards first (``Experience.assign_advantages``).
-        Returns the replica's group statistics."""
-        algorithm = self.cfg.algorithm
-        return batch.assign_advantages(
-            self.cfg.rollout.group_size, aggregation=algorithm.loss_aggregation,
-            eps=algorithm.advantage_eps, unbiased=algorithm.advantage_unbiased_std,
-            drop_degenerate=algorithm.drop_degenerate_groups,
-            overlong_filter=algorithm.overlong_filter,
-            overlong_penalty_window=algorithm.overlong_penalty_window,
-            overlong_penalty_factor=algorithm.overlong_penalty_factor,
-            max_response_tokens=self.cfg.rollout.max_response_tokens)
-
-    def _old_logprobs(self, rows: list) -> dict[str, float]:
-        """pi_old of every packed row (forward only), and the rollout/trainer mismatch."""
-        with _replay_recording(self.replay, "mismatch/"):
-            outputs = forward_logprobs(self.run.models, rows,
-                                       temperature=self.cfg.rollout.temperature,
-                                       chunk_size=self.cfg.train.log_prob_chunk_size,
-                                       routing_replay=self.replay)
-        for row, (logp, _) in zip(rows, outputs):
-            row.old_logprobs = torch.where(row.loss_mask, logp, 0.0)
-        return mismatch_metrics(rows, self.run.dp_group).as_dict()
+    def _old_logprobs(self, updates: list, step: int, timer) -> dict[str, float]:
+        """pi_old of every packed row and the rollout/trainer mismatch. ``old_logprobs:
+        rollout`` (bypass): the engine's, no forward (phase 0 s); the first mini-batch's forward
+        runs on its schedule only to measure the mismatch (phase ``mismatch_check``)."""
+        algorithm, rows = self.cfg.algorithm, [row for rows in updates for row in rows]
+        forward = dict(temperature=self.cfg.rollout.temperature,
+                       chunk_size=self.cfg.train.log_prob_chunk_size, routing_replay=self.replay)
+        if algorithm.old_logprobs == "trainer":
+            with timer("old_logprobs"), _replay_recording(self.replay, "mismatch/"):
+                fill_old_logprobs(self.run.models, rows, **forward)
+            return mismatch_metrics(rows, self.run.dp_group).as_dict()
+        timer.skipped("old_logprobs")
+        fill_old_logprobs(self.run.models, rows, "rollout")
+        every = algorithm.old_logprobs_check_every
+        if not every or (step - 1) % every:
+            return {}
+        with timer("mismatch_check"), _replay_recording(self.replay, "mismatch/"):
+            trainer = prox_logprobs(self.run.models, updates[0], **forward)
+            checked = [replace(row, old_logprobs=logp) for row, logp in zip(updates[0], trainer)]
+            return mismatch_metrics(checked, self.run.dp_group).as_dict()
 
     def save(self) -> None:
         """A checkpoint of the step just run, with what the rollout holds ahead of it."""

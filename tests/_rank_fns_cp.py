@@ -1,5 +1,7 @@
 """Rank functions for tests/training/test_context_parallel.py: one mini-batch of packed rows at
-CP = 1 (the reference), CP = 2, TP = 2 x CP = 2 and CP = 2 x DP = 2."""
+CP = 1 (the reference), CP = 2, TP = 2, TP = 2 x CP = 2, CP = 2 x DP = 2 and PP = 2 x CP = 2, for each
+aggregation, every rollout correction (``geometric_mask`` with GSPO) and GSPO: every option on a
+real tiny Megatron model in the launches that already compare the layouts."""
 
 from __future__ import annotations
 
@@ -16,13 +18,23 @@ GROUP_SIZE = 2  # sample i is response i % 2 of prompt group i // 2
 PAD = 8  # gpu_flags.pad_multiple(2, 2): the rows every layout runs on
 BUDGET = 40
 TIS_CAP = 1.2
-CASES = {  # name -> (aggregation, groups left out (all-zero loss weights), TIS)
-    "token_mean": ("token_mean", (), False),
-    "token_mean_drop_tis": ("token_mean", (1,), True),
-    "group_token_mean": ("group_token_mean", (), False),
-    "seq_mean_token_mean_drop": ("seq_mean_token_mean", (2,), False),
+TIS = dict(rollout_correction="tis", rollout_correction_cap=TIS_CAP)
+CASES = {  # name -> (aggregation, groups left out (all-zero loss weights), other LossConfig keys)
+    "token_mean": ("token_mean", (), {}),
+    "token_mean_drop_tis": ("token_mean", (1,), TIS),
+    "group_token_mean": ("group_token_mean", (), {}),
+    "seq_mean_token_mean_drop": ("seq_mean_token_mean", (2,), {}),
+    "token_mask_drop": ("token_mean", (2,), dict(rollout_correction="token_mask")),
+    "sequence_tis": ("seq_mean_token_mean", (), dict(rollout_correction="sequence_tis",
+                                                     rollout_correction_cap=1.5)),
+    # a sample's product of ratios, over its tokens on both CP ranks, masks some samples
+    "sequence_mask": ("group_token_mean", (), dict(rollout_correction="sequence_mask")),
+    # GSPO's sample ratio over both CP ranks' shards; the geometric mask on top
+    "gspo_drop_geometric_mask": ("seq_mean_token_mean", (1,), dict(
+        method="gspo", rollout_correction="geometric_mask", rollout_correction_low=0.8,
+        rollout_correction_high=1.3)),
 }
-LAYOUTS = {2: ((1, 1, 2),), 4: ((2, 1, 2), (1, 1, 2), (1, 2, 2))}
+LAYOUTS = {2: ((1, 1, 2), (2, 1, 1)), 4: ((2, 1, 2), (1, 1, 2), (1, 2, 2))}
 """world -> (TP, PP, CP) layouts; DP = world / (TP PP CP)."""
 
 
@@ -62,10 +74,11 @@ def rows(case: str, dp_rank: int = 0, dp_size: int = 1):
 def _loss_config(case: str):
     from megatron_dgpo.algorithm.losses import LossConfig, LossHyperparams
 
-    aggregation, _, tis = CASES[case]
-    return LossConfig(method="dgpo", loss=LossHyperparams(eps_low=0.2, eps_high=0.28),
-                      loss_aggregation=aggregation, rollout_correction="tis" if tis else "none",
-                      rollout_correction_cap=TIS_CAP)
+    aggregation, _, extra = CASES[case]
+    return LossConfig(**{"method": "dgpo", **extra},
+                      loss=LossHyperparams(eps_low=0.2, eps_high=0.28, gspo_eps_low=0.1,
+                                           gspo_eps_high=0.12),
+                      loss_aggregation=aggregation)
 
 
 def _build(tp: int, pp: int, cp: int):

@@ -191,7 +191,8 @@ def _step(models, mbs, case: str | None = None):
 
 def _case_loss64(mb, logp, case: str) -> float:
     """The case's loss in float64 from ``losses`` directly: weights per token, W = their sum."""
-    from megatron_dgpo.algorithm.losses import LossHyperparams, policy_loss, truncated_is_weights
+    from megatron_dgpo.algorithm.losses import (LossConfig, LossHyperparams, behaviour_weights,
+                                                policy_loss)
 
     valid = mb.loss_mask.clone()
     weights = torch.ones(len(valid), dtype=torch.float64)
@@ -200,8 +201,8 @@ def _case_loss64(mb, logp, case: str) -> float:
         weights = mb.loss_weights.double()
     normaliser = torch.where(valid, weights, 0.0).sum()
     if CASES[case][2]:
-        weights = weights * truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, valid,
-                                                 TIS_CAP)[0]
+        tis = LossConfig(rollout_correction="tis", rollout_correction_cap=TIS_CAP)
+        weights = weights * behaviour_weights(tis, mb.old_logprobs, mb.rollout_logprobs, valid)[0]
     loss, _ = policy_loss(METHOD, logp.double(), mb.old_logprobs.double(), mb.advantages.double(),
                           valid, LossHyperparams(**HYPER), num_tokens=normaliser, weights=weights)
     return float(loss)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dgpo.algorithm.losses import METHODS
+from megatron_dgpo.algorithm.losses import TOKEN_METHODS
 from megatron_dgpo.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -128,10 +128,13 @@ def test_1p5b_uses_the_reference_lr_and_larger_models_follow_the_rule():
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_each_baseline_is_one_override(name):
     base = load_recipe(_path(name))
-    for method in METHODS:
+    for method in TOKEN_METHODS:  # the paper's six; GSPO also takes its aggregation (below)
         cfg = load_recipe(_path(name), [f"algorithm.method={method}"])
         assert cfg.algorithm.method == method
         assert cfg.algorithm.loss == base.algorithm.loss and cfg.train == base.train
+    gspo = load_recipe(_path(name), ["algorithm.method=gspo",
+                                     "algorithm.loss_aggregation=seq_mean_token_mean"])
+    assert gspo.algorithm.loss == base.algorithm.loss and gspo.train == base.train
     loss = base.algorithm.loss  # the paper's CE-GPPO and ASPO constants, with no extra override
     assert (loss.beta1, loss.beta2, loss.aspo_eps_low, loss.aspo_eps_high) == (0.75, 1.0, 0.33, 3.0)
 
@@ -324,3 +327,17 @@ def test_32k_recipe_is_its_parent_with_the_planners_layout(name):
                                         par.context_parallel)
     other, other_seconds = step(not cfg.model.recompute_activations)
     assert other.pick is None or other_seconds >= seconds
+
+
+def test_gspo_30b_recipe_is_its_parent_with_gspo():
+    """recipes/qwen3_30b_a3b_gspo.yaml: the Qwen3-30B-A3B recipe but for GSPO with its paper's
+    epsilons and spread; it names its launch."""
+    cfg = load_recipe(_path("qwen3_30b_a3b_gspo"))
+    assert (cfg.algorithm.method, cfg.algorithm.loss_aggregation) == ("gspo", "seq_mean_token_mean")
+    assert (cfg.algorithm.loss.gspo_eps_low, cfg.algorithm.loss.gspo_eps_high) == (3e-4, 4e-4)
+    parent = load_recipe(_path("qwen3_30b_a3b"), [
+        f"run_dir={cfg.run_dir}", "algorithm.method=gspo",
+        "algorithm.loss_aggregation=seq_mean_token_mean"])
+    assert parent == cfg
+    header = _path("qwen3_30b_a3b_gspo").read_text().split("\n\n")[0]
+    assert "RECIPE=recipes/qwen3_30b_a3b_gspo.yaml sbatch" in header

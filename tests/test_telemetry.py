@@ -71,11 +71,13 @@ def test_plot_run_draws_present_panels(tmp_path):
     logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False))
     for step in range(1, 6):
         logger.log(step, {"rollout/reward_mean": -1 + step / 5, "train/entropy": 2 - step / 5,
-                          "train/region/LN_frac": 0.01 * step, "train/region/HP_frac": 0.02})
+                          "train/region/LN_frac": 0.01 * step, "train/region/HP_frac": 0.02,
+                          "train/correction/weight_mean": 0.97,
+                          "train/correction/token_masked_frac": 0.01 * step})
     plot_run = load_plot_run()
     out = tmp_path / "dyn.png"
     titles = plot_run.plot_runs([tmp_path], out)
-    assert titles == ["Reward", "Entropy", "Clip regions"]
+    assert titles == ["Reward", "Entropy", "Clip regions", "Rollout correction"]
     assert out.stat().st_size > 10_000
     assert plot_run.main([str(tmp_path / "missing")]) == 2
 
@@ -110,3 +112,19 @@ def test_phase_timer_leaves_evaluation_out_of_the_step_and_the_throughputs(monke
     assert metrics["time/step"] == 16.5 - 10.0
     assert metrics["throughput/rollout_tokens_per_s"] == 50.0
     assert metrics["throughput/train_tokens_per_s"] == 20.0
+
+
+def test_a_skipped_phase_is_logged_as_zero_and_takes_no_time(monkeypatch):
+    """The bypass leaves the old-log-prob forward out: time/old_logprobs is 0, not absent."""
+    from megatron_dgpo import telemetry
+
+    clock = iter([0.0, 0.0, 3.0, 3.0, 5.0, 5.0])
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    timer = telemetry.PhaseTimer()
+    timer.skipped("old_logprobs")
+    for phase in ("rollout", "update"):
+        with timer(phase):
+            pass
+    metrics = timer.metrics(generated=1, trained_tokens=1, dp_size=1)
+    assert metrics["time/old_logprobs"] == 0.0 and metrics["time/rollout"] == 3.0
+    assert metrics["time/step"] == 5.0

@@ -14,7 +14,8 @@ RECIPE = "recipes/tiny_cpu.yaml"
 @pytest.mark.parametrize("override, message", [
     ("algorithm.metod=grpo", "unknown key 'algorithm.metod'; did you mean 'algorithm.method'?"),
     ("train.steps=many", "train.steps: expected an integer, got 'many'"),
-    ("algorithm.method=ppo", "method must be one of grpo, cispo, gppo, ce_gppo, aspo, dgpo"),
+    ("algorithm.method=ppo", "method must be one of grpo, cispo, gppo, ce_gppo, aspo, dgpo, gspo"),
+    ("algorithm.method=gspo", "method gspo spreads each sample's gradient over its tokens as GSPO's"),
     ("optimizer.lr=fast", "optimizer.lr: expected float > 0 | 'auto', got 'fast'"),
     ("optimizer.lr=-1", "optimizer.lr: expected float > 0 | 'auto', got -1"),
     ("optimizer.lr=.nan", "optimizer.lr: expected float > 0 | 'auto', got nan"),
@@ -32,14 +33,21 @@ RECIPE = "recipes/tiny_cpu.yaml"
     ("model.nominal_params=0", "model.nominal_params must be > 0, got 0.0"),
     ("algorithm.advantage_eps=-1", "algorithm.advantage_eps must be >= 0, got -1.0"),
     ("train.mini_batch_prompts=5", "rollout_batch_prompts (32) must be a multiple of mini_batch_prompts (5)"),
-    ("algorithm.loss.n=0", "algorithm.loss: n must be a positive integer, got 0"),
+    ("algorithm.loss.n=0", "algorithm.loss.n must be >= 1, got 0"),
+    ("algorithm.loss.gspo_eps_low=0", "algorithm.loss.gspo_eps_low must be in (0, 1), got 0"),
     ("rollout.max_response_tokens=4096", "train.micro_batch_tokens (1024) cannot hold the longest "
      "sample: rollout.max_prompt_tokens (96) + rollout.max_response_tokens (4096), padded for "
      "TP x CP, is 4192 tokens; set train.micro_batch_tokens=4192 or more"),
     ("algorithm.loss_aggregation=sum", "algorithm.loss_aggregation: expected one of 'token_mean', "
      "'group_token_mean', 'seq_mean_token_mean', got 'sum'"),
-    ("algorithm.rollout_correction=is", "algorithm.rollout_correction: expected one of 'none', 'tis'"),
-    ("algorithm.rollout_correction_cap=0.9", "algorithm: rollout_correction_cap must be a finite number >= 1"),
+    ("algorithm.rollout_correction=is", "algorithm.rollout_correction: expected one of 'none', 'tis', "
+     "'token_mask', 'sequence_tis', 'sequence_mask', 'geometric_mask'"),
+    ("algorithm.rollout_correction_cap=0.9", "algorithm.rollout_correction_cap must be >= 1, got 0.9"),
+    ("algorithm.rollout_correction_high=0.5", "algorithm.rollout_correction_high must be >= 1"),
+    ("algorithm.rollout_correction_low=0.5", "algorithm: rollout_correction_low/high bound the "
+     "masking corrections (token_mask, sequence_mask, geometric_mask), not rollout_correction: none"),
+    ("algorithm.old_logprobs=engine", "algorithm.old_logprobs: expected one of 'trainer', 'rollout'"),
+    ("algorithm.old_logprobs_check_every=-2", "algorithm.old_logprobs_check_every must be >= 0"),
     ("algorithm.drop_degenerate_groups=maybe", "algorithm.drop_degenerate_groups: expected true or false"),
     ("train.seed=8388608", "train.seed must be in [0, 8388608), got 8388608"),
     ("algorithm.refill_rounds=2", "refill_rounds refills the groups drop_degenerate_groups drops"),
@@ -88,6 +96,25 @@ def test_missing_recipe_and_misplaced_override_are_refused(capsys):
     assert "recipes/nope.yaml does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.top_p=0.9"], "which rollout.top_p = 0.9 < 1 makes those of a truncated distribution"),
+    (["rollout.max_staleness=1", "rollout.placement=dedicated", "rollout.num_gpus=1"],
+     "rollout.max_staleness = 1 needs pi_prox, the trainer's policy at the start of the step"),
+    (["rollout.dtype=bfloat16"], "rollout.dtype 'bfloat16' is not the trainer's model.dtype "
+     "'float32' ('auto' follows the checkpoint): set rollout.dtype: float32, or accept"),
+    (["rollout.dtype=auto"], "rollout.dtype 'auto' is not the trainer's model.dtype"),
+    (["algorithm.rollout_correction=tis"], "rollout_correction tis would do nothing; set it to none"),
+])
+def test_the_bypass_is_refused_where_the_engines_log_probs_are_not_pi_old(overrides, message,
+                                                                          capsys):
+    assert main([RECIPE, "algorithm.old_logprobs=rollout", *overrides]) == 2
+    assert message in capsys.readouterr().err
+    accepted = load_recipe(RECIPE, ["algorithm.old_logprobs=rollout", "rollout.dtype=bfloat16",
+                                    "algorithm.old_logprobs_accept_dtype_mismatch=true"])
+    assert accepted.algorithm.old_logprobs == "rollout"
+    assert load_recipe(RECIPE, ["algorithm.old_logprobs=rollout"]).rollout.dtype == "float32"
+
+
 def test_describe_documents_every_key(capsys):
     assert main(["--describe"]) == 0
     out = capsys.readouterr().out
@@ -97,7 +124,10 @@ def test_describe_documents_every_key(capsys):
         assert doc, f"{key} has no documentation under its declaration"
         assert f"{key}  (" in out
     for key in ("algorithm.loss_aggregation", "algorithm.rollout_correction",
-                "algorithm.rollout_correction_cap", "algorithm.drop_degenerate_groups",
+                "algorithm.rollout_correction_cap", "algorithm.rollout_correction_low",
+                "algorithm.rollout_correction_high", "algorithm.old_logprobs",
+                "algorithm.old_logprobs_check_every", "algorithm.loss.gspo_eps_low",
+                "algorithm.old_logprobs_accept_dtype_mismatch", "algorithm.drop_degenerate_groups",
                 "eval.every", "eval.at_end", "eval.benchmarks", "eval.n", "eval.max_tokens",
                 "eval.temperature", "eval.top_p", "eval.limit", "eval.seed"):
         assert f"{key}  (" in out

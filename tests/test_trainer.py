@@ -344,13 +344,15 @@ def test_tensor_parallel_two_ranks_matches_one(full_run, tmp_path):
 def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
     """CP=2 (torchrun, 2 gloo ranks, one replica: both ranks hold halves of every row, and
     each rank's colocated engine samples half of the replica's batch) against the same job at
-    CP=1, both with DAPO's overlong filter and penalty, its refill of degenerate groups and the
-    per-sequence aggregation: identical samples and refill rounds, the same filtered share, and
-    the training metrics within float32 rounding of the CP=1 run's (loss, grad norm and entropy
-    within 1e-5), two steps."""
+    CP=1, both with DAPO's overlong filter and penalty, its refill of degenerate groups, the
+    per-sequence aggregation and the bypass (the engine's log-probs as pi_old; the forward runs
+    only to measure the mismatch, here every step): identical samples and refill rounds, the
+    same filtered share, the training metrics within float32 rounding of the CP=1 run's (loss,
+    grad norm and entropy within 1e-5), no old-log-prob phase, two steps."""
     overlong = ["algorithm.overlong_filter=true", "algorithm.overlong_penalty_window=2",
                 "algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=1",
                 "algorithm.loss_aggregation=seq_mean_token_mean", "rollout.max_response_tokens=6",
+                "algorithm.old_logprobs=rollout", "algorithm.old_logprobs_check_every=1",
                 "train.steps=2", "checkpoint.save_every=0"]
     _check(_train(tmp_path / "cp1", *overlong))
     proc = _torchrun(tmp_path / "cp2", "parallel.context_parallel=2", *overlong)
@@ -364,6 +366,8 @@ def test_context_parallel_two_ranks_match_one_with_overlong_filtering(tmp_path):
         assert got["rollout/refill_rounds"] >= 1 and "adv/num_dropped_groups" in got
         assert 0 < got["adv/overlong_filtered_frac"] == want["adv/overlong_filtered_frac"] < 1
         assert got["adv/overlong_penalty_mean"] == want["adv/overlong_penalty_mean"] < 0
+        for record in (got, want):  # the bypass: no pi_old forward, the check's forward instead
+            assert record["time/old_logprobs"] == 0.0 and record["time/mismatch_check"] > 0
         _assert_same_training(got, want)
 
 
@@ -602,8 +606,10 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(tiny_firs
     degenerate is sampled again from the next batch of the stream. The first round is the
     plain run's batch, so its degenerate groups are the ones discarded first; what is still
     degenerate after the last round is dropped as before; the stream advances by the rounds
-    used; and two replicas (each refilling its own positions) equal one."""
-    refill = ["algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=2"]
+    used; and two replicas (each refilling its own positions) equal one, with a rollout
+    correction (the geometric mask, over each refilled sample) on."""
+    refill = ["algorithm.drop_degenerate_groups=true", "algorithm.refill_rounds=2",
+              "algorithm.rollout_correction=geometric_mask"]
     one, two = tmp_path / "one", tmp_path / "two"
     _check(_train(one, "train.steps=2", "checkpoint.save_every=2", *refill))
     _torchrun(two, *refill)
@@ -617,6 +623,9 @@ def test_refill_resamples_degenerate_groups_and_two_replicas_equal_one(tiny_firs
     assert first["adv/num_dropped_groups"] <= degenerate
     if first["rollout/refill_rounds"] < 2:
         assert first["adv/num_dropped_groups"] == 0
+    # float32 engine: every sample's geometric mean ratio inside [0.999, 1.001], none masked
+    assert first["train/correction/sample_masked_frac"] == 0.0
+    assert abs(first["train/correction/weight_mean"] - 1.0) < 1e-12
     state = json.loads((one / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["prompts_consumed"] == 32 * sum(1 + r["rollout/refill_rounds"] for r in records)
     for got, want in zip(read_metrics(two), records):

@@ -15,7 +15,8 @@ import argparse
 import torch
 from torch import Tensor
 
-from megatron_dgpo.algorithm.losses import METHODS, LossHyperparams, coefficient, policy_loss
+from megatron_dgpo.algorithm.losses import TOKEN_METHODS as METHODS
+from megatron_dgpo.algorithm.losses import LossHyperparams, coefficient, policy_loss
 
 
 def _autograd_coefficients(method: str, w: Tensor, advantage: float, hp: LossHyperparams):

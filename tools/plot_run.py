@@ -31,6 +31,10 @@ PANELS = [
     ("Grad norm", ["train/grad_norm"], "L2 norm"),
     ("Rollout/trainer mismatch", ["mismatch/mean_abs_diff", "mismatch/max_abs_diff"],
      "|log p diff|"),
+    ("Rollout correction", ["train/correction/weight_mean", "train/correction/clip_frac",
+                            "train/correction/token_masked_frac",
+                            "train/correction/sample_masked_frac", "train/correction/ess_frac"],
+     "weight mean / share"),
 ]
 
 

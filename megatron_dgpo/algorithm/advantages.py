@@ -12,15 +12,19 @@ in TRL and verl). ``unbiased=False`` gives the population std (divisor G). With 
 Degenerate groups, where every reward is equal (all right or all wrong) or G = 1, carry no
 learning signal: their advantages are exactly 0 (not 0 / eps noise), and they are counted in
 the returned stats (``num_degenerate``, ``frac_degenerate``), the number dynamic-sampling
-methods filter on. ``reduce_group_stats`` makes a replica's statistics batch-wide.
+methods filter on. ``batch_advantages`` forms a batch's advantages and loss weights from a
+recipe's ``algorithm`` section; ``reduce_group_stats`` makes a replica's statistics batch-wide.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
+from megatron_dgpo.algorithm.batch import Experience
+from megatron_dgpo.algorithm.losses import sample_loss_weights
 from megatron_dgpo.runtime import comm
 
 
@@ -145,3 +149,70 @@ def reduce_group_stats(stats: dict[str, float], group=None) -> dict[str, float]:
     values = comm.reduce_values(values, "sum", group)
     total = values[keys.index(weight_key)].item()
     return {k: v if "num_" in k else v / max(total, 1.0) for k, v in zip(keys, values.tolist())}
+
+
+class AdvantageSettings(Protocol):
+    """What ``batch_advantages`` reads of a recipe's ``algorithm`` section
+    (``recipe.AlgorithmConfig``, whose keys document each)."""
+
+    loss_aggregation: str
+    advantage_eps: float
+    advantage_unbiased_std: bool
+    drop_degenerate_groups: bool
+    overlong_filter: bool
+    overlong_penalty_window: int
+    overlong_penalty_factor: float
+
+
+@dataclass(frozen=True)
+class BatchAdvantages:
+    """``advantages`` [N] float32 per sample, ``loss_weights`` [N] float64 per-sample aggregation
+    weights (0: left out; None: all 1) and the replica's group statistics ``stats``."""
+
+    advantages: torch.Tensor
+    loss_weights: torch.Tensor | None
+    stats: dict[str, float]
+
+
+def batch_advantages(batch: Experience, config: AdvantageSettings, *, group_size: int,
+                     max_response_tokens: int | None = None) -> BatchAdvantages:
+    """The advantages and loss weights of ``batch`` (this replica's whole groups, before packing
+    splits them), in order (docs/losses.md, "Overlong filtering"):
+
+    1. DAPO's soft overlong punishment (``overlong_penalty_window`` > 0; L_max =
+       ``max_response_tokens``) added to each task reward; ``batch.rewards`` keep the task
+       rewards, which the filter and the accuracy judge.
+    2. Group advantages of those rewards (``group_advantages``).
+    3. Loss weights (``losses.sample_loss_weights``) with degenerate groups
+       (``drop_degenerate_groups``) and truncated samples (``overlong_filter``) at 0; a filtered
+       sample still counts in its group's mean and std.
+
+    ``stats``: ``AdvantageStats`` (its ``reward_mean`` the penalised reward's), and
+    ``adv/num_dropped_groups``, ``adv/overlong_filtered_frac``, ``adv/overlong_penalty_mean``,
+    ``adv/overlong_penalized_frac`` with the options that make them.
+    """
+    lengths = [len(r) for r in batch.response_tokens]
+    truncated = torch.tensor(batch.truncated, dtype=torch.bool)
+    n = max(len(batch), 1)
+    stats: dict[str, float] = {}
+    rewards = torch.tensor(batch.rewards)
+    if config.overlong_penalty_window:
+        if max_response_tokens is None:
+            raise ValueError("the overlong penalty needs max_response_tokens (L_max)")
+        penalty = overlong_penalty(lengths, max_response_tokens, config.overlong_penalty_window,
+                                   config.overlong_penalty_factor)
+        rewards = torch.tensor(batch.rewards, dtype=torch.float64) + penalty
+        stats["adv/overlong_penalty_mean"] = float(penalty.sum()) / n
+        stats["adv/overlong_penalized_frac"] = float((penalty < 0).sum()) / n
+    advantages, adv_stats = group_advantages(rewards, group_size, eps=config.advantage_eps,
+                                             unbiased=config.advantage_unbiased_std)
+    keep = None
+    if config.drop_degenerate_groups:
+        kept = drop_degenerate_groups(batch.rewards, group_size)
+        keep = kept.keep
+        stats.update(kept.as_dict())
+    if config.overlong_filter:
+        keep = ~truncated if keep is None else keep & ~truncated
+        stats["adv/overlong_filtered_frac"] = float(truncated.sum()) / n
+    weights = sample_loss_weights(lengths, group_size, config.loss_aggregation, keep)
+    return BatchAdvantages(advantages, weights, {**adv_stats.as_dict(), **stats})

@@ -4,10 +4,9 @@ Each engine's leader grades its share of a step's prompts into a piece; a DAPO r
 degenerate groups by fresh ones (``replace_groups``); the pieces of a DP replica are joined
 in batch-position order on every rank of its replica group (``gather``: samples never
 cross replicas); the trainer turns each sample into a ``packing.Sample`` (``sample``) and
-reports the batch-wide rollout metrics (``rollout_metrics``); before packing, the trainer
-fills its advantages and loss weights from whole groups (``assign_advantages``: DAPO's
-overlong penalty and filter, the degenerate-group filter). Both the rollout and the trainer
-hold it, so it sits below both.
+reports the batch-wide rollout metrics (``rollout_metrics``); before packing, the trainer sets
+its advantages and loss weights, formed from whole groups by ``advantages.batch_advantages``.
+Both the rollout and the trainer hold it, so it sits below both.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dgpo.algorithm.advantages import (drop_degenerate_groups, group_advantages,
-                                                overlong_penalty)
-from megatron_dgpo.algorithm.losses import sample_loss_weights
 from megatron_dgpo.algorithm.packing import Sample
 from megatron_dgpo.runtime import comm
 
@@ -33,9 +29,9 @@ class Experience:
 
     prompt_tokens[i]: [P_i] ids; response_tokens[i]: [R_i] ids; rollout_logprobs[i]: [R_i] the
     engine's log-probs of those tokens; rewards: [N]; truncated: [N] bool (finish "length").
-    advantages ([N]) are filled by the trainer (per group, so on the replica that holds it;
-    ``assign_advantages``), and so are loss_weights ([N] float64 per-sample aggregation
-    weights, ``losses.sample_loss_weights``, 0 for a sample left out; None: all 1). routed_experts[i] ([P_i + R_i - 1, layers,
+    advantages ([N]) and loss_weights ([N] float64 per-sample aggregation weights, 0 for a
+    sample left out; None: all 1) are set by the trainer (``advantages.batch_advantages``, on
+    the replica that holds the groups). routed_experts[i] ([P_i + R_i - 1, layers,
     topk] int16, routing replay): the engine's global expert ids per input position (prompt and
     response but the last token) and layer; None when the engine recorded none.
     policy_version: the trainer step whose weights the engine sampled with (0: the initial
@@ -196,59 +192,6 @@ class Experience:
                         "rollout/segments_per_response": float(sums[3]) / n,
                         "rollout/masked_tokens_frac": float(sums[5] / max(float(sums[1]), 1.0))})
         return out
-
-    def assign_advantages(self, group_size: int, *, aggregation: str = "token_mean",
-                          eps: float = 1e-6, unbiased: bool = True,
-                          drop_degenerate: bool = False, overlong_filter: bool = False,
-                          overlong_penalty_window: int = 0, overlong_penalty_factor: float = 1.0,
-                          max_response_tokens: int | None = None) -> dict[str, float]:
-        """Fill ``advantages`` and ``loss_weights`` from whole groups, before packing splits
-        them (the trainer's step, a recipe's ``algorithm`` section), and return the replica's
-        group statistics (``advantages.reduce_group_stats`` makes them batch-wide):
-
-        1. DAPO's soft overlong punishment (``overlong_penalty_window`` > 0): each sample's
-           reward becomes its task reward plus ``advantages.overlong_penalty`` (L_max =
-           ``max_response_tokens``) before the group advantages, as verl's DAPO reward manager
-           adds it to the score. ``rewards`` keep the task rewards (accuracy, the refill and
-           the degenerate-group filter judge those, as verl's ``filter_groups.metric: acc``).
-        2. Group advantages of those rewards (``group_advantages``).
-        3. Loss weights (``losses.sample_loss_weights``) with the degenerate groups
-           (``drop_degenerate``) and, with ``overlong_filter``, every truncated sample left
-           out (weight 0 on each of its tokens). A filtered sample still counts in its group's
-           mean and std, as in NeMo-RL (its ``overlong_filtering`` zeroes the loss multiplier
-           after the advantages); it only takes no part in the loss.
-
-        Statistics beyond ``AdvantageStats`` (whose ``reward_mean`` is then the penalised
-        reward's): ``adv/num_dropped_groups`` with ``drop_degenerate``;
-        ``adv/overlong_filtered_frac`` with ``overlong_filter``; ``adv/overlong_penalty_mean``
-        and ``adv/overlong_penalized_frac`` (the share with a penalty < 0) with a window.
-        """
-        lengths = [len(r) for r in self.response_tokens]
-        truncated = torch.tensor(self.truncated, dtype=torch.bool)
-        stats: dict[str, float] = {}
-        if overlong_penalty_window:
-            if max_response_tokens is None:
-                raise ValueError("the overlong penalty needs max_response_tokens (L_max)")
-            penalty = overlong_penalty(lengths, max_response_tokens, overlong_penalty_window,
-                                       overlong_penalty_factor)
-            rewards = torch.tensor(self.rewards, dtype=torch.float64) + penalty
-            n = max(len(self), 1)
-            stats["adv/overlong_penalty_mean"] = float(penalty.sum()) / n
-            stats["adv/overlong_penalized_frac"] = float((penalty < 0).sum()) / n
-        else:
-            rewards = torch.tensor(self.rewards)
-        self.advantages, adv_stats = group_advantages(rewards, group_size, eps=eps,
-                                                      unbiased=unbiased)
-        keep = None
-        if drop_degenerate:
-            kept = drop_degenerate_groups(self.rewards, group_size)
-            keep = kept.keep
-            stats.update(kept.as_dict())
-        if overlong_filter:
-            keep = ~truncated if keep is None else keep & ~truncated
-            stats["adv/overlong_filtered_frac"] = float(truncated.sum()) / max(len(self), 1)
-        self.loss_weights = sample_loss_weights(lengths, group_size, aggregation, keep)
-        return {**adv_stats.as_dict(), **stats}
 
     def sample(self, i: int) -> Sample:
         """Sample i for ``packing.pack``: per response token the rollout log-prob and the

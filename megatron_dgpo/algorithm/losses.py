@@ -1,13 +1,13 @@
-"""Policy-gradient losses of the DGPO paper's unified estimator (its Eq. 1).
+"""Policy-gradient losses of the DGPO paper's unified estimator (its Eq. 1), with a behaviour weight.
 
 Every method here is one choice of the coefficient F in
 
-    grad J = 1/N * sum_t  F_t * A_t * grad log pi_theta(o_t),      w_t = pi_theta / pi_old,
+    grad J = 1/W * sum_t  c_t v_t F_t A_t grad log pi_theta(o_t),     w_t = pi_theta / pi_prox,
 
-where N is the number of valid tokens of the whole mini-batch (``token_mean``; the other
-aggregations of ``AGGREGATIONS`` weight each token by c_t and divide by sum_t c_t instead, see
-``sample_loss_weights``; ``truncated_is_weights`` adds the TIS factor). F depends on the region
-a token falls in (paper, Table 1), set by the ratio w and the sign of the advantage A:
+c_t the aggregation weight (``sample_loss_weights``; W = sum_t c_t, the valid tokens N for
+``token_mean``), v_t the behaviour weight of ``algorithm.rollout_correction`` computed from
+pi_prox / pi_behav (``behaviour_weights``; 1 when off). F depends on the region a token falls
+in (paper, Table 1), set by the ratio w and the sign of the advantage A:
 
     LN: w < 1-eps_low  and A < 0        HP: w > 1+eps_high and A > 0
     LP: w < 1-eps_low  and A > 0        HN: w > 1+eps_high and A < 0
@@ -22,42 +22,43 @@ a token falls in (paper, Table 1), set by the ratio w and the sign of the advant
     aspo      0 in LN and HP; else A > 0: 1-eps'_low if w < 1-eps'_low, else 1/w
                                      A < 0: 1+eps'_high if w > 1+eps'_high, else w
     dgpo      w^(n+1) / (1-eps_low)^n in LN; (1+eps_high)^(1/m) * w^(1-1/m) in HP; w elsewhere
+    gspo      grpo's F of the sample's ratio s_i = exp(mean_t log w_t) with GSPO's eps
 
-How the loss is built. ``policy_loss`` returns ``-(1/N) sum_t mask_t * s_t`` with the per-token
-surrogate
-
-    s_t = J_t + F_t * A_t * (log pi_t - sg[log pi_t]),
-
-where J_t (the value of each paper's objective) and F_t are computed from detached,
-masked and clamped log-ratios. The only differentiable operation is linear in log pi, so
-``d loss / d logprobs[t] = -mask[t] * F[t] * A[t] / num_tokens`` holds exactly, and no branch a
-``torch.where`` discards can leak a NaN into the gradient (the failure of ``0 * inf`` in the
-gradient of an unselected ``exp`` branch). Log-ratios are clamped to +-LOG_RATIO_CLAMP (w in
-[2e-9, 4.9e8]) before F is formed: F is the table above for every ratio a trust region could
-still care about, and F * A stays finite in float32 sums over millions of tokens.
-
-``dual_clip`` (``grpo`` only), the objective values J_t the loss reports, and how the log-ratio
-clamp and the token mean differ from the paper's official code: docs/losses.md.
+``policy_loss`` returns ``-(1/W) sum_t mask_t c_t v_t s_t`` with the per-token surrogate
+s_t = J_t + F_t A_t (log pi_t - sg[log pi_t]): J_t (each objective's value) and F_t come from
+detached, masked, clamped (+-LOG_RATIO_CLAMP) log-ratios, so the only differentiable operation
+is linear in log pi and ``d loss / d logprobs[t] = -mask_t c_t v_t F_t A_t / W`` exactly, with no
+NaN from an unselected ``torch.where`` branch. The objectives, the behaviour weights and how
+they differ from the paper's official code and the anchors: docs/losses.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from numbers import Integral, Real
-from typing import Literal
+from numbers import Integral
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
-from megatron_dgpo.runtime.config import require_choice
+from megatron_dgpo.runtime.config import Bounds, check_bounds, require_choice
 
-METHODS = ("grpo", "cispo", "gppo", "ce_gppo", "aspo", "dgpo")
+METHODS = ("grpo", "cispo", "gppo", "ce_gppo", "aspo", "dgpo", "gspo")
+SEQUENCE_METHODS = ("gspo",)
+"""Methods whose ratio is a sample's: ``policy_loss`` needs ``segments`` for them."""
+TOKEN_METHODS = tuple(m for m in METHODS if m not in SEQUENCE_METHODS)
 AGGREGATIONS = ("token_mean", "group_token_mean", "seq_mean_token_mean")
 """How token terms are averaged (``sample_loss_weights``)."""
-ROLLOUT_CORRECTIONS = ("none", "tis")
-"""Off-policy correction for the rollout engine's sampler (``truncated_is_weights``)."""
+ROLLOUT_CORRECTIONS = ("none", "tis", "token_mask", "sequence_tis", "sequence_mask",
+                       "geometric_mask")
+"""The behaviour weight v_t from pi_prox / pi_behav (``behaviour_weights``)."""
+MASK_BANDS = {"token_mask": (0.5, 5.0), "sequence_mask": (0.5, 2.0),
+              "geometric_mask": (0.999, 1.001)}
+"""Each masking correction's default [low, high] (IcePop's; verl's ``decoupled_seq_is_rs`` and
+``decoupled_geo_rs``)."""
+OLD_LOGPROBS = ("trainer", "rollout")
 REGIONS = ("LN", "HP", "LP", "HN", "M")
 DUAL_CLIP_METHODS = ("grpo",)
 """Methods that accept ``LossHyperparams.dual_clip`` (dual-clip PPO: a cut of PPO's value)."""
@@ -70,98 +71,146 @@ LOG_RATIO_CLAMP = 20.0
 class LossHyperparams:
     """Hyper-parameters of ``policy_loss``; the defaults are the paper's (Appendix B, Table 5)."""
 
-    eps_low: float = 0.2
-    """Lower clip range: the trust region's left edge is w = 1 - eps_low. In (0, 1)."""
-    eps_high: float = 0.2
-    """Upper clip range: the trust region's right edge is w = 1 + eps_high. Positive."""
-    n: int = 1
-    """DGPO left-boundary decay power: F = w^(n+1)/(1-eps_low)^n in LN. Positive integer."""
-    m: int = 2
-    """DGPO right-boundary root: F = (1+eps_high)^(1/m) w^(1-1/m) in HP. Positive integer."""
-    beta1: float = 0.75
+    eps_low: Annotated[float, Bounds(gt=0, lt=1)] = 0.2
+    """Lower clip range: the trust region's left edge is w = 1 - eps_low."""
+    eps_high: Annotated[float, Bounds(gt=0)] = 0.2
+    """Upper clip range: the trust region's right edge is w = 1 + eps_high."""
+    n: Annotated[int, Bounds(ge=1)] = 1
+    """DGPO left-boundary decay power: F = w^(n+1)/(1-eps_low)^n in LN. An integer."""
+    m: Annotated[int, Bounds(ge=1)] = 2
+    """DGPO right-boundary root: F = (1+eps_high)^(1/m) w^(1-1/m) in HP. An integer."""
+    beta1: Annotated[float, Bounds(ge=0)] = 0.75
     """CE-GPPO scale of the LN gradient weight (F = beta1 (1-eps_low))."""
-    beta2: float = 1.0
+    beta2: Annotated[float, Bounds(ge=0)] = 1.0
     """CE-GPPO scale of the HP gradient weight (F = beta2 (1+eps_high))."""
-    aspo_eps_low: float = 0.33
+    aspo_eps_low: Annotated[float, Bounds(gt=0, lt=1)] = 0.33
     """ASPO soft dual-clip for positive advantages: F = 1-aspo_eps_low when w < 1-aspo_eps_low."""
-    aspo_eps_high: float = 3.0
+    aspo_eps_high: Annotated[float, Bounds(gt=0)] = 3.0
     """ASPO soft dual-clip for negative advantages: F = 1+aspo_eps_high when w > 1+aspo_eps_high."""
-    dual_clip: float | None = None
+    gspo_eps_low: Annotated[float, Bounds(gt=0, lt=1)] = 3e-4
+    """GSPO's clip of the sample's ratio s_i on the left, 1 - gspo_eps_low (GSPO's paper: 3e-4;
+    method ``gspo`` takes these two instead of eps_low and eps_high)."""
+    gspo_eps_high: Annotated[float, Bounds(gt=0)] = 4e-4
+    """GSPO's clip of s_i on the right, 1 + gspo_eps_high (GSPO's paper: 4e-4)."""
+    dual_clip: Annotated[float | None, Bounds(gt=1)] = None
     """Dual-clip PPO constant c (Ye et al. 2020; verl's ``clip_ratio_c``), method ``grpo`` only
     (the others refuse it). For A < 0 the token objective becomes max(min(w A, clip(w) A), c A):
     where A < 0 and w > c its value is the constant c A and its gradient 0 (logged as
-    ``dual_clip_frac``); A >= 0 and w <= c are unchanged. A finite number > 1; 3.0 is verl's
-    default and the GRPO baseline of the paper's official code. null (default): off, GRPO as
-    the paper's Eq. 2 writes it."""
+    ``dual_clip_frac``); A >= 0 and w <= c are unchanged. 3.0 is verl's default and the GRPO
+    baseline of the paper's official code. null (default): off, GRPO as the paper's Eq. 2."""
 
     def __post_init__(self):
+        check_bounds(self)
         for name in ("n", "m"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, low, high in (("eps_low", 0.0, 1.0), ("aspo_eps_low", 0.0, 1.0)):
-            value = getattr(self, name)
-            if not low < value < high:
-                raise ValueError(f"{name} must lie in ({low}, {high}), got {value!r}")
-        for name in ("eps_high", "aspo_eps_high"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-        c = self.dual_clip
-        if c is not None:
-            if isinstance(c, bool) or not isinstance(c, Real) or not (math.isfinite(c) and c > 1):
-                raise ValueError(f"dual_clip must be null (off) or a finite number > 1 (verl's "
-                                 f"clip_ratio_c; 3.0 is the official GRPO baseline), got {c!r}")
-            object.__setattr__(self, "dual_clip", float(c))
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), Integral):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.dual_clip is not None:
+            object.__setattr__(self, "dual_clip", float(self.dual_clip))
 
 
 @dataclass
 class LossConfig:
     """The policy loss of one update: the method and its hyper-parameters, how token terms are
-    aggregated over a mini-batch, and the rollout correction. A recipe's ``algorithm`` section
-    is one (``recipe.AlgorithmConfig`` adds the advantages and DAPO's filter), and
-    ``train_step`` takes it as it is."""
+    aggregated over a mini-batch, the behaviour weight and where pi_old comes from. A recipe's
+    ``algorithm`` section is one (``recipe.AlgorithmConfig`` adds the advantages and DAPO's
+    filter), and ``train_step`` takes it as it is."""
 
     method: str = "dgpo"
-    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo (``megatron_dgpo.algorithm.losses.METHODS``)."""
+    """One of dgpo, grpo, cispo, gppo, ce_gppo, aspo, gspo
+    (``megatron_dgpo.algorithm.losses.METHODS``). ``gspo``: GSPO's sequence-level ratio and clip
+    (``loss.gspo_eps_*``), with ``loss_aggregation: seq_mean_token_mean``."""
     loss: LossHyperparams = field(default_factory=LossHyperparams)
     """Clip ranges and each method's own constants (DGPO n, m; CE-GPPO beta1, beta2; ASPO;
-    GRPO's optional ``dual_clip``, which the other methods refuse). How they and the log-ratio
-    clamp differ from the paper's official code: docs/losses.md."""
+    GSPO; GRPO's optional ``dual_clip``, which the other methods refuse). How they and the
+    log-ratio clamp differ from the paper's official code: docs/losses.md."""
     loss_aggregation: Literal["token_mean", "group_token_mean",
                               "seq_mean_token_mean"] = "token_mean"
     """How token terms s are averaged over a mini-batch (``losses.sample_loss_weights``).
     ``token_mean``: sum_t s_t / (valid tokens of the whole mini-batch, over every micro-batch
-    and DP rank), DAPO's token mean. Not exactly the paper's official code (verl's
-    ``token-mean``): there each micro-batch's loss is its own token mean, scaled by 1 / (the
-    gradient-accumulation steps) and the gradients averaged over DP ranks, so tokens of short
-    micro-batches weigh more; the two agree only when every micro-batch holds the same number
-    of valid tokens, which packed micro-batches seldom do. Kept: every token of the mini-batch
-    gets the same weight 1/N, so the gradient does not depend on how the mini-batch is split
-    over TP/PP/DP ranks and micro-batches (tested). ``group_token_mean``: the
-    paper's Eq. 1, each prompt group's token sum divided by that group's token count
-    sum_i |o_i|, then the mean over the mini-batch's groups. ``seq_mean_token_mean``: each
-    response's token mean, averaged over the responses."""
-    rollout_correction: Literal["none", "tis"] = "none"
-    """``tis``: multiply each token's loss term by the truncated importance weight
-    min(pi_old / pi_rollout, rollout_correction_cap) (no gradient through it; verl, NeMo-RL),
-    correcting for the rollout engine's sampler differing from the trainer (bf16, kernels).
-    Logged as ``train/tis/*``. ``none``: no correction (the mismatch is still measured)."""
-    rollout_correction_cap: float = 2.0
-    """TIS truncation C (>= 1): importance weights above it are cut to it."""
+    and DP rank), DAPO's token mean (not the official code's per-micro-batch mean:
+    docs/losses.md). ``group_token_mean``: the paper's Eq. 1, each prompt group's token sum
+    divided by that group's token count, then the mean over the mini-batch's groups.
+    ``seq_mean_token_mean``: each response's token mean, averaged over the responses."""
+    rollout_correction: Literal["none", "tis", "token_mask", "sequence_tis", "sequence_mask",
+                                "geometric_mask"] = "none"
+    """The behaviour weight v_t of each token, from r_t = pi_prox / pi_behav (the trainer's
+    log-probs at the start of the step over the engine's), no gradient through it; masked
+    tokens stay in the normaliser (docs/losses.md has each formula): ``tis`` min(r_t, cap);
+    ``token_mask`` r_t inside [low, high], else 0 (IcePop); ``sequence_tis`` min(prod r, cap)
+    over the sample; ``sequence_mask`` prod r inside [low, high], else 0 on the whole sample;
+    ``geometric_mask`` 1 while the sample's geometric mean of r lies in [low, high], else 0.
+    Logged as ``train/correction/*``. ``none``: v = 1 (the mismatch is still measured)."""
+    rollout_correction_cap: Annotated[float, Bounds(ge=1)] = 2.0
+    """C of ``tis`` and ``sequence_tis``: weights above it are cut to it."""
+    rollout_correction_low: Annotated[float | None, Bounds(gt=0, le=1)] = None
+    """low of the masking corrections' band [low, high] (<= 1). None: the option's default
+    (token_mask 0.5, sequence_mask 0.5, geometric_mask 0.999)."""
+    rollout_correction_high: Annotated[float | None, Bounds(ge=1)] = None
+    """high of the band (>= 1). None: the option's default (token_mask 5, sequence_mask 2,
+    geometric_mask 1.001)."""
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    """Where pi_old (pi_prox) comes from. ``trainer``: a forward of the policy at the start of
+    the step over every sample (phase ``old_logprobs``). ``rollout``: the engine's log-probs
+    (bypass: no such forward, ``time/old_logprobs`` 0; verl's ``bypass_mode``, slime's
+    ``--use-rollout-logprobs``). Refused with top_p < 1, with ``rollout.max_staleness`` >= 1,
+    with a rollout correction, and with ``rollout.dtype`` other than ``model.dtype`` unless
+    ``old_logprobs_accept_dtype_mismatch``."""
+    old_logprobs_check_every: Annotated[int, Bounds(ge=0)] = 10
+    """With ``old_logprobs: rollout``: every this many steps (from step 1) the first
+    mini-batch's trainer forward still runs (phase ``mismatch_check``) and logs the
+    ``mismatch/*`` the bypass hides. 0: never."""
+    old_logprobs_accept_dtype_mismatch: bool = False
+    """With ``old_logprobs: rollout``: accept an engine whose ``rollout.dtype`` is not the
+    trainer's ``model.dtype`` (the ratios are then taken against the engine's numerics)."""
 
     def __post_init__(self):
+        check_bounds(self)
         require_choice("method", self.method, METHODS)
         check_method(self.method, self.loss)  # loss.dual_clip with a method that refuses it
         require_choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
         require_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
-        cap = self.rollout_correction_cap
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
-                math.isfinite(cap) and cap >= 1):
-            raise ValueError(f"rollout_correction_cap must be a finite number >= 1, got {cap!r}")
+        require_choice("old_logprobs", self.old_logprobs, OLD_LOGPROBS)
+        if self.method in SEQUENCE_METHODS and self.loss_aggregation != "seq_mean_token_mean":
+            raise ValueError(f"method {self.method} spreads each sample's gradient over its tokens "
+                             f"as GSPO's paper does (1/|y_i| per token, a mean over samples): set "
+                             f"loss_aggregation: seq_mean_token_mean, not {self.loss_aggregation}")
+        banded = (self.rollout_correction_low, self.rollout_correction_high) != (None, None)
+        if banded and self.rollout_correction not in MASK_BANDS:
+            raise ValueError(f"rollout_correction_low/high bound the masking corrections "
+                             f"({', '.join(MASK_BANDS)}), not rollout_correction: "
+                             f"{self.rollout_correction}: leave them null")
+        if self.old_logprobs == "rollout" and self.rollout_correction != "none":
+            raise ValueError(f"old_logprobs: rollout takes pi_old from the engine, so its behaviour "
+                             f"weight pi_old / pi_rollout is 1: rollout_correction "
+                             f"{self.rollout_correction} would do nothing; set it to none")
+
+    def mask_band(self) -> tuple[float, float]:
+        """[low, high] of a masking correction: the keys, or the option's default."""
+        low, high = MASK_BANDS[self.rollout_correction]
+        return (low if self.rollout_correction_low is None else self.rollout_correction_low,
+                high if self.rollout_correction_high is None else self.rollout_correction_high)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The sample each token belongs to, for a statistic over a sample's tokens: ``ids`` (the
+    tokens' shape) in [0, ``count``); ``reduce`` adds the partial [..., count] totals of the
+    ranks that share the samples (context parallelism; None: the samples are whole here)."""
+
+    ids: Tensor
+    count: int
+    reduce: Callable[[Tensor], Tensor] | None = None
+
+    def totals(self, values: Tensor) -> Tensor:
+        """[k, count] sums over each sample's tokens of ``values`` [k, *ids.shape]."""
+        flat = values.reshape(len(values), -1)
+        out = torch.zeros(len(values), self.count, dtype=flat.dtype, device=flat.device)
+        out.index_add_(1, self.ids.reshape(-1).to(flat.device), flat)
+        return self.reduce(out) if self.reduce is not None else out
+
+    def spread(self, per_sample: Tensor) -> Tensor:
+        """Each token's value of ``per_sample`` [count], in the tokens' shape."""
+        return per_sample[self.ids.to(per_sample.device)]
 
 
 @dataclass(frozen=True)
@@ -181,6 +230,11 @@ class Regions:
         pos, neg = advantages > 0, advantages < 0
         ln, hp, lp, hn = low & neg, high & pos, low & pos, high & neg
         return Regions(LN=ln, HP=hp, LP=lp, HN=hn, M=~(ln | hp | lp | hn))
+
+
+def trust_region(method: str, hp: LossHyperparams) -> tuple[float, float]:
+    """(eps_low, eps_high) of ``method``'s regions: GSPO's own, the others' shared."""
+    return (hp.gspo_eps_low, hp.gspo_eps_high) if method == "gspo" else (hp.eps_low, hp.eps_high)
 
 
 def _dual_clipped(log_w: Tensor, advantages: Tensor, hp: LossHyperparams) -> Tensor:
@@ -231,9 +285,10 @@ def _dgpo(w, log_w, advantages, regions, hp):
 
 
 COEFFICIENTS = {"grpo": _grpo, "cispo": _cispo, "gppo": _gppo, "ce_gppo": _ce_gppo,
-                "aspo": _aspo, "dgpo": _dgpo}
-"""method -> F(w, log_w, advantages, regions, hp): the table of the module docstring. A new
-method is one function here (and its objective value in ``_objective`` if it is not F A)."""
+                "aspo": _aspo, "dgpo": _dgpo, "gspo": _grpo}
+"""method -> F(w, log_w, advantages, regions, hp): the table of the module docstring (gspo:
+grpo's F of the sample's ratio, its regions from ``trust_region``). A new method is one function
+here (and its objective value in ``_objective`` if it is not F A)."""
 assert tuple(COEFFICIENTS) == METHODS
 
 
@@ -248,22 +303,20 @@ def check_method(method: str, hp: LossHyperparams | None = None) -> None:
 
 
 def coefficient(method: str, log_w: Tensor, advantages: Tensor, hp: LossHyperparams) -> Tensor:
-    """F of the table in the module docstring, from (already clamped) log-ratios ``log_w``.
-
-    Pure and differentiable-free: callers pass detached tensors. Every power is taken in
-    log space from a log-ratio clamped into its own region, so no branch overflows.
-    """
+    """F of the table in the module docstring, from (already clamped, detached) log-ratios
+    ``log_w`` (for ``gspo``: each token's sample's mean log-ratio). Every power is taken in log
+    space from a log-ratio clamped into its own region, so no branch overflows."""
     check_method(method, hp)
-    regions = Regions.classify(log_w, advantages, hp.eps_low, hp.eps_high)
+    regions = Regions.classify(log_w, advantages, *trust_region(method, hp))
     return COEFFICIENTS[method](log_w.exp(), log_w, advantages, regions, hp)
 
 
 def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> Tensor:
     """Per-token value J_t of each paper's objective (docs/losses.md); detached inputs."""
-    if method == "grpo":
+    if method in ("grpo", "gspo"):
+        eps_low, eps_high = trust_region(method, hp)
         w = log_w.exp()
-        clipped = w.clamp(1.0 - hp.eps_low, 1.0 + hp.eps_high)
-        ppo = torch.minimum(w * advantages, clipped * advantages)
+        ppo = torch.minimum(w * advantages, w.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages)
         if hp.dual_clip is None:
             return ppo
         return torch.where(advantages < 0, torch.maximum(ppo, hp.dual_clip * advantages), ppo)
@@ -272,33 +325,34 @@ def _objective(method, f, log_w, advantages, logprobs, hp: LossHyperparams) -> T
     return f * advantages
 
 
+def sequence_log_ratio(log_w: Tensor, valid: Tensor, segments: Segments) -> Tensor:
+    """Each token's sample's mean log-ratio, mean over the sample's valid tokens of ``log_w``
+    (0 where masked), clamped to +-LOG_RATIO_CLAMP; 0 off ``valid``. float64 sums."""
+    sums = segments.totals(torch.stack([log_w.double(), valid.double()]))
+    mean = (sums[0] / sums[1].clamp(min=1.0)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(valid, segments.spread(mean).to(log_w.dtype), 0.0)
+
+
 def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                mask: Tensor, hp: LossHyperparams | None = None, *,
-                num_tokens=None, weights: Tensor | None = None) -> tuple[Tensor, LossMetrics]:
-    """Loss of ``method`` whose gradient is the paper's unified estimator with that method's F.
+                mask: Tensor, hp: LossHyperparams | None = None, *, num_tokens=None,
+                weights: Tensor | None = None,
+                segments: Segments | None = None) -> tuple[Tensor, LossMetrics]:
+    """Loss of ``method`` whose gradient is the unified estimator with that method's F.
 
     Args:
-        method: one of ``METHODS``.
-        hp: the hyper-parameters (a recipe's ``algorithm.loss``); default the paper's.
+        method: one of ``METHODS``. hp: its hyper-parameters (default the paper's).
         logprobs: [T] or [B, T] log pi_theta of the sampled tokens; requires grad.
-        old_logprobs, advantages, mask: same shape; ``mask`` is bool or 0/1 (valid tokens).
-            Values under ``mask == 0`` may be any finite garbage: they never reach the result.
-        num_tokens: the global normaliser N (int or scalar tensor): the number of valid tokens
-            of the whole mini-batch across ranks and micro-batches. Default: ``mask.sum()``.
-            With ``weights`` pass the matching normaliser (``sum_t mask_t c_t`` over the
-            mini-batch for aggregation weights c; ``train_step`` does).
-        weights: optional per-token multipliers c_t >= 0, same shape, no gradient taken through
-            them: aggregation weights (``sample_loss_weights``) times truncated importance
-            weights (``truncated_is_weights``). Default: every c_t = 1.
+        old_logprobs (log pi_prox), advantages, mask: same shape; ``mask`` bool or 0/1. Values
+            under ``mask == 0`` may be any finite garbage: they never reach the result.
+        num_tokens: the normaliser W (int or scalar tensor) over the whole mini-batch;
+            default ``mask.sum()``. ``train_step`` passes it.
+        weights: optional per-token c_t v_t >= 0, no gradient taken through them: aggregation
+            weights (``sample_loss_weights``) times behaviour weights (``behaviour_weights``).
+        segments: which sample each token belongs to; required by ``SEQUENCE_METHODS``.
 
-    Returns:
-        ``(loss, metrics)``: ``loss = -(1/N) sum_t mask_t c_t s_t`` (module docstring), so that
-        ``d loss / d logprobs[t] = -mask[t] * c[t] * F[t] * A[t] / N``; ``metrics`` holds detached
-        float64 sums, counts, minima and maxima over this call's valid tokens (see
-        ``loss_metrics``); reduce them with ``reduce_metrics`` and read them with
-        ``summarize_metrics``.
-
-    Computed in float32, or float64 when ``logprobs`` is float64.
+    Returns ``(loss, metrics)``: ``loss = -(1/W) sum_t mask_t c_t v_t s_t`` (module docstring)
+    and detached float64 sums, counts, minima and maxima over this call's valid tokens
+    (``loss_metrics``). Computed in float32, or float64 when ``logprobs`` is float64.
     """
     hp = hp if hp is not None else LossHyperparams()
     check_method(method, hp)
@@ -314,6 +368,9 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
                              f"{tuple(logprobs.shape)}: all must match")
     if not logprobs.is_floating_point():
         raise TypeError(f"logprobs must be a floating tensor, got {logprobs.dtype}")
+    if method in SEQUENCE_METHODS and (segments is None or segments.ids.shape != logprobs.shape):
+        raise ValueError(f"method {method} takes each sample's ratio: pass segments whose ids "
+                         f"have the shape of logprobs {tuple(logprobs.shape)}")
 
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     valid = mask.bool()
@@ -330,6 +387,8 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
         logp_d = torch.where(valid, logp, zero)
         adv = torch.where(valid, advantages.to(dtype), zero)
         log_w = torch.where(valid, logp_d - old_logprobs.to(dtype), zero)
+        if method in SEQUENCE_METHODS:
+            log_w = sequence_log_ratio(log_w, valid, segments)
         log_w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         f = coefficient(method, log_w, adv, hp)
         value = torch.where(valid, _objective(method, f, log_w, adv, logp_d, hp), zero)
@@ -342,7 +401,7 @@ def policy_loss(method: str, logprobs: Tensor, old_logprobs: Tensor, advantages:
     # is 0 for any finite garbage.
     surrogate = value + slope * (logp - logp.detach())
     loss = -surrogate.sum() / num_tokens
-    return loss, loss_metrics(f, log_w, adv, valid, hp)
+    return loss, loss_metrics(f, log_w, adv, valid, hp, method)
 
 
 def sample_loss_weights(response_lengths: Tensor, group_size: int, aggregation: str,
@@ -393,40 +452,77 @@ def sample_loss_weights(response_lengths: Tensor, group_size: int, aggregation: 
     return torch.where(keep, weights, 0.0)
 
 
-def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
-                         cap: float) -> tuple[Tensor, LossMetrics]:
-    """Truncated importance sampling (TIS) against the rollout engine's sampler, per token:
+def behaviour_weights(config: LossConfig, prox_logprobs: Tensor, behav_logprobs: Tensor,
+                      mask: Tensor, segments: Segments | None = None) -> tuple[Tensor, LossMetrics]:
+    """The behaviour weight v_t of ``config.rollout_correction`` (not ``none``), per token, from
+    r_t = pi_prox / pi_behav and, for the sequence options, each sample's
+    log rho_i = sum_t log r_t (``sequence_*``) or log g_i = mean_t log r_t (``geometric_mask``)
+    over its valid tokens:
 
-        v_t = min(pi_old(o_t) / pi_rollout(o_t), C),      C = ``cap``,
+        tis             min(r_t, C)                 sequence_tis    min(rho_i, C)
+        token_mask      r_t   if low <= r_t <= high, else 0
+        sequence_mask   rho_i if low <= rho_i <= high, else 0 (the whole sample)
+        geometric_mask  1     if low <= g_i <= high, else 0 (the whole sample)
 
-    the weight verl and NeMo-RL multiply each token's loss term by (no gradient through it):
-    the samples came from the engine's distribution, the loss's ratios are taken against the
-    trainer's pi_old. Formed in log space (never overflows); 0 under ``mask == 0``.
-
-    Args: old_logprobs, rollout_logprobs, mask: same shape ([T] or [B, T]); cap >= 1.
-    Returns ``(v, metrics)`` with ``v`` detached float64 and mergeable metrics over the valid
-    tokens: sums ``tis_weight_sum``, ``tis_clipped_count`` (tokens whose ratio exceeds C),
-    ``tis_tokens_count``; ``tis_ratio_max`` / ``tis_ratio_min`` (the untruncated ratio, log
-    clamped to +-LOG_RATIO_CLAMP). ``summarize_metrics`` turns them into ``tis/weight_mean``,
-    ``tis/clip_frac``, ``tis/ratio_max``, ``tis/ratio_min``.
-    """
-    if not (math.isfinite(cap) and cap >= 1.0):
-        raise ValueError(f"the TIS cap must be finite and >= 1, got {cap!r}")
-    if not (old_logprobs.shape == rollout_logprobs.shape == mask.shape):
-        raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
-                         f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} differ")
+    The bands are compared in log space, inclusive; a weight is formed from its log clamped to
+    +-LOG_RATIO_CLAMP, so none overflows. Args: [T] or [B, T] log-probs and mask, ``segments``
+    (required by the sequence options; with it, samples are counted). Returns ``(v, metrics)``:
+    ``v`` detached float64, 0 off the mask; metrics ``correction_*`` (``summarize_metrics``)."""
+    option = config.rollout_correction
+    if option not in ROLLOUT_CORRECTIONS[1:]:
+        raise ValueError(f"behaviour_weights: rollout_correction {option!r} has no weight; "
+                         f"expected one of {', '.join(ROLLOUT_CORRECTIONS[1:])}")
+    if not (prox_logprobs.shape == behav_logprobs.shape == mask.shape):
+        raise ValueError(f"prox_logprobs {tuple(prox_logprobs.shape)}, behav_logprobs "
+                         f"{tuple(behav_logprobs.shape)} and mask {tuple(mask.shape)} differ")
+    if segments is None and option != "tis" and option != "token_mask":
+        raise ValueError(f"rollout_correction {option} is a sample's statistic: pass segments")
     valid = mask.bool()
     with torch.no_grad():
-        log_r = torch.where(valid, old_logprobs.double() - rollout_logprobs.double(), 0.0)
-        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        weight = torch.where(valid, log_r.clamp(max=math.log(cap)).exp(), 0.0)
-        ratio = log_r.exp()
+        log_r = torch.where(valid, prox_logprobs.double() - behav_logprobs.double(), 0.0)
+        stat = log_r
+        if option in ("sequence_tis", "sequence_mask", "geometric_mask"):
+            sums = segments.totals(torch.stack([log_r, valid.double()]))
+            per_sample = sums[0] / sums[1].clamp(min=1.0) if option == "geometric_mask" else sums[0]
+            stat = torch.where(valid, segments.spread(per_sample), 0.0)
+        clamped = stat.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        if option in ("tis", "sequence_tis"):
+            cut = math.log(config.rollout_correction_cap)
+            weight, dropped = clamped.clamp(max=cut).exp(), stat > cut
+        else:
+            low, high = (math.log(b) for b in config.mask_band())
+            dropped = (stat < low) | (stat > high)
+            weight = torch.where(dropped, 0.0, torch.ones_like(clamped) if option == "geometric_mask"
+                                 else clamped.exp())
+        weight, dropped = torch.where(valid, weight, 0.0), dropped & valid
+        ratio = clamped.exp()
         metrics = LossMetrics(
-            sums={"tis_weight_sum": weight.sum(), "tis_tokens_count": valid.sum().double(),
-                  "tis_clipped_count": (valid & (log_r > math.log(cap))).sum().double()},
-            mins={"tis_ratio_min": torch.where(valid, ratio, math.inf).min()},
-            maxs={"tis_ratio_max": torch.where(valid, ratio, -math.inf).max()})
+            sums={"correction_tokens_count": valid.sum().double(),
+                  "correction_weight_sum": weight.sum(),
+                  "correction_weight_sq_sum": weight.square().sum(),
+                  ("correction_clipped_count" if option in ("tis", "sequence_tis")
+                   else "correction_masked_count"): dropped.sum().double()},
+            mins={"correction_weight_min": torch.where(valid, weight, math.inf).min(),
+                  "correction_ratio_min": torch.where(valid, ratio, math.inf).min()},
+            maxs={"correction_weight_max": torch.where(valid, weight, -math.inf).max(),
+                  "correction_ratio_max": torch.where(valid, ratio, -math.inf).max()})
+        if segments is not None and option not in ("tis", "sequence_tis"):
+            counts = segments.totals(torch.stack([valid.double(), dropped.double()]))
+            metrics.sums["correction_samples_count"] = (counts[0] > 0).sum().double()
+            metrics.sums["correction_masked_samples_count"] = (counts[1] > 0).sum().double()
     return weight, metrics
+
+
+def effective_sample_size(metrics: LossMetrics) -> LossMetrics:
+    """The behaviour weights' effective sample size (sum v)^2 / sum v^2 of the (reduced)
+    ``metrics`` of one mini-batch, and its share of the mini-batch's tokens, as sums over
+    mini-batches (``correction_minibatches_count`` 1), so merged steps average them."""
+    total, squares = float(metrics["correction_weight_sum"]), float(metrics["correction_weight_sq_sum"])
+    ess = total * total / squares if squares > 0 else 0.0
+    tokens = float(metrics["correction_tokens_count"])
+    return LossMetrics(sums={name: torch.tensor(value, dtype=torch.float64) for name, value in (
+        ("correction_ess_sum", ess), ("correction_ess_frac_sum", ess / tokens if tokens else 0.0),
+        ("correction_minibatches_count", 1.0))})
 
 
 @dataclass
@@ -463,7 +559,7 @@ class LossMetrics(Mapping):
 
 
 def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
-                 hp: LossHyperparams) -> LossMetrics:
+                 hp: LossHyperparams, method: str = "dgpo") -> LossMetrics:
     """Token-level statistics as mergeable float64 scalars.
 
     Sums: ``tokens_count``, ``region_<R>_count``, ``F_<R>_sum``, ``Fw_<R>_sum``,
@@ -478,7 +574,7 @@ def loss_metrics(f: Tensor, log_w: Tensor, advantages: Tensor, valid: Tensor,
     when c >= 1+eps_high; not counted in ``clipped_count``), read as ``dual_clip_frac``
     (verl's ``pg_clipfrac_lower``).
     """
-    regions = Regions.classify(log_w, advantages, hp.eps_low, hp.eps_high)
+    regions = Regions.classify(log_w, advantages, *trust_region(method, hp))
     f64, w64 = f.double(), log_w.double().exp()
     neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=f.device)
     pos_inf = torch.tensor(math.inf, dtype=torch.float64, device=f.device)
@@ -530,9 +626,9 @@ def reduce_metrics(metrics: LossMetrics, group=None) -> LossMetrics:
 def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
     """Readable numbers from (reduced) metrics: fractions, means, extremes; NaN where empty.
     Sums a train step adds (``entropy_sum``, ``loss_sum``) become per-token ``entropy`` and
-    ``loss`` (the loss per unit of ``weight_sum`` when a weighted aggregation adds it); TIS sums
-    (``truncated_is_weights``) become ``tis/*``; ``dual_clipped_count`` (only with
-    ``dual_clip`` set) becomes ``dual_clip_frac``."""
+    ``loss`` (the loss per unit of ``weight_sum`` when a weighted aggregation adds it); the
+    behaviour weights' (``behaviour_weights``, ``effective_sample_size``) become
+    ``correction/*``; ``dual_clipped_count`` (only with ``dual_clip``) ``dual_clip_frac``."""
     tokens = float(metrics["tokens_count"])
 
     def ratio(num, den):
@@ -560,10 +656,30 @@ def summarize_metrics(metrics: LossMetrics) -> dict[str, float]:
         out["entropy"] = ratio(metrics["entropy_sum"], tokens)
     if "loss_sum" in metrics:  # weighted aggregations divide by the weights' sum, not tokens
         out["loss"] = ratio(metrics["loss_sum"], float(metrics.get("weight_sum", tokens)))
-    if "tis_weight_sum" in metrics:
-        tis_tokens = float(metrics["tis_tokens_count"])
-        out["tis/weight_mean"] = ratio(metrics["tis_weight_sum"], tis_tokens)
-        out["tis/clip_frac"] = ratio(metrics["tis_clipped_count"], tis_tokens)
-        out["tis/ratio_max"] = extreme(metrics["tis_ratio_max"])
-        out["tis/ratio_min"] = extreme(metrics["tis_ratio_min"])
+    if "correction_weight_sum" in metrics:
+        out.update(_correction_summary(metrics, ratio, extreme))
+    return out
+
+
+def _correction_summary(metrics: LossMetrics, ratio, extreme) -> dict[str, float]:
+    """``correction/*``: the behaviour weights' mean, extremes, the ratio they came from, the
+    share of tokens cut (``clip_frac``) or masked and of samples with a masked token, and the
+    mean over mini-batches of the effective sample size and its share of the tokens."""
+    tokens = float(metrics["correction_tokens_count"])
+    out = {"correction/weight_mean": ratio(metrics["correction_weight_sum"], tokens),
+           "correction/weight_min": extreme(metrics["correction_weight_min"]),
+           "correction/weight_max": extreme(metrics["correction_weight_max"]),
+           "correction/ratio_min": extreme(metrics["correction_ratio_min"]),
+           "correction/ratio_max": extreme(metrics["correction_ratio_max"])}
+    if "correction_clipped_count" in metrics:
+        out["correction/clip_frac"] = ratio(metrics["correction_clipped_count"], tokens)
+    if "correction_masked_count" in metrics:
+        out["correction/token_masked_frac"] = ratio(metrics["correction_masked_count"], tokens)
+    if "correction_samples_count" in metrics:
+        out["correction/sample_masked_frac"] = ratio(metrics["correction_masked_samples_count"],
+                                                     float(metrics["correction_samples_count"]))
+    if "correction_minibatches_count" in metrics:
+        batches = float(metrics["correction_minibatches_count"])
+        out["correction/ess"] = ratio(metrics["correction_ess_sum"], batches)
+        out["correction/ess_frac"] = ratio(metrics["correction_ess_frac_sum"], batches)
     return out

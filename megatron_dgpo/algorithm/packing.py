@@ -50,7 +50,8 @@ class Sample:
     position t (token t) to, per layer (routing replay; module docstring). None: not recorded."""
 
 
-LOSS_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "loss_weights")
+LOSS_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "loss_weights",
+               "behaviour_weights")
 """The per-token fields a micro-batch carries (``Sample.per_token`` keys)."""
 
 
@@ -83,6 +84,9 @@ class MicroBatch:
     loss_weights: Tensor | None = None
     """[S] float64: each token's aggregation weight c_t (``losses.sample_loss_weights``; 0 =
     left out of the update). None: every weight 1 (``token_mean``)."""
+    behaviour_weights: Tensor | None = None
+    """[S] float64: each token's behaviour weight v_t (``losses.behaviour_weights``), set by
+    ``train_step`` from the whole row. None: v = 1."""
     sample_indices: list[int] = field(default_factory=list)
     """Which samples (indices into the packed list) this row holds, in order."""
     routed_experts: Tensor | None = None
@@ -144,6 +148,12 @@ class MicroBatch:
             raise ValueError("MicroBatch.attention_mask: a context-parallel shard runs as THD "
                              "(PackedSeqParams), not with a dense mask")
         return block_causal_mask(self.cu_seqlens, device=self.tokens.device)
+
+    def sample_ids(self) -> Tensor:
+        """[S] int64 on the host: which of the row's samples (0 .. k - 1, ``cu_seqlens``) each
+        position belongs to; for a context-parallel shard, each of its positions'."""
+        positions = cp_zigzag_indices(self.cu_seqlens, self.cp_rank, self.cp_size)
+        return torch.searchsorted(self.cu_seqlens[1:].long(), positions, right=True)
 
     def max_seqlen(self) -> int:
         """The longest sample (padded), from the host ``cu_seqlens``."""

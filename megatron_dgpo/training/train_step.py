@@ -3,6 +3,7 @@
     result = train_step(models, micro_batches, loss_config, temperature=t)  # gradients final
     optimizer.step()
     outputs = forward_logprobs(models, micro_batches)   # [(logprobs [S], entropy [S])], no grad
+    fill_old_logprobs(models, micro_batches)            # pi_prox into row.old_logprobs
     loss, n = sft_step(models, micro_batches)           # the supervised warm start's NLL
 
 ``models`` are this rank's chunks wrapped by ``policy.wrap_ddp``; ``micro_batches`` are
@@ -11,29 +12,31 @@ valid tokens of the WHOLE mini-batch, every micro-batch of every data-parallel r
 
     L = -(1/N) sum_{all DP ranks, micro-batches, tokens t} mask_t s_t,     N = sum mask_t,
 
-(or over W = sum_t c_t with the per-token weights c_t of ``losses.sample_loss_weights``), so the
-gradient does not depend on TP, PP, DP or on how a rank's rows are cut into micro-batches. On
+(or over W = sum_t c_t with the per-token weights c_t of ``losses.sample_loss_weights``; each
+term times its behaviour weight v_t, ``losses.behaviour_weights``), so the gradient does not
+depend on TP, PP, DP or on how a rank's rows are cut into micro-batches. On
 return the gradients in ``param.main_grad`` are final (DP-reduced, tied embeddings synchronised,
 scaled by 1/N) and every rank returns the same numbers. Context parallelism: every rank of a
 CP group passes the same whole rows; each runs its ``MicroBatch.cp_shard`` (THD), N, W and the
-metrics are counted over DP x CP, ``forward_logprobs`` gathers whole rows back. How
-Megatron's own averaging is
-neutralised, the weighted aggregations, the metrics' reduction, packed rows with and without
+metrics are counted over DP x CP, ``forward_logprobs`` gathers whole rows back; v_t is taken on
+the whole rows and GSPO's sample ratio sums a sample's shards over the CP group. How
+Megatron's own averaging is neutralised, the weighted aggregations, the metrics' reduction, packed rows with and without
 Transformer-Engine, the logits dtype, routing replay and overlapped reduction: docs/training.md,
 "How the train step normalises" (and "Context parallelism").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from megatron_dgpo.algorithm.losses import (LossConfig, LossMetrics, merge_metrics, policy_loss,
-                                            reduce_metrics, summarize_metrics,
-                                            truncated_is_weights)
+from megatron_dgpo.algorithm.losses import (SEQUENCE_METHODS, LossConfig, LossMetrics, Segments,
+                                            behaviour_weights, effective_sample_size,
+                                            merge_metrics, policy_loss, reduce_metrics,
+                                            summarize_metrics)
 from megatron_dgpo.algorithm.packing import MicroBatch, cp_zigzag_indices
 from megatron_dgpo.algorithm.vocab_parallel import logprobs_and_entropy
 from megatron_dgpo.models.builder import unwrap_model
@@ -165,9 +168,9 @@ def _check_micro_batch(mb: MicroBatch, index: int, need_loss_inputs: bool,
     if loss.loss_aggregation != "token_mean" and mb.loss_weights is None:
         raise ValueError(f"micro_batches[{index}] lacks loss_weights, which aggregation "
                          f"{loss.loss_aggregation!r} needs (losses.sample_loss_weights per sample)")
-    if loss.rollout_correction == "tis" and mb.rollout_logprobs is None:
+    if loss.rollout_correction != "none" and mb.rollout_logprobs is None:
         raise ValueError(f"micro_batches[{index}] lacks rollout_logprobs, which "
-                         f"rollout_correction 'tis' needs")
+                         f"rollout_correction {loss.rollout_correction!r} needs")
 
 
 def _valid_and_weights(mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
@@ -212,6 +215,7 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
     weighted = weighted == {True}
     vocab_size = vocab_size or unwrap_model(models[0]).hf_spec.vocab_size
     device = _device(models)
+    micro_batches, correction = _with_behaviour_weights(micro_batches, loss)
 
     # N (valid tokens) and, when weighted, W = sum_t c_t, both over every DP rank: Megatron
     # divides the gradients by N, so each micro-batch's loss sum is scaled by N / W.
@@ -234,26 +238,17 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
         logp, entropy = logprobs_and_entropy(logits, mb.targets[None], temperature=temperature,
                                              chunk_size=chunk_size, vocab_size=vocab_size)
         valid, weights = _valid_and_weights(mb)
-        valid, tis = valid[None], None
-        if loss.rollout_correction == "tis":
-            tis, tis_metrics = truncated_is_weights(mb.old_logprobs[None],
-                                                    mb.rollout_logprobs[None], valid,
-                                                    loss.rollout_correction_cap)
-        if weights is not None or tis is not None:
-            token_weights = weights[None] if weights is not None else 1.0
-            token_weights = token_weights * tis if tis is not None else token_weights
-        else:
-            token_weights = None
-        loss_sum, metrics = policy_loss(loss.method, logp, mb.old_logprobs[None],
-                                        mb.advantages[None], valid, loss.loss,
-                                        num_tokens=scale, weights=token_weights)
-        metrics.sums["entropy_sum"] = torch.where(valid, entropy.double(), 0.0).sum()
+        token_weights = weights
+        if mb.behaviour_weights is not None:
+            token_weights = mb.behaviour_weights * (weights if weights is not None else 1.0)
+        loss_sum, metrics = policy_loss(
+            loss.method, logp, mb.old_logprobs[None], mb.advantages[None], valid[None], loss.loss,
+            num_tokens=scale, weights=None if token_weights is None else token_weights[None],
+            segments=_segments(mb, batched=True) if loss.method in SEQUENCE_METHODS else None)
+        metrics.sums["entropy_sum"] = torch.where(valid, entropy[0].double(), 0.0).sum()
         metrics.sums["loss_sum"] = loss_sum.detach().double() * scale
         if weighted:
-            metrics.sums["weight_sum"] = torch.where(valid, weights[None], 0.0).sum()
-        if tis is not None:
-            for (into, _, _), (group, _, _) in zip(metrics.groups(), tis_metrics.groups()):
-                into.update(group)
+            metrics.sums["weight_sum"] = torch.where(valid, weights, 0.0).sum()
         parts.append(metrics)
         return loss_sum, valid.sum().to(torch.int), {}
 
@@ -263,8 +258,43 @@ def train_step(models: list, micro_batches: list[MicroBatch], loss: LossConfig, 
 
     merged = _metrics_from_last_stage(merge_metrics(parts) if parts else None)
     reduced = reduce_metrics(merged, group=_dp_group())
+    if correction is not None:
+        reduced = merge_metrics([reduced, correction])
     loss_value = float(reduced["loss_sum"]) / weight_sum if num_tokens else 0.0
     return StepResult(loss=loss_value, num_tokens=num_tokens, metrics=reduced)
+
+
+def _with_behaviour_weights(micro_batches: list[MicroBatch], loss: LossConfig):
+    """The rows with their behaviour weights v (``losses.behaviour_weights``; a sample's
+    statistics over its whole response, from the whole row every CP rank holds), and the
+    weights' metrics over the whole mini-batch (reduced over DP: every CP, TP and PP rank of
+    a replica computed the same), with the effective sample size; ``(rows, None)`` when
+    ``loss.rollout_correction`` is ``none``."""
+    if loss.rollout_correction == "none":
+        return micro_batches, None
+    rows, parts = [], []
+    for mb in micro_batches:
+        valid, _ = _valid_and_weights(mb)
+        weights, metrics = behaviour_weights(loss, mb.old_logprobs, mb.rollout_logprobs, valid,
+                                             _segments(mb))
+        rows.append(replace(mb, behaviour_weights=weights))
+        parts.append(metrics)
+    reduced = reduce_metrics(merge_metrics(parts), group=data_parallel_group())
+    return rows, merge_metrics([reduced, effective_sample_size(reduced)])
+
+
+def _segments(mb: MicroBatch, batched: bool = False) -> Segments:
+    """The samples of row (or CP shard) ``mb`` (ids [S], or [1, S] when ``batched``); a shard's
+    per-sample totals are summed over the CP group, so each is over the sample's whole
+    response."""
+    group = context_parallel_group() if mb.cp_size > 1 else None
+    ids = mb.sample_ids().to(mb.tokens.device)
+    return Segments(ids[None] if batched else ids, len(mb.cu_seqlens) - 1,
+                    reduce=None if group is None else partial(_sum_over, group=group))
+
+
+def _sum_over(values: Tensor, group) -> Tensor:
+    return comm.reduce_values(values, "sum", group).to(values.device)
 
 
 def _check_models(models: list) -> None:
@@ -441,6 +471,30 @@ def forward_logprobs(models: list, micro_batches: list[MicroBatch], *, temperatu
         both = both.cpu()
         result.append((both[0], both[1]))
     return result
+
+
+def prox_logprobs(models: list, rows: list[MicroBatch], *, temperature: float = 1.0,
+                  chunk_size: int | None = None, routing_replay=None) -> list[Tensor]:
+    """log pi_prox of every row's targets: the policy as it is now (the start of a step), by a
+    forward without gradients (``forward_logprobs``); [S] float32 on CPU, 0 off the loss mask."""
+    outputs = forward_logprobs(models, rows, temperature=temperature, chunk_size=chunk_size,
+                               routing_replay=routing_replay)
+    return [torch.where(row.loss_mask, logp, 0.0) for row, (logp, _) in zip(rows, outputs)]
+
+
+def fill_old_logprobs(models: list, rows: list[MicroBatch], source: str = "trainer",
+                      **forward) -> None:
+    """pi_old of the step's loss (pi_prox of the decoupled objective) into every row's
+    ``old_logprobs``: ``trainer``, ``prox_logprobs`` (``forward``: its keyword arguments);
+    ``rollout``, the engine's log-probs (the bypass: no forward). Collective for ``trainer``."""
+    if source not in ("trainer", "rollout"):
+        raise ValueError(f"old log-probs come from 'trainer' or 'rollout', got {source!r}")
+    if source == "rollout":
+        for row in rows:
+            row.old_logprobs = row.rollout_logprobs
+        return
+    for row, logp in zip(rows, prox_logprobs(models, rows, **forward)):
+        row.old_logprobs = logp
 
 
 def _whole_row(local: Tensor, mb: MicroBatch) -> Tensor:

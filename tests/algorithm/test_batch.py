@@ -1,5 +1,5 @@
 """A batch's step metrics where their data lives: ``Experience.rollout_metrics`` against hand
-counts, and, with ``Experience.assign_advantages``'s group statistics and
+counts, and, with ``advantages.batch_advantages``'s group statistics and
 ``advantages.reduce_group_stats``, reduced over two DP replicas like the numbers of one process
 holding the whole batch."""
 
@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
-from megatron_dgpo.algorithm.advantages import group_advantages, reduce_group_stats
+from megatron_dgpo.algorithm.advantages import (batch_advantages, group_advantages,
+                                                reduce_group_stats)
 from megatron_dgpo.algorithm.batch import Experience
+from megatron_dgpo.recipe import AlgorithmConfig
 
 G = 2
 REWARDS = [1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0]  # four groups of two
@@ -25,8 +27,8 @@ def _batch(lo: int = 0, hi: int = len(REWARDS)) -> Experience:
                       rewards=REWARDS[lo:hi], truncated=[n == 7 for n in LENGTHS[lo:hi]])
 
 
-OVERLONG = dict(drop_degenerate=True, overlong_filter=True, overlong_penalty_window=3,
-                max_response_tokens=7)
+OVERLONG = AlgorithmConfig(drop_degenerate_groups=True, overlong_filter=True,
+                           overlong_penalty_window=3)
 """Every group statistic on: the degenerate-group filter, the overlong filter and penalty (the
 replicas' halves hold different penalties: 5 and 7 tokens, 6)."""
 
@@ -49,7 +51,7 @@ def _replica_fn(rank, world_size):
     share = len(REWARDS) // world_size
     lo, hi = rank * share, (rank + 1) * share
     batch = _batch(lo, hi)
-    stats = batch.assign_advantages(G, **OVERLONG)
+    stats = batch_advantages(batch, OVERLONG, group_size=G, max_response_tokens=7).stats
     group = torch.distributed.group.WORLD
     return batch.rollout_metrics(G, group), reduce_group_stats(stats, group)
 
@@ -58,7 +60,7 @@ def test_two_replicas_report_the_numbers_of_one():
     from tests.distributed import run_ranks
 
     whole = _batch().rollout_metrics(G)
-    want_stats = _batch().assign_advantages(G, **OVERLONG)
+    want_stats = batch_advantages(_batch(), OVERLONG, group_size=G, max_response_tokens=7).stats
     assert want_stats.keys() == {*group_advantages(torch.tensor(REWARDS), G)[1].as_dict(),
                                  "adv/num_dropped_groups", "adv/overlong_filtered_frac",
                                  "adv/overlong_penalty_mean", "adv/overlong_penalized_frac"}

@@ -107,8 +107,8 @@ def test_one_step_off_samples_with_the_weights_of_the_step_before(off_policy_run
     assert records[0]["mismatch/mean_abs_diff"] < 1e-5  # batch 1: the weights it trains from
     for r in records[1:]:  # later batches lag one update: the engine's log-probs differ, and
         assert r["mismatch/mean_abs_diff"] > 1e-3  # TIS reweights the tokens by pi_old / pi_rollout
-        assert r["train/tis/ratio_min"] < 1.0 < r["train/tis/ratio_max"]
-        assert r["train/tis/weight_mean"] != 1.0
+        assert r["train/correction/ratio_min"] < 1.0 < r["train/correction/ratio_max"]
+        assert r["train/correction/weight_mean"] != 1.0
         assert r["time/engine_generate"] > 0
     # steps 1-5 wait for the batch generated during them (step 6, the last, generates nothing)
     assert ["time/rollout_wait" in r for r in records] == [True] * 5 + [False]

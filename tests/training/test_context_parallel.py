@@ -1,7 +1,10 @@
-"""Context parallelism: CP = 2 (2 ranks), TP = 2 x CP = 2, CP = 2 x DP = 2 and PP = 2 x CP = 2
-(4 ranks) give the
-CP = 1 run's log-probs, loss and every gradient, for every loss aggregation (TIS, left-out
-samples), on packed rows whose samples are not multiples of 2 CP long."""
+"""Context parallelism: CP = 2 and TP = 2 (2 ranks), TP = 2 x CP = 2, CP = 2 x DP = 2 and
+PP = 2 x CP = 2 (4 ranks) give the CP = 1 run's log-probs, loss, metrics and every gradient, for every loss
+aggregation (TIS, left-out samples), ``sequence_mask`` and GSPO (with ``geometric_mask``), whose
+sample statistics span both CP ranks' shards, on packed rows whose samples are not multiples of
+2 CP long."""
+
+import math
 
 import pytest
 import torch
@@ -79,7 +82,11 @@ def _check(result, ref):
         exp = ref["cases"][case]
         assert got["num_tokens"] == exp["num_tokens"] > 0
         assert abs(got["loss"] - exp["loss"]) < TOL * max(1.0, abs(exp["loss"])), case
+        assert got["summary"].keys() == exp["summary"].keys()
         for key, value in exp["summary"].items():
+            if math.isnan(value):  # a region no token reached, at both layouts
+                assert math.isnan(got["summary"][key]), (case, key)
+                continue
             assert abs(got["summary"][key] - value) < TOL * max(1.0, abs(value)), (case, key)
         assert got["grads"] and got["grads"].keys() <= exp["grads"].keys()  # this stage's
         for name, grad in got["grads"].items():
@@ -90,6 +97,23 @@ def _check(result, ref):
     assert abs(sft["loss"] - ref["sft"]["loss"]) < TOL
     for name, grad in sft["grads"].items():
         assert _rel(grad, ref["sft"]["grads"][name]) < TOL, name
+
+
+def test_the_corrections_act_on_some_samples_and_not_all(reference):
+    """The CP comparisons below could fail: the masks mask a share of the samples, sequence_tis
+    cuts some, GSPO clips some samples and not others, and each changes the gradient."""
+    for case in ("sequence_mask", "token_mask_drop"):
+        masked = reference["cases"][case]["summary"]
+        assert 0 < masked["correction/sample_masked_frac"] < 1, case
+        assert 0 < masked["correction/token_masked_frac"] < 1, case
+    assert 0 < reference["cases"]["sequence_tis"]["summary"]["correction/clip_frac"] < 1
+    gspo = reference["cases"]["gspo_drop_geometric_mask"]["summary"]
+    assert 0 < gspo["clip_frac"] < 1 and 0 < gspo["correction/sample_masked_frac"] < 1
+    base = reference["cases"]["group_token_mean"]["grads"]
+    for case in ("sequence_mask", "gspo_drop_geometric_mask", "sequence_tis", "token_mask_drop"):
+        grads = reference["cases"][case]["grads"]
+        assert max(float((grads[k] - base[k]).abs().max() / base[k].abs().max())
+                   for k in base) > 1e-2, case
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

@@ -235,10 +235,21 @@ def _grads_of(batch, rows, logps, samples):
     return torch.cat(out)
 
 
+def _assign(batch, **algorithm) -> dict[str, float]:
+    """The trainer's step: ``batch_advantages`` of the recipe section, set on the batch."""
+    from megatron_dgpo.algorithm.advantages import batch_advantages
+    from megatron_dgpo.recipe import AlgorithmConfig
+
+    adv = batch_advantages(batch, AlgorithmConfig(**algorithm), group_size=G,
+                           max_response_tokens=CAP)
+    batch.advantages, batch.loss_weights = adv.advantages, adv.loss_weights
+    return adv.stats
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "group_token_mean", "seq_mean_token_mean"])
 def test_a_truncated_sample_contributes_nothing_to_the_loss_through_the_trainers_path(
         aggregation):
-    """Experience.assign_advantages (the trainer's _advantages) -> plan_updates -> pack_update
+    """advantages.batch_advantages (the trainer's) -> plan_updates -> pack_update
     -> train_step's valid mask and weights -> policy_loss: with the overlong filter the
     truncated samples' tokens get no gradient and their log-probs, old log-probs and
     advantages can be anything without changing the loss; without it they do train. The
@@ -247,8 +258,8 @@ def test_a_truncated_sample_contributes_nothing_to_the_loss_through_the_trainers
 
     truncated = {i for i, n in enumerate(OVERLONG_LENGTHS) if n == CAP}
     batch = _overlong_batch()
-    stats = batch.assign_advantages(G, aggregation=aggregation, overlong_filter=True,
-                                    overlong_penalty_window=WINDOW, max_response_tokens=CAP)
+    stats = _assign(batch, loss_aggregation=aggregation, overlong_filter=True,
+                    overlong_penalty_window=WINDOW)
     # R_length by hand: 0 up to 5 tokens, then -1/3, -2/3, -1 at 6, 7, 8 tokens
     by_hand = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: -1 / 3, 7: -2 / 3, 8: -1.0}
     penalty = [by_hand[n] for n in OVERLONG_LENGTHS]
@@ -272,8 +283,8 @@ def test_a_truncated_sample_contributes_nothing_to_the_loss_through_the_trainers
     changed = _overlong_batch()
     for i in truncated:  # whatever the truncated samples hold, the loss is the same
         changed.rollout_logprobs[i] = [-5.0] * len(changed.rollout_logprobs[i])
-    changed.assign_advantages(G, aggregation=aggregation, overlong_filter=True,
-                              overlong_penalty_window=WINDOW, max_response_tokens=CAP)
+    _assign(changed, loss_aggregation=aggregation, overlong_filter=True,
+            overlong_penalty_window=WINDOW)
     changed.advantages[sorted(truncated)] = 7.0
     rows_changed, _, loss_changed = _packed_loss(changed)
     assert rows_changed[0].sample_indices == rows[0].sample_indices  # exact: integers
@@ -281,7 +292,6 @@ def test_a_truncated_sample_contributes_nothing_to_the_loss_through_the_trainers
     assert loss_changed.item() == loss.item()
 
     unfiltered = _overlong_batch()  # the filter off: the same samples do train
-    unfiltered.assign_advantages(G, aggregation=aggregation, overlong_penalty_window=WINDOW,
-                                 max_response_tokens=CAP)
+    _assign(unfiltered, loss_aggregation=aggregation, overlong_penalty_window=WINDOW)
     rows_off, logps_off, _ = _packed_loss(unfiltered)
     assert _grads_of(unfiltered, rows_off, logps_off, {0}).abs().min() > 0

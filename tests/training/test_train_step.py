@@ -68,9 +68,9 @@ def test_aggregations_tis_and_filter_single_rank(reference):
                                 / ref["grads"][k].abs().max()) for k in ref["grads"])
             assert differs > 1e-2, (case, differs)
         tis = ref["cases"]["group_drop_tis"]["summary"]
-        assert 0 < tis["tis/clip_frac"] < 1 and tis["tis/ratio_max"] > 1.2
-        assert 0 < tis["tis/weight_mean"] <= 1.2
-        assert "tis/clip_frac" not in ref["cases"]["group"]["summary"]
+        assert 0 < tis["correction/clip_frac"] < 1 and tis["correction/ratio_max"] > 1.2
+        assert 0 < tis["correction/weight_mean"] <= 1.2
+        assert "correction/clip_frac" not in ref["cases"]["group"]["summary"]
         # filter: same loss, token count, metrics and gradients as the kept groups alone
         drop, alone = ref["cases"]["drop"], ref["kept_only"]
         assert drop["num_tokens"] == alone["num_tokens"] == kept_tokens
@@ -154,15 +154,17 @@ def test_loss_config_and_micro_batch_checks_for_the_new_options():
 
     with pytest.raises(ValueError, match="loss_aggregation must be one of token_mean"):
         LossConfig(loss_aggregation="sum")
-    with pytest.raises(ValueError, match="rollout_correction must be one of none, tis"):
+    with pytest.raises(ValueError, match="rollout_correction must be one of none, tis, token_mask"):
         LossConfig(rollout_correction="is")
     mb = padded_micro_batch([torch.tensor([5, 6, 7])], [torch.tensor([0, 1, 1])],
                             [torch.zeros(3)], [torch.ones(3)])
     _check_micro_batch(mb, 0, True, LossConfig())
     with pytest.raises(ValueError, match=r"micro_batches\[3\] lacks loss_weights"):
         _check_micro_batch(mb, 3, True, LossConfig(loss_aggregation="group_token_mean"))
-    with pytest.raises(ValueError, match=r"micro_batches\[0\] lacks rollout_logprobs"):
-        _check_micro_batch(mb, 0, True, LossConfig(rollout_correction="tis"))
+    for option in ("tis", "geometric_mask"):
+        with pytest.raises(ValueError, match=rf"micro_batches\[0\] lacks rollout_logprobs, which "
+                                             rf"rollout_correction '{option}' needs"):
+            _check_micro_batch(mb, 0, True, LossConfig(rollout_correction=option))
 
 
 def test_overlapped_grad_reduce_and_bf16_logits():
