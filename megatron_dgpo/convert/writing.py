@@ -251,8 +251,10 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, *, ep: i
         else:
             import torch.multiprocessing as mp
 
+            from megatron_dgpo.runtime.lifetime import children_die_with_this_process
             from megatron_dgpo.runtime.parallel import free_port
 
+            children_die_with_this_process()  # a killed dgpo-convert leaves no rank behind
             mp.spawn(_spawned_convert,
                      args=(world, free_port(), hf_dir, out, tp, pp, ep, dtype, progress),
                      nprocs=world, join=True)

@@ -749,13 +749,8 @@ def export_latest(run_dir: str | os.PathLike, dtype_name: str | None = None) -> 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
               dtype: torch.dtype | None = None) -> None:
-    """A checkpoint's model as an HF folder ``out_dir``, written next to it then renamed in
-    (rank 0 only; ``dtype`` None keeps the checkpoint's)."""
+    """A checkpoint's model as an HF folder ``out_dir``, replaced whole (the converter's
+    guarded writer; rank 0 only; ``dtype`` None keeps the checkpoint's)."""
     from megatron_dgpo.convert import megatron_to_hf
 
-    out_dir = Path(out_dir)
-    staging = out_dir.with_name(out_dir.name + ".incomplete")
-    shutil.rmtree(staging, ignore_errors=True)
-    megatron_to_hf(str(checkpoint), str(staging), dtype=dtype)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(staging, out_dir)
+    megatron_to_hf(str(checkpoint), str(out_dir), dtype=dtype, overwrite=True)
