@@ -16,7 +16,8 @@ class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
     """``vllm`` (the real engine, CPU or GPU) or ``hf`` (transformers' generate: slow, for
     machines where vLLM does not run)."""
-    group_size: Annotated[int, Bounds(ge=2)] = 8
+    group_size: Annotated[int, Bounds(ge=2, why="a group of one has no advantage (every group is "
+                                              "degenerate) and trains nothing")] = 8
     """Responses sampled per prompt (G): the group whose rewards are normalised into
     advantages. The paper does not state it; 8 is the common choice (DAPO uses 16). At least 2:
     a group of one has no spread, so its advantage is 0 and it trains nothing."""

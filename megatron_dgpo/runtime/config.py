@@ -45,12 +45,14 @@ class ConfigError(InputError):
 class Bounds:
     """The interval a number field accepts, declared in its annotation
     (``Annotated[int, Bounds(ge=1)]``). Floats must also be finite. ``None`` passes where the
-    annotation allows it (``Annotated[float | None, Bounds(gt=0)]``)."""
+    annotation allows it (``Annotated[float | None, Bounds(gt=0)]``). ``why``: the reason a
+    refusal states, where the bound is not obvious."""
 
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
+    why: str | None = None
 
     def check(self, key: str, value) -> None:
         """Raise ``ValueError`` naming ``key`` unless ``value`` is None or a number inside."""
@@ -63,7 +65,8 @@ class Bounds:
         tests = ((self.ge, value >= (self.ge or 0)), (self.gt, value > (self.gt or 0)),
                  (self.le, value <= (self.le or 0)), (self.lt, value < (self.lt or 0)))
         if not all(ok for bound, ok in tests if bound is not None):
-            raise ValueError(f"{key} must be {self}, got {value!r}")
+            raise ValueError(f"{key} must be {self}, got {value!r}"
+                             + (f": {self.why}" if self.why else ""))
 
     def __str__(self) -> str:
         low = (f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}"

@@ -134,4 +134,6 @@ def test_bounds_declared_beside_the_field_are_checked_on_load_and_in_code():
             from_dict(BoundedRun, {"section": {"frac": value}})
     with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
         Bounded(steps=0)
+    with pytest.raises(ValueError, match="^g must be >= 2, got 1: a group of one trains nothing$"):
+        Bounds(ge=2, why="a group of one trains nothing").check("g", 1)
     assert ("section.steps", "int >= 1", "Steps.") in describe(BoundedRun)
