@@ -68,7 +68,7 @@ def test_yaml_then_overrides(tmp_path):
     (["seed=true"], "seed: expected an integer, got True"),
     (["optimizer.lr=fast"], "optimizer.lr: expected a number, got 'fast'"),
     (["optimizer.betas=[0.9, x]"], r"optimizer.betas\[1\]: expected a number"),
-    (["algorithm.loss.n=0"], "algorithm.loss: n must be a positive integer"),
+    (["algorithm.loss.n=0"], "algorithm.loss.n must be >= 1, got 0"),
     (["seed.x=1"], "seed: expected an integer"),
     (["seed=1", "seed.x=1"], "seed is a value, not a section"),
     (["seed"], "not of the form key.sub=value"),
