@@ -67,7 +67,10 @@ class RLStep:
         self.offload = TrainingStateOffload(run.models, run.optimizer,
                                             enabled=cfg.train.offload_training_state)
         self.offload.offload()  # vLLM starts only if its share of the GPU is free then
-        self.first_metrics = _dropped_prompts(cfg, run)  # logged with the first step's
+        # the prompts too long for the rollout: said at every start, logged with step 1 only
+        # (a resumed run's metrics equal the uninterrupted run's)
+        dropped = _dropped_prompts(cfg, run)
+        self.first_metrics = {} if run.state.step else dropped
         # held-out problems read and rendered on every rank before any engine starts
         self.evaluation = (HeldOutEvaluation.from_recipe(cfg.eval, run.hf_dir, cfg.rollout)
                            if cfg.eval.enabled else None)

@@ -11,6 +11,9 @@ kills itself (``os.kill(os.getpid(), SIGKILL)``: its children are not signalled)
 * ``published``: step 2 renamed into place and named by ``latest``.
 
 Before dying it writes the pids of all its descendants to ``ROOT/children.json``.
+``MOMENT`` ``changed``: no kill; every parameter changes in place right after step 1's save is
+staged (as the next step's update does while the writer writes), and ``ROOT/changed.json``
+says whether the published step 1 holds the parameters as they were when it was saved.
 
     python tests/_killed_during_async_save.py MOMENT ROOT
 """
@@ -64,12 +67,39 @@ def main() -> int:
                 _die(root)
 
         checkpoint._publish, saver.schedule = publish_or_die, schedule_or_die
+        if moment == "changed":
+            return _changed_under_the_writer(root, models, optimizer, saver, meta)
         for step in (1, 2):
             step_if_finite(optimizer, models, _grads(models).loss)
             checkpoint.save_checkpoint(root / "checkpoints", checkpoint.TrainerState(step=step),
                                        models, optimizer, saver=saver, **meta)
         saver.wait()
     return 1  # not reached: killed above
+
+
+def _changed_under_the_writer(root: Path, models, optimizer, saver, meta) -> int:
+    import torch
+
+    from megatron_dgpo.training import checkpoint
+    from megatron_dgpo.training.optimizer import step_if_finite
+    from tests._rank_fns_trainer import _grads, _params, _setup
+
+    step_if_finite(optimizer, models, _grads(models).loss)
+    saved = _params(models)
+    checkpoint.save_checkpoint(root / "checkpoints", checkpoint.TrainerState(step=1), models,
+                               optimizer, saver=saver, **meta)
+    with torch.no_grad():
+        for param in models[0].module.parameters():
+            param.add_(1.0)
+    saver.wait()
+    fresh, fresh_optimizer = _setup(seed=9)
+    checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root / "checkpoints"), fresh,
+                               fresh_optimizer)
+    # exact: a round trip through the checkpoint
+    kept = all(torch.equal(saved[n], p) for n, p in _params(fresh).items())
+    (root / "changed.json").write_text(json.dumps({"kept": kept}))
+    saver.close()
+    return 0
 
 
 if __name__ == "__main__":

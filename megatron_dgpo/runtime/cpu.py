@@ -205,14 +205,26 @@ def _async_save_worker_on_cpu(*args, **kwargs):
     return loop(*args, **kwargs)
 
 
+def _staged_copies(write_buckets, non_blocking=True):
+    """``FileSystemWriterAsync.preload_tensors`` on CPU: each tensor to write as a copy, taken
+    while the trainer waits for the staging (module level: the writer process unpickles it)."""
+    return [(name, key, (data, [(item, tensor.detach().clone()) for item, tensor in tensors]))
+            for name, key, (data, tensors) in write_buckets]
+
+
 def _apply_async_save_compat() -> None:
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     # The parent starts the worker with target=PersistentAsyncCaller.async_loop; the spawned
     # child unpickles this function by name.
     if not hasattr(PersistentAsyncCaller, "_dgpo_async_loop"):
         PersistentAsyncCaller._dgpo_async_loop = PersistentAsyncCaller.async_loop
         PersistentAsyncCaller.async_loop = staticmethod(_async_save_worker_on_cpu)
+    # Megatron stages the tensors to write with tensor.to("cpu"): a copy on a GPU, on CPU the
+    # live tensor itself, shared with the persistent writer, which the next optimizer step then
+    # changes under it (a torn checkpoint, caught by its checksum). Staged as copies instead.
+    FileSystemWriterAsync.preload_tensors = staticmethod(_staged_copies)
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):

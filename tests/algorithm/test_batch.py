@@ -105,10 +105,11 @@ def test_stale_segments_get_loss_weight_zero_and_the_staleness_is_counted_per_to
     batch.advantages = torch.tensor([1.0, -1.0])
     batch.segments = [[(4, 1), (6, 2)], [(6, 5)]]
     batch.stale_before = 5
+    # exact: each weight is a copy of the sample's weight (1, or 0.5) times a 0/1 mask
     assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 1.0, 1.0]
-    assert batch.sample(1).per_token["loss_weights"].tolist() == [1.0] * 5
+    assert batch.sample(1).per_token["loss_weights"].tolist() == [1.0] * 5  # exact: copies
     batch.loss_weights = torch.tensor([0.5, 0.25], dtype=torch.float64)
-    assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 0.5, 0.5]
+    assert batch.sample(0).per_token["loss_weights"].tolist() == [0.0, 0.5, 0.5]  # exact: copies
     metrics = batch.staleness_metrics(8, segments=True)  # step 8 starts from version 7
     assert metrics == {"rollout/staleness_mean": (3 * 1 + 1 * 2 + 1 * 5) / 8,
                        "rollout/staleness_max": 3.0, "rollout/partial_frac": 0.5,

@@ -348,6 +348,23 @@ def test_a_trainer_killed_during_an_async_save_leaves_no_process_and_a_checkpoin
         assert checkpoint_to_resume(tmp_path / moment / "checkpoints", "auto").name == MOMENTS[moment]
 
 
+def test_an_async_save_keeps_the_state_it_was_given_while_training_goes_on(tmp_path):
+    """Megatron's persistent writer stages the tensors with ``tensor.to("cpu")``: on CPU the
+    live tensors, which the next update changed under it (a torn step; its checksum then did
+    not match). ``cpu.py`` stages copies: the published step holds the parameters it was saved
+    with although every one changed in place right after (``_killed_during_async_save.py``)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "tests/_killed_during_async_save.py", "changed",
+                           str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "changed.json").read_text()) == {"kept": True}
+
+
 def test_a_resume_lists_recipe_changes_and_refuses_those_that_change_the_run(tmp_path, capfd):
     """Against the recipe a checkpoint was saved with: a change of method, loss, seed, data,
     group size or batch size is refused (InputError naming each) unless allowed; any accepted
