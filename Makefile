@@ -29,14 +29,14 @@ run: $(STAMP)
 
 # Marker `bridge` (Megatron-Bridge's own loader, in a venv of its own) is in neither target.
 test: $(STAMP) $(LAUNCH_STAMP)
-	$(PY) -m pytest -q -m "not slow and not bridge" tests --ignore=tests/cluster
+	$(PY) -m pytest -q --durations=15 -m "not slow and not bridge" tests --ignore=tests/cluster
 
 # Minutes-long end-to-end checks (marked slow), kept out of `make test` so that it stays short:
 # the reproduction study at smoke size, the stop-signal runs of the trainer, a checkpoint resumed
 # at other layouts, pip's resolver on the GPU pins, the tiny MoE job (EP=2 against EP=1, 50 steps
 # learning, routing replay). CI runs it after `make test` (.ci/run prints each target's minutes).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow tests --ignore=tests/cluster
+	$(PY) -m pytest -q --durations=15 -m slow tests --ignore=tests/cluster
 
 # A cluster's life, heavier than `make test` (CI runs both): a real 2-node SLURM in network
 # namespaces (sbatch, time limit + requeue, scontrol requeue, NeMo-Run), torchrun restarts after
@@ -44,7 +44,7 @@ test-slow: $(STAMP)
 # without them the SLURM tests skip and say why (-rs).
 test-cluster: $(STAMP) $(LAUNCH_STAMP)
 	bash slurm/testing/install.sh
-	$(PY) -m pytest -q -rs tests/cluster
+	$(PY) -m pytest -q --durations=10 -rs tests/cluster
 
 clean-env:
 	rm -rf $(PYTHON_ENV) $(LAUNCH_ENV)
