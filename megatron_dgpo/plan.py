@@ -123,8 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                          "Default: a log-space spread of 0.6 (docs/planner.md#response-lengths)")
     ap.add_argument("--staleness", type=_non_negative_int("--staleness"),
                     help="step time: price rollout.max_staleness=K instead of the recipe's "
-                         "(0 synchronous, 1 one-step-off; with --partial the bound partial "
-                         "rollouts run at)")
+                         "schedule (0 synchronous, 1 one-step-off; partial rollouts only with "
+                         "--partial, at this bound)")
     ap.add_argument("--partial", action="store_true", default=None,
                     help="step time: price partial rollouts (rollout.partial) whatever the "
                          "recipe says")
@@ -237,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_schedule(run, staleness: int | None = None, partial: bool | None = None
                  ) -> tuple[int, bool]:
-    """(k, partial): the recipe's ``rollout.max_staleness`` and ``rollout.partial`` (False where
-    the recipe has no such key), each replaced by the flag when given."""
-    k = getattr(run.rollout, "max_staleness", 0) if staleness is None else staleness
-    return int(k), bool(getattr(run.rollout, "partial", False) if partial is None else partial)
+    """(k, partial) to price: the recipe's ``rollout.max_staleness`` and ``rollout.partial``;
+    ``staleness`` (``--staleness``) names another schedule whole (partial only with
+    ``partial``); ``partial`` alone turns partial rollouts on at the recipe's k."""
+    if staleness is not None:
+        return int(staleness), bool(partial)
+    return run.rollout.max_staleness, bool(run.rollout.partial if partial is None else partial)
 
 
 def tiny_model_config(run) -> dict | None:

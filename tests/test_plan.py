@@ -225,8 +225,8 @@ def test_cli_prices_a_schedule_other_than_the_recipes(capsys):
     plan = json.loads(capsys.readouterr().out)
     rows = {s["label"]: s for s in plan["schedules"]}
     priced = [s for s in plan["schedules"] if s["priced"]]
-    assert [s["placement"] for s in priced] == ["one-step-off"]  # the recipe's max_staleness: 1
-    assert plan["schedule"] == {"max_staleness": 1, "partial": False}
+    assert [s["placement"] for s in priced] == ["partial"]  # the recipe's k = 4 with partial
+    assert plan["schedule"] == {"max_staleness": 4, "partial": True}
     base = rows["synchronous, colocated"]["step_s"]
     for s in plan["schedules"]:
         assert s["speed_up"] == pytest.approx(base / s["step_s"])
@@ -268,18 +268,18 @@ def _marked(out: str) -> list[str]:
     return [line for line in out.splitlines() if "<- rollout.max_staleness" in line]
 
 
-def test_the_schedule_is_read_from_the_recipe_with_a_fallback():
-    """``run_schedule``: the recipe's ``rollout.max_staleness`` and ``rollout.partial`` (absent
-    today: False), each replaced by its flag when given."""
-    from types import SimpleNamespace
-
+def test_the_schedule_is_the_recipes_unless_the_flags_name_another():
+    """``run_schedule``: the recipe's ``rollout.max_staleness`` and ``rollout.partial``;
+    ``--staleness K`` names another schedule whole (partial only with ``--partial``), and
+    ``--partial`` alone turns partial rollouts on at the recipe's k."""
     from megatron_dgpo.plan import run_schedule
 
-    today = SimpleNamespace(rollout=SimpleNamespace(max_staleness=1))
-    assert run_schedule(today) == (1, False)
-    assert run_schedule(today, 2, True) == (2, True)
-    later = SimpleNamespace(rollout=SimpleNamespace(max_staleness=3, partial=True))
-    assert run_schedule(later) == (3, True) and run_schedule(later, partial=False) == (3, False)
+    async_ = load_recipe(RECIPE_14B_ASYNC)
+    assert run_schedule(async_) == (4, True)
+    assert run_schedule(async_, 2) == (2, False) and run_schedule(async_, 2, True) == (2, True)
+    assert run_schedule(async_, partial=False) == (4, False)
+    one_step_off = load_recipe(RECIPE_14B_ASYNC, ["rollout.max_staleness=1", "rollout.partial=false"])
+    assert run_schedule(one_step_off, partial=True) == (1, True)
     assert run_schedule(load_recipe(RECIPE_14B)) == (0, False)
 
 

@@ -44,23 +44,25 @@ def test_the_five_recipes_exist():
                   if not p.stem.endswith(("_async", "_32k"))) == sorted(PAPER)
 
 
-def test_async_14b_recipe_is_the_14b_run_with_dedicated_engines_one_step_off(capsys):
-    """recipes/dgpo_14b_async.yaml: every setting of dgpo_14b.yaml but where it generates (and
-    what that changes: the layout, no offloading, TIS), laid out for the paper's 30 nodes, where
-    dgpo-plan fits it with the recipe's own layout and its 10 rollout nodes are the balanced split."""
+def test_async_14b_recipe_is_the_14b_run_with_dedicated_engines_and_partial_rollouts(capsys):
+    """recipes/dgpo_14b_async.yaml: every setting of dgpo_14b.yaml but where and when it
+    generates (and what that changes: the layout, no offloading, the behaviour weight), laid out
+    for the paper's 30 nodes, where dgpo-plan fits it with the recipe's own layout, its 10
+    rollout nodes are the balanced split, and partial rollouts at the recipe's k are the fastest
+    schedule and the least staleness that admits every response."""
     import json
 
     from megatron_dgpo.plan import main as dgpo_plan
 
     sync, async_ = load_recipe(_path("dgpo_14b")), load_recipe(_path("dgpo_14b_async"))
     ro = async_.rollout
-    assert (ro.placement, ro.num_gpus, ro.max_staleness) == ("dedicated", 80, 1)
+    assert (ro.placement, ro.num_gpus, ro.max_staleness, ro.partial) == ("dedicated", 80, 4, True)
     assert async_.algorithm.rollout_correction == "tis" and not async_.train.offload_training_state
     assert async_.algorithm.loss == sync.algorithm.loss and async_.optimizer == sync.optimizer
     assert async_.data == sync.data and async_.model == sync.model
     assert replace(async_.train, offload_training_state=True) == sync.train
-    assert replace(ro, placement="colocated", num_gpus=0, max_staleness=0, tensor_parallel_size=4,
-                   gpu_memory_utilization=0.75) == sync.rollout
+    assert replace(ro, placement="colocated", num_gpus=0, max_staleness=0, partial=False,
+                   tensor_parallel_size=4, gpu_memory_utilization=0.75) == sync.rollout
     header = _path("dgpo_14b_async").read_text().split("\n\n")[0]
     assert "RECIPE=recipes/dgpo_14b_async.yaml sbatch --nodes=30 slurm/train.sbatch" in header
     assert "tools/launch.py" in header and "-m megatron_dgpo.train recipes/dgpo_14b_async.yaml" in header
@@ -71,6 +73,8 @@ def test_async_14b_recipe_is_the_14b_run_with_dedicated_engines_one_step_off(cap
     assert (lay["tp"], lay["pp"], lay["dp"]) == (async_.parallel.tensor_parallel,
                                                  async_.parallel.pipeline_parallel, 20)
     assert out["dedicated_engine"]["fits"] and out["balanced_one_step_off"]["rollout_gpus"] == 80
+    fastest = min(out["schedules"], key=lambda s: s["step_s"])
+    assert (fastest["placement"], fastest["staleness"], fastest["priced"]) == ("partial", 4, True)
 
 
 @pytest.mark.parametrize("name", sorted(PAPER))
